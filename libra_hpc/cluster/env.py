@@ -1,0 +1,61 @@
+"""The one place that reads the process environment.
+
+Only variables that Slurm, the MPI launcher or the CUDA runtime set are read, once, into a
+frozen :class:`ProcessEnv` that the rest of the package receives as a value. Nothing in
+libra_hpc configures itself from other environment variables: experiments are YAML.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+from typing import Mapping
+
+
+@dataclass(frozen=True)
+class ProcessEnv:
+    """What the scheduler told this process about where it runs."""
+
+    hostname: str
+    job_id: str | None = None
+    """SLURM_JOB_ID; None outside Slurm."""
+    job_name: str | None = None
+    """SLURM_JOB_NAME (``%x``)."""
+    node_id: int | None = None
+    """SLURM_NODEID: index of this task's node inside the job's allocation."""
+    local_id: int | None = None
+    """SLURM_LOCALID: index of this task among the job step's tasks on its node."""
+    visible_gpus: tuple[str, ...] | None = None
+    """CUDA_VISIBLE_DEVICES as a tuple; None when unset (all GPUs visible, or no CUDA)."""
+    step_gpus: tuple[str, ...] | None = None
+    """SLURM_STEP_GPUS / SLURM_JOB_GPUS: physical GPU ids Slurm bound to this step."""
+    submit_dir: str | None = None
+    """SLURM_SUBMIT_DIR: where the job was submitted from."""
+
+    @classmethod
+    def read(cls, environ: Mapping[str, str] = os.environ) -> "ProcessEnv":
+        return cls(
+            hostname=socket.gethostname(),
+            job_id=environ.get("SLURM_JOB_ID"),
+            job_name=environ.get("SLURM_JOB_NAME"),
+            node_id=_int(environ.get("SLURM_NODEID")),
+            local_id=_int(environ.get("SLURM_LOCALID")),
+            visible_gpus=_ids(environ.get("CUDA_VISIBLE_DEVICES")),
+            step_gpus=_ids(environ.get("SLURM_STEP_GPUS") or environ.get("SLURM_JOB_GPUS")),
+            submit_dir=environ.get("SLURM_SUBMIT_DIR"),
+        )
+
+    @property
+    def under_slurm(self) -> bool:
+        return self.job_id is not None
+
+
+def _int(text: str | None) -> int | None:
+    return int(text) if text not in (None, "") else None
+
+
+def _ids(text: str | None) -> tuple[str, ...] | None:
+    if text is None:
+        return None
+    return tuple(part for part in text.split(",") if part)

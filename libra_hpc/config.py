@@ -1,0 +1,360 @@
+"""The experiment schema: one YAML file describes one whole run.
+
+Every section is a pydantic model with ``extra="forbid"`` and strict types, so a misspelled
+key, a string where a number belongs, or an impossible cluster shape fails *before* anything
+is submitted, with the dotted path of the field, what was given and what is allowed.
+Field docstrings are the reference documentation (configs/README.md mirrors them).
+
+Nothing here reads the environment: the only inputs are the YAML file and ``--set``
+overrides given on the command line.
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+_SLURM_TIME = re.compile(r"^(?:(\d+)-)?(\d+)(?::(\d+))?(?::(\d+))?$")
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True, use_attribute_docstrings=True)
+
+
+class ClusterConfig(_Section):
+    """Shape of the Slurm allocation and how to submit it."""
+
+    nodes: int = Field(6, ge=1)
+    """Number of nodes (Slurm ``--nodes``). Locally, the number of emulated nodes."""
+    gpus_per_node: int = Field(2, ge=1, le=64)
+    """GPU slots per node (``--gpus-per-node`` and ``--ntasks-per-node``). Locally, the
+    number of CPU ranks that stand for one node's GPUs."""
+    executor: Literal["auto", "slurm", "local"] = "auto"
+    """``slurm`` submits with submitit; ``local`` runs the MPI world with mpiexec on this host;
+    ``auto`` picks slurm when ``sbatch`` is on PATH and a controller answers, else local."""
+    job_name: str = Field("libra", pattern=r"^[A-Za-z0-9_.-]+$")
+    """Slurm job name (``%x``); the log folder is ``<logging.dir>/<job_name>-<job id>``."""
+    partition: str | None = None
+    """Slurm partition (``--partition``); null uses the cluster's default."""
+    account: str | None = None
+    """Slurm account to charge (``--account``); null: your default account."""
+    qos: str | None = None
+    """Slurm quality of service (``--qos``)."""
+    constraint: str | None = None
+    """Slurm node feature constraint (``--constraint``), e.g. ``a800``."""
+    time_limit: str = "00:30:00"
+    """Wall-clock limit in a Slurm time format: ``MM``, ``MM:SS``, ``HH:MM:SS``,
+    ``D-HH``, ``D-HH:MM`` or ``D-HH:MM:SS``."""
+    cpus_per_task: int = Field(1, ge=1)
+    """CPU cores Slurm reserves for each GPU-slot task (``--cpus-per-task``)."""
+    signal_before_limit_s: int = Field(120, ge=0)
+    """Seconds before the time limit at which Slurm signals the job (USR2), so it can
+    checkpoint before it is killed."""
+    requeue: bool = True
+    """Let Slurm requeue the job after a node failure or preemption (``--requeue``)."""
+    torch_backend: Literal["auto", "gloo", "nccl"] = "auto"
+    """Backend of the torch process groups: ``auto`` is NCCL when CUDA is present,
+    gloo otherwise."""
+
+    @property
+    def time_limit_minutes(self) -> int:
+        """The time limit rounded up to whole minutes (what submitit takes)."""
+        days, first, second, third = _SLURM_TIME.match(self.time_limit).groups()  # type: ignore[union-attr]
+        if days is not None:  # D-HH[:MM[:SS]]
+            seconds = int(days) * 86400 + int(first) * 3600 + int(second or 0) * 60 + int(third or 0)
+        elif third is not None:  # HH:MM:SS
+            seconds = int(first) * 3600 + int(second) * 60 + int(third)
+        else:  # MM[:SS]
+            seconds = int(first) * 60 + int(second or 0)
+        return max(1, -(-seconds // 60))
+
+    @property
+    def total_gpus(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+
+class ModelConfig(_Section):
+    """The policy model."""
+
+    name: str = "tiny"
+    """A label for logs and reports; ``tiny`` is the small model built locally."""
+    path: str | None = None
+    """Directory of a Hugging Face checkpoint; null builds the tiny local model."""
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """Parameter and activation dtype."""
+
+
+class TrainingConfig(_Section):
+    """Megatron-Core training side. TP×PP×DP GPU slots, placed from the first node on."""
+
+    tensor_parallel: int = Field(1, ge=1)
+    """Tensor-parallel size; a TP group never crosses a node, so it must divide
+    ``cluster.gpus_per_node``."""
+    pipeline_parallel: int = Field(1, ge=1)
+    """Pipeline-parallel size (stages may span nodes)."""
+    data_parallel: int = Field(1, ge=1)
+    """Data-parallel replicas in the core training group (hybrid replicas come on top)."""
+    micro_batch_size: int = Field(1, ge=1)
+    """Sequences per micro-batch per DP replica."""
+    global_batch_size: int = Field(8, ge=1)
+    """Sequences per optimizer step across all replicas."""
+    lr: float = Field(1e-5, gt=0)
+    """Adam learning rate."""
+
+
+class RolloutConfig(_Section):
+    """vLLM rollout side: every GPU slot not used by training."""
+
+    tp_per_node: list[int] | list[list[int]] = Field(default_factory=lambda: [[1, 1], [2]])
+    """TP sizes of the rollout instances on a rollout node, e.g. ``[1, 1, 2, 4]`` on an
+    8-GPU node, or a list of such patterns used by the rollout nodes in turn
+    (``[[1, 1], [2]]``: odd rollout nodes two TP-1 instances, even ones one TP-2). Each
+    pattern sums to ``cluster.gpus_per_node``. Slots of a node that training only partly
+    fills become TP-1 instances."""
+
+    @property
+    def node_patterns(self) -> list[list[int]]:
+        """``tp_per_node`` as a list of per-node patterns."""
+        if self.tp_per_node and isinstance(self.tp_per_node[0], list):
+            return self.tp_per_node  # type: ignore[return-value]
+        return [self.tp_per_node]  # type: ignore[list-item]
+    max_new_tokens: int = Field(256, ge=1)
+    """Generation cap per turn, in tokens."""
+    temperature: float = Field(1.0, ge=0)
+    """Sampling temperature."""
+
+
+class PlannerConfig(_Section):
+    """Global resource planner and the elastic hybrid pool."""
+
+    hybrid_nodes: int = Field(1, ge=0)
+    """Rollout nodes (the last ones) that form the hybrid pool: they can be lent to
+    training as whole DP replicas and given back, without stopping the job."""
+    min_rollout_gpus: int = Field(1, ge=1)
+    """Rollout never shrinks below this many GPU slots."""
+    borrow_at_step: int | None = 2
+    """Step at which the hybrid pool is lent to training (a scripted decision until the
+    cost-based replanning gate lands); null: never."""
+
+
+class SchedulerConfig(_Section):
+    """Routing of trajectories to rollout instances."""
+
+    policy: Literal["cmlfq", "fifo", "least_load", "length_aware", "oracle"] = "cmlfq"
+    """Registered routing policy name."""
+
+
+class ToolsConfig(_Section):
+    """Sandboxed tool execution."""
+
+    wall_time_s: float = Field(10.0, gt=0)
+    """Wall-clock limit of one tool call, in seconds."""
+    max_workers: int = Field(4, ge=1)
+    """Upper bound of the sandbox worker pool."""
+
+
+class RLConfig(_Section):
+    """The RL loop."""
+
+    steps: int = Field(4, ge=1)
+    """Number of RL steps the controller runs."""
+    group_size: int = Field(4, ge=1)
+    """Samples per prompt (GRPO group)."""
+    max_staleness: int = Field(1, ge=0)
+    """Policy versions a trajectory may lag behind training; 0 is synchronous RL."""
+    seed: int = 0
+    """Seed of every random choice of the run."""
+
+
+class LoggingConfig(_Section):
+    """Where and how much the run writes."""
+
+    dir: str = "logs"
+    """Root of the log folders (relative paths are taken from the submit directory)."""
+    level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+    """Python logging level of every rank."""
+
+
+class ExperimentConfig(_Section):
+    """One experiment. Every section is optional and falls back to its defaults."""
+
+    cluster: ClusterConfig = ClusterConfig()
+    model: ModelConfig = ModelConfig()
+    training: TrainingConfig = TrainingConfig()
+    rollout: RolloutConfig = RolloutConfig()
+    planner: PlannerConfig = PlannerConfig()
+    scheduler: SchedulerConfig = SchedulerConfig()
+    tools: ToolsConfig = ToolsConfig()
+    rl: RLConfig = RLConfig()
+    logging: LoggingConfig = LoggingConfig()
+
+    @property
+    def training_slots(self) -> int:
+        t = self.training
+        return t.tensor_parallel * t.pipeline_parallel * t.data_parallel
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot run; ``problems`` lists one line per bad field."""
+
+    def __init__(self, source: str, problems: list[str]):
+        self.source = source
+        self.problems = problems
+        super().__init__(f"invalid configuration ({source}):\n" + "\n".join(f"  - {p}" for p in problems))
+
+
+# ---------------------------------------------------------------------------- loading
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] = (), **cli: Any) -> ExperimentConfig:
+    """Load a YAML experiment (or the defaults when ``path`` is None), apply ``a.b=c``
+    overrides, validate. ``cli`` holds dotted-path values given by dedicated CLI flags
+    (e.g. ``{"cluster.nodes": 4}``); None values are ignored. Raises ConfigError."""
+    source = str(path) if path is not None else "<defaults>"
+    raw: dict[str, Any] = {}
+    if path is not None:
+        try:
+            loaded = yaml.safe_load(Path(path).read_text())
+        except OSError as exc:
+            raise ConfigError(source, [f"cannot read the file: {exc.strerror}"]) from None
+        except yaml.YAMLError as exc:
+            raise ConfigError(source, [f"not valid YAML: {exc}"]) from None
+        if loaded is not None and not isinstance(loaded, dict):
+            raise ConfigError(source, [f"the top level must be a mapping of sections, got {type(loaded).__name__}"])
+        raw = loaded or {}
+    problems: list[str] = []
+    for item in overrides:
+        key, sep, text = item.partition("=")
+        if not sep or not key:
+            problems.append(f"--set {item!r}: expected KEY=VALUE, e.g. cluster.nodes=4")
+            continue
+        try:
+            _set_path(raw, key.strip(), yaml.safe_load(text))
+        except (ValueError, yaml.YAMLError) as exc:
+            problems.append(f"--set {item!r}: {exc}")
+    for key, value in cli.items():
+        if value is not None:
+            _set_path(raw, key, value)
+    if problems:
+        raise ConfigError(source, problems)
+    return validate_config(raw, source)
+
+
+def validate_config(raw: dict[str, Any], source: str = "<dict>") -> ExperimentConfig:
+    """Build and check an ExperimentConfig from plain data; raises ConfigError."""
+    try:
+        cfg = ExperimentConfig.model_validate(raw)
+    except ValidationError as exc:
+        raise ConfigError(source, [_describe(err) for err in exc.errors()]) from None
+    problems = check_shape(cfg)
+    if problems:
+        raise ConfigError(source, problems)
+    return cfg
+
+
+def dump_config(cfg: ExperimentConfig) -> str:
+    """The resolved configuration as YAML (what the run really used)."""
+    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
+
+
+def _set_path(raw: dict[str, Any], dotted: str, value: Any) -> None:
+    node = raw
+    parts = dotted.split(".")
+    for i, part in enumerate(parts[:-1]):
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ValueError(f"{'.'.join(parts[: i + 1])} is a value, not a section")
+        node = child
+    node[parts[-1]] = value
+
+
+def _describe(err: dict[str, Any]) -> str:
+    """One readable line for a pydantic error: path, what was given, what is allowed."""
+    loc = [str(p) for p in err["loc"]]
+    path = ".".join(loc) or "<top level>"
+    given = err.get("input")
+    if err["type"] == "extra_forbidden":
+        valid = _valid_keys(loc[:-1])
+        hint = difflib.get_close_matches(loc[-1], valid, n=1, cutoff=0.6)
+        where = ".".join(loc[:-1]) or "the top level"
+        did_you_mean = f"; did you mean '{hint[0]}'?" if hint else ""
+        return f"{path}: unknown key in {where}{did_you_mean} Valid keys are: {', '.join(valid)}"
+    if err["type"] == "literal_error":
+        return f"{path}: got {given!r}; allowed: {err['ctx']['expected']}"
+    return f"{path}: {err['msg'].lower()} (got {given!r})"
+
+
+def _valid_keys(loc: list[str]) -> list[str]:
+    model: type[BaseModel] = ExperimentConfig
+    for part in loc:
+        field = model.model_fields.get(part)
+        if field is None or not (isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel)):
+            return []
+        model = field.annotation
+    return list(model.model_fields)
+
+
+# ------------------------------------------------------------------- cross-field checks
+
+
+def check_shape(cfg: ExperimentConfig) -> list[str]:
+    """Whether the parallel layout fits the cluster. One message per impossible field."""
+    c, t, r, p = cfg.cluster, cfg.training, cfg.rollout, cfg.planner
+    g = c.gpus_per_node
+    problems: list[str] = []
+    if not _SLURM_TIME.match(c.time_limit):
+        problems.append(
+            f"cluster.time_limit: {c.time_limit!r} is not a Slurm time; use MM, MM:SS, HH:MM:SS or D-HH:MM:SS"
+        )
+    if t.tensor_parallel > g or g % t.tensor_parallel:
+        problems.append(
+            f"training.tensor_parallel: {t.tensor_parallel} must divide cluster.gpus_per_node={g} "
+            "(a TP group never crosses a node)"
+        )
+    per_step = t.micro_batch_size * t.data_parallel
+    if t.global_batch_size % per_step:
+        problems.append(
+            f"training.global_batch_size: {t.global_batch_size} is not a multiple of "
+            f"micro_batch_size × data_parallel = {per_step}"
+        )
+    for pattern in r.node_patterns or [[]]:
+        bad_tp = [tp for tp in pattern if tp < 1 or tp & (tp - 1)]
+        if bad_tp:
+            problems.append(f"rollout.tp_per_node: sizes must be powers of two ≥ 1, got {bad_tp}")
+        elif sum(pattern) != g:
+            problems.append(
+                f"rollout.tp_per_node: {pattern} sums to {sum(pattern)} GPUs, "
+                f"but a node has cluster.gpus_per_node={g}"
+            )
+    rollout_slots = c.total_gpus - cfg.training_slots
+    if rollout_slots < p.min_rollout_gpus:
+        problems.append(
+            f"training: TP×PP×DP = {cfg.training_slots} GPU slots leaves {rollout_slots} of the "
+            f"{c.total_gpus} ({c.nodes} nodes × {g}) for rollout; planner.min_rollout_gpus is {p.min_rollout_gpus}"
+        )
+    rollout_nodes = c.nodes - -(-cfg.training_slots // g)
+    if p.hybrid_nodes > max(rollout_nodes, 0):
+        problems.append(
+            f"planner.hybrid_nodes: {p.hybrid_nodes} but only {max(rollout_nodes, 0)} node(s) are wholly rollout"
+        )
+    elif p.hybrid_nodes:
+        replica = t.tensor_parallel * t.pipeline_parallel
+        if (p.hybrid_nodes * g) % replica:
+            problems.append(
+                f"planner.hybrid_nodes: {p.hybrid_nodes} node(s) × {g} GPUs do not form whole training "
+                f"replicas of TP×PP = {replica} GPUs"
+            )
+        if rollout_slots - p.hybrid_nodes * g < p.min_rollout_gpus:
+            problems.append(
+                f"planner.hybrid_nodes: lending {p.hybrid_nodes} node(s) leaves "
+                f"{rollout_slots - p.hybrid_nodes * g} rollout GPU slots, below planner.min_rollout_gpus="
+                f"{p.min_rollout_gpus}"
+            )
+    if p.borrow_at_step is not None and not 0 <= p.borrow_at_step < cfg.rl.steps:
+        problems.append(f"planner.borrow_at_step: {p.borrow_at_step} is outside the run's steps 0..{cfg.rl.steps - 1}")
+    return problems

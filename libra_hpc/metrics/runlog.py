@@ -1,0 +1,73 @@
+"""The log folder of one run: ``<logging.dir>/<job name>-<job id>/``.
+
+- ``config.yaml``: the resolved configuration the run used;
+- ``events.jsonl``: one JSON object per line for everything that happens (layouts
+  planned and applied, group checks, failures, shutdown), each with ``t`` (Unix seconds),
+  ``elapsed_s`` since the run started and ``kind``;
+- ``metrics.jsonl``: one JSON object per step;
+- ``controller.log``: the controller's Python log.
+
+Lines are flushed as they are written, so ``launch.py --wait`` and ``tail -f`` follow them.
+Only the controller (rank 0) writes here.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any, TextIO
+
+
+class JsonlWriter:
+    """Append-only JSON-lines file, flushed after every record."""
+
+    def __init__(self, path: Path, clock=time.time):
+        self.path = path
+        self._clock = clock
+        self._start = clock()
+        self._file: TextIO = path.open("a", encoding="utf-8")
+
+    def write(self, kind: str, **fields: Any) -> dict:
+        now = self._clock()
+        record = {"t": round(now, 6), "elapsed_s": round(now - self._start, 6), "kind": kind, **fields}
+        self._file.write(json.dumps(record, default=str) + "\n")
+        self._file.flush()
+        return record
+
+    def close(self) -> None:
+        self._file.close()
+
+
+class RunLog:
+    """The files of one run's log folder."""
+
+    def __init__(self, folder: Path, resolved_config: str):
+        self.folder = folder
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "config.yaml").write_text(resolved_config)
+        self.events = JsonlWriter(folder / "events.jsonl")
+        self.metrics = JsonlWriter(folder / "metrics.jsonl")
+
+    def event(self, kind: str, **fields: Any) -> dict:
+        return self.events.write(kind, **fields)
+
+    def metric(self, step: int, **fields: Any) -> dict:
+        return self.metrics.write("step", step=step, **fields)
+
+    def close(self) -> None:
+        self.events.close()
+        self.metrics.close()
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    """Every complete record of a JSON-lines file (a torn last line is skipped)."""
+    records = []
+    if not path.exists():
+        return records
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return records

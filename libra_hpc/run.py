@@ -1,0 +1,74 @@
+"""Rank-side entry point: ``srun --mpi=pmi2 python -m libra_hpc.run --config X``
+(or under ``mpiexec``). Rank 0 runs the controller, every other rank a GPU slot."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+from libra_hpc.cluster.env import ProcessEnv
+from libra_hpc.config import ConfigError, ExperimentConfig, dump_config, load_config
+
+log = logging.getLogger("libra_hpc.run")
+
+
+def log_folder(cfg: ExperimentConfig, env: ProcessEnv, given: str | None) -> Path:
+    """``<logging.dir>/<job name>-<job id>``, the same folder sbatch's ``%x-%j`` names."""
+    if given:
+        return Path(given)
+    name = env.job_name or cfg.cluster.job_name
+    return Path(cfg.logging.dir) / f"{name}-{env.job_id or 'nojob'}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m libra_hpc.run", description=__doc__)
+    parser.add_argument("--config", help="experiment YAML (default: built-in defaults)")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a field")
+    parser.add_argument("--log-dir", help="log folder (default: <logging.dir>/<job name>-<job id>)")
+    args = parser.parse_args(argv)
+    try:
+        cfg = load_config(args.config, args.set)
+    except ConfigError as exc:
+        print(exc, file=sys.stderr)
+        return 2
+    env = ProcessEnv.read()
+
+    from libra_hpc.cluster.world import World  # MPI init happens here, after the config is known to be good
+    from libra_hpc.metrics.runlog import RunLog
+    from libra_hpc.runtime.controller import run_controller
+    from libra_hpc.runtime.worker import run_worker
+
+    from mpi4py import MPI
+
+    rank = MPI.COMM_WORLD.Get_rank()
+    logging.basicConfig(level=cfg.logging.level, format=f"%(asctime)s [rank {rank}] %(name)s: %(message)s")
+    runlog = None
+    try:
+        if rank == 0:
+            folder = log_folder(cfg, env, args.log_dir)
+            runlog = RunLog(folder, dump_config(cfg))
+            handler = logging.FileHandler(folder / "controller.log")
+            handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s: %(message)s"))
+            logging.getLogger().addHandler(handler)
+        world = World.connect(env, cfg.cluster.nodes, cfg.cluster.gpus_per_node, cfg.cluster.torch_backend)
+        if world.rank == 0:
+            log.info("controller up: %d ranks, log folder %s", world.size, runlog.folder)
+            run_controller(world, cfg, runlog)
+        else:
+            run_worker(world)
+        world.close()
+    except BaseException as exc:  # noqa: BLE001 - any failure on any rank must stop the whole world
+        log.exception("rank %d failed", rank)
+        if runlog is not None:
+            runlog.event("failure", rank=rank, error=f"{type(exc).__name__}: {exc}")
+        MPI.COMM_WORLD.Abort(1)
+    finally:
+        if runlog is not None:
+            runlog.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,75 @@
+"""The controller loop (rank 0): decide the layout of each step, command the world, check
+and record what every group reports.
+
+Until the cost-based planner lands, the layout decision is the scripted one of the
+config: the initial layout, and the hybrid pool lent to training at
+``planner.borrow_at_step``. Each step is one control round: broadcast the command (with a
+new layout when it changes), let every group run its check collective, gather reports.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from libra_hpc.cluster.layout import Layout, layout_from_config, lend_hybrid_to_training
+from libra_hpc.cluster.world import World
+from libra_hpc.config import ExperimentConfig
+from libra_hpc.metrics.runlog import RunLog
+
+log = logging.getLogger(__name__)
+
+
+class GroupCheckError(RuntimeError):
+    """A group's check collective returned the wrong sum: its communicator is broken."""
+
+
+def next_layout(cfg: ExperimentConfig, step: int, current: Layout) -> Layout | None:
+    """The layout to switch to before ``step``, or None to keep the current one."""
+    if step == cfg.planner.borrow_at_step and current.hybrid:
+        return lend_hybrid_to_training(current, reason=f"planner.borrow_at_step={step}: lend the hybrid pool to training")
+    return None
+
+
+def run_controller(world: World, cfg: ExperimentConfig, runlog: RunLog) -> None:
+    runlog.event("world_started", **world.topology.describe(), backend=world.backend)
+    layout = layout_from_config(cfg)
+    runlog.event("layout_planned", **layout.summary())
+    for step in range(cfg.rl.steps):
+        start = time.perf_counter()
+        new = layout if step == 0 else next_layout(cfg, step, layout)
+        world.broadcast({"op": "step", "step": step, "layout": new})
+        if new is not None:
+            world.apply(new)
+            layout = new
+            runlog.event("layout_applied", step=step, apply_s=round(time.perf_counter() - start, 4), **new.summary())
+            log.info("step %d: layout v%d applied (%s)", step, new.version, new.reason)
+        reports = [r for r in world.gather(None) if r is not None]
+        _check(reports, step, runlog)
+        runlog.metric(
+            step,
+            step_s=round(time.perf_counter() - start, 4),
+            layout_version=layout.version,
+            gpus_training=len(layout.slots_of("training")),
+            gpus_rollout=len(layout.slots_of("rollout")),
+            rollout_instances=len(layout.rollout_instances),
+            probe_ms_max=max(r["torch_ms"] for r in reports),
+        )
+    world.broadcast({"op": "stop"})
+    runlog.event("shutdown", steps=cfg.rl.steps, final_layout_version=layout.version)
+
+
+def _check(reports: list[dict], step: int, runlog: RunLog) -> None:
+    groups: dict[str, list[dict]] = {}
+    for report in reports:
+        groups.setdefault(report["group"], []).append(report)
+    bad = [r for r in reports if r["mpi_sum"] != r["size"] or r["torch_sum"] != r["size"]]
+    runlog.event(
+        "group_check",
+        step=step,
+        ok=not bad,
+        groups={name: {"size": rs[0]["size"], "ranks": sorted(r["rank"] for r in rs),
+                       "torch_ms_max": max(r["torch_ms"] for r in rs)} for name, rs in sorted(groups.items())},
+    )
+    if bad:
+        raise GroupCheckError(f"step {step}: check collective failed on {bad}")

@@ -1,0 +1,56 @@
+"""The private Slurm cluster runs our job shape: N nodes x G GPUs, one srun --mpi=pmi2
+step of N*G+1 mpi4py ranks (rank 0 is the extra controller on the first node)."""
+from __future__ import annotations
+
+import collections
+import subprocess
+import sys
+import time
+
+RANK_REPORT = ("import os; from mpi4py import MPI; w = MPI.COMM_WORLD; "
+               "print('RANK', w.Get_rank(), w.Get_size(), os.environ['SLURM_NODEID'], "
+               "os.environ.get('CUDA_VISIBLE_DEVICES'), flush=True)")
+
+
+def _wait_job(cluster, job_id: str, timeout_s: float = 60) -> str:
+    """Poll `scontrol show job` (faster than `sbatch --wait`) until the job is final."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        line = cluster.run("scontrol", "show", "job", "-o", job_id)
+        state = line.split("JobState=")[1].split()[0]
+        if state not in ("PENDING", "CONFIGURING", "RUNNING", "COMPLETING"):
+            return state
+        time.sleep(0.2)
+    raise TimeoutError(f"job {job_id} not finished after {timeout_s} s")
+
+
+def test_mpi_step_with_controller_rank(slurm_cluster, tmp_path):
+    n, g = slurm_cluster.nodes, slurm_cluster.gpus
+    step = (f"srun --mpi=pmi2 --overcommit --nodes={n} --ntasks={n * g + 1} "
+            f"{sys.executable} -c \"{RANK_REPORT}\"")
+    job_id = slurm_cluster.run(
+        "sbatch", "--parsable", "--job-name=mpi-shape", f"--output={tmp_path}/%j.out",
+        f"--nodes={n}", f"--ntasks-per-node={g}", f"--gpus-per-node={g}",
+        f"--chdir={tmp_path}", "--wrap", step).strip()
+    assert _wait_job(slurm_cluster, job_id) == "COMPLETED", (tmp_path / f"{job_id}.out").read_text()
+
+    rows = [line.split() for line in (tmp_path / f"{job_id}.out").read_text().splitlines()
+            if line.startswith("RANK ")]
+    assert sorted(int(r[1]) for r in rows) == list(range(n * g + 1))
+    assert {int(r[2]) for r in rows} == {n * g + 1}
+    per_node = collections.Counter(int(r[3]) for r in rows)
+    assert per_node == {0: g + 1, **{i: g for i in range(1, n)}}
+    assert {r[4] for r in rows} == {",".join(map(str, range(g)))}
+
+
+def test_accounting_reports_final_states(slurm_cluster, tmp_path):
+    ids = {want: slurm_cluster.run("sbatch", "--parsable", f"--output={tmp_path}/%j.out",
+                                   "--wrap", cmd).strip()
+           for want, cmd in (("COMPLETED", "true"), ("FAILED", "exit 3"))}
+    for want, job_id in ids.items():
+        assert _wait_job(slurm_cluster, job_id) == want
+        deadline = time.monotonic() + 10  # the record reaches slurmdbd asynchronously
+        while (got := slurm_cluster.run("sacct", "-X", "-n", "-j", job_id, "-o",
+                                        "State").strip()) != want:
+            assert time.monotonic() < deadline, f"sacct says {got!r} for job {job_id}"
+            time.sleep(0.2)
