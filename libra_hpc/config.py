@@ -140,6 +140,9 @@ class PlannerConfig(_Section):
     borrow_at_step: int | None = 2
     """Step at which the hybrid pool is lent to training (a scripted decision until the
     cost-based replanning gate lands); null: never."""
+    return_at_step: int | None = None
+    """Step at which a lent hybrid pool goes back to rollout, in the instance shapes it
+    had; null: keep it lent. Must come after ``borrow_at_step``."""
 
 
 class SchedulerConfig(_Section):
@@ -355,6 +358,10 @@ def check_shape(cfg: ExperimentConfig) -> list[str]:
                 f"{rollout_slots - p.hybrid_nodes * g} rollout GPU slots, below planner.min_rollout_gpus="
                 f"{p.min_rollout_gpus}"
             )
-    if p.borrow_at_step is not None and not 0 <= p.borrow_at_step < cfg.rl.steps:
-        problems.append(f"planner.borrow_at_step: {p.borrow_at_step} is outside the run's steps 0..{cfg.rl.steps - 1}")
+    for name in ("borrow_at_step", "return_at_step"):
+        step = getattr(p, name)
+        if step is not None and not 0 <= step < cfg.rl.steps:
+            problems.append(f"planner.{name}: {step} is outside the run's steps 0..{cfg.rl.steps - 1} (rl.steps={cfg.rl.steps})")
+    if p.return_at_step is not None and (p.borrow_at_step is None or p.return_at_step <= p.borrow_at_step):
+        problems.append(f"planner.return_at_step: {p.return_at_step} must come after planner.borrow_at_step={p.borrow_at_step}")
     return problems

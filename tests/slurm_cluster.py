@@ -28,6 +28,9 @@ _CORE = ("munged", "mungekey", "slurmctld", "slurmd", "sinfo", "scontrol", "sque
 _ACCT = ("slurmdbd", "sacctmgr", "sacct", "mariadbd", "mariadb-install-db", "mariadb")
 MIN_JOB_AGE_S = 90  # finished jobs stay visible to `scontrol show job` this long
 _DB_USER, _DB_PASS, _DB_NAME = "slurm", "slurm-test-only", "slurm_acct_db"
+# A small database: 26 MB on disk instead of 114 MB, quicker to create on a busy disk.
+_INNODB = ("--innodb-log-file-size=8M", "--innodb-undo-tablespaces=0",
+           "--innodb-buffer-pool-size=64M")
 
 
 def missing_binaries(accounting: bool = True) -> str | None:
@@ -65,7 +68,7 @@ class DaemonError(RuntimeError):
 
     def __init__(self, daemon: str, what: str, logs: list[Path], lines: int = 25):
         parts = [f"{daemon}: {what}"]
-        for p in logs:
+        for p in dict.fromkeys(logs):  # in order, each once
             if p.exists() and p.stat().st_size:
                 tail = p.read_text(errors="replace").splitlines()[-lines:]
                 parts += [f"  --- tail of {p} ---", *("    " + t for t in tail)]
@@ -91,16 +94,19 @@ class _Daemon:
             raise self.fail(f"exited with status {self.proc.returncode}")
 
     def stop(self, grace_s: float = 10.0) -> None:
-        """SIGTERM this PID, SIGKILL after ``grace_s`` seconds."""
+        """SIGTERM the process group we made for this PID (helpers it forked go too),
+        SIGKILL it after ``grace_s`` seconds."""
         if self.proc.poll() is not None:
             return
-        self.proc.terminate()
         try:
+            os.killpg(self.proc.pid, signal.SIGTERM)
             self.proc.wait(grace_s)
         except subprocess.TimeoutExpired:
-            log.warning("%s pid %d ignored SIGTERM for %.0f s; killing it", self.name,
-                        self.proc.pid, grace_s)
-            self.proc.kill()
+            log.warning("%s pid %d ignored SIGTERM for %.0f s; killing its group",
+                        self.name, self.proc.pid, grace_s)
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(5)
+        except ProcessLookupError:
             self.proc.wait(5)
 
 
@@ -151,9 +157,10 @@ class LocalSlurmCluster:
                 f"--socket={self.munge_socket}", f"--pid-file={m / 'munged.pid'}",
                 f"--log-file={m / 'munged.log'}", f"--seed-file={m / 'munged.seed'}"],
                 m / "munged.log")
+            self._wait(munged, "listening", self.munge_socket.exists, deadline)
             if self.accounting:
-                self._start_accounting(munged, deadline)
-            self._start_slurm(munged, deadline)
+                self._start_accounting(deadline)
+            self._start_slurm(deadline)
         except BaseException:
             self.stop()
             raise
@@ -187,9 +194,15 @@ class LocalSlurmCluster:
         self.stop()
 
     def run(self, *argv: str, timeout_s: float = 30, check: bool = True) -> str:
-        """Run a Slurm client (sinfo, sbatch, ...) against this cluster; return stdout."""
-        res = subprocess.run(list(argv), env={**os.environ, **self.env}, text=True,
-                             capture_output=True, timeout=timeout_s)
+        """Run a Slurm client (sinfo, sbatch, ...) against this cluster; return stdout
+        ("" on failure or timeout when not ``check``)."""
+        try:
+            res = subprocess.run(list(argv), env={**os.environ, **self.env}, text=True,
+                                 capture_output=True, timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            if check:
+                raise RuntimeError(f"{' '.join(argv)} timed out after {timeout_s} s")
+            return ""
         if check and res.returncode != 0:
             raise RuntimeError(f"{' '.join(argv)} failed ({res.returncode}): "
                                f"{res.stderr.strip() or res.stdout.strip()}")
@@ -226,7 +239,7 @@ class LocalSlurmCluster:
             dbd.write_text(self._slurmdbd_conf())
             dbd.chmod(0o600)  # slurmdbd refuses a readable file holding a password
         for who, port in _ports(self.port_base, self.nodes).items():
-            if (self.accounting or who.startswith("slurm")) and _port_open(port):
+            if (self.accounting or who not in ("slurmdbd", "mariadbd")) and _port_open(port):
                 raise RuntimeError(f"port {port} for {who} is in use on 127.0.0.1 "
                                    f"(another cluster?); pass another port_base")
 
@@ -238,49 +251,55 @@ class LocalSlurmCluster:
         return daemon
 
     def _wait(self, daemon: _Daemon, what: str, ready: Callable[[], bool],
-              deadline: float) -> None:
-        """Poll ``ready()`` until true; fail if ``daemon`` dies or the deadline passes."""
+              deadline: float, exit_ok: bool = False) -> None:
+        """Poll ``ready()`` until true; fail if ``daemon`` dies (exits, with ``exit_ok``:
+        exits non-zero) or the deadline passes."""
         delay = 0.02
         while not ready():
-            daemon.check_alive()
+            if not exit_ok or daemon.proc.poll():
+                daemon.check_alive()
             if time.monotonic() > deadline:
                 raise daemon.fail(f"not {what} before the start timeout")
             time.sleep(delay)
             delay = min(delay * 1.5, 0.25)
         log.debug("%s %s after %.2f s", daemon.name, what, time.time() - self._started_at)
 
-    def _start_accounting(self, munged: _Daemon, deadline: float) -> None:
+    def _start_accounting(self, deadline: float) -> None:
         """A private mariadbd (datadir under root, own port and socket), a db user for
         slurmdbd, slurmdbd itself, and this cluster registered with it."""
         data, db_log = self.root / "db" / "data", self.root / "db" / "mariadbd.log"
-        if not (data / "mysql").is_dir():
-            res = subprocess.run(
-                ["mariadb-install-db", "--no-defaults", f"--datadir={data}", "--user=root",
-                 "--auth-root-authentication-method=socket", "--skip-test-db"],
-                capture_output=True, text=True, timeout=max(deadline - time.monotonic(), 1))
-            if res.returncode != 0:
-                raise RuntimeError(f"mariadb-install-db into {data} failed:\n{res.stdout}"
-                                   f"{res.stderr}")
+        if not (data / "mysql").is_dir():  # a root used before keeps its database
+            shutil.rmtree(data, ignore_errors=True)
+            install = self._spawn("mariadb-install-db", [
+                "mariadb-install-db", "--no-defaults", f"--datadir={data}", "--user=root",
+                "--auth-root-authentication-method=socket", "--skip-test-db", *_INNODB],
+                self.root / "log" / "mariadb-install-db.out")
+            self._wait(install, "finished", lambda: install.proc.poll() == 0, deadline,
+                       exit_ok=True)
         mariadbd = self._spawn("mariadbd", [
             "mariadbd", "--no-defaults", f"--datadir={data}", "--user=root",
             f"--socket={self.db_socket}", f"--port={self.port_base + 2}",
             "--bind-address=127.0.0.1", "--skip-name-resolve", f"--log-error={db_log}",
             f"--pid-file={self.root / 'db' / 'mariadbd.pid'}", "--skip-log-bin",
-            "--innodb-buffer-pool-size=64M", "--innodb-lock-wait-timeout=900"], db_log)
-        self._wait(munged, "listening", self.munge_socket.exists, deadline)
+            "--innodb-lock-wait-timeout=900", *_INNODB], db_log)
         self._wait(mariadbd, "accepting SQL", lambda: self._sql("SELECT 1"), deadline)
+        # Fresh accounting like slurmctld -c's fresh state: job ids restart at FirstJobId,
+        # and sacct must not mix in the records of an earlier run on this root.
         who = f"'{_DB_USER}'@'127.0.0.1'"
-        if not self._sql(f"CREATE USER IF NOT EXISTS {who} IDENTIFIED BY '{_DB_PASS}'; "
-                         f"GRANT ALL ON {_DB_NAME}.* TO {who};"):
-            raise mariadbd.fail(f"could not create the database user {who}")
+        if not self._sql(f"DROP DATABASE IF EXISTS {_DB_NAME}; CREATE USER IF NOT EXISTS "
+                         f"{who} IDENTIFIED BY '{_DB_PASS}'; GRANT ALL ON {_DB_NAME}.* TO {who};"):
+            raise mariadbd.fail(f"could not reset {_DB_NAME} or create the user {who}")
         dbd = self._spawn("slurmdbd", ["slurmdbd", "-D"], self.root / "log" / "slurmdbd.log")
         self._wait(dbd, "listening", lambda: _port_open(self.port_base + 1), deadline)
         self._wait(dbd, "registering the cluster", self._register_cluster, deadline)
 
     def _sql(self, statement: str) -> bool:
-        res = subprocess.run(["mariadb", "--no-defaults", f"--socket={self.db_socket}",
-                              "-uroot", "-e", statement], capture_output=True, timeout=10)
-        return res.returncode == 0
+        try:
+            return subprocess.run(["mariadb", "--no-defaults", f"--socket={self.db_socket}",
+                                   "-uroot", "-e", statement], capture_output=True,
+                                  timeout=10).returncode == 0
+        except subprocess.TimeoutExpired:
+            return False
 
     def _register_cluster(self) -> bool:
         """Add this cluster to the accounting db; True once sacctmgr lists it."""
@@ -291,9 +310,8 @@ class LocalSlurmCluster:
         self.run("sacctmgr", "-i", "add", "cluster", self.name, check=False, timeout_s=10)
         return False
 
-    def _start_slurm(self, munged: _Daemon, deadline: float) -> None:
+    def _start_slurm(self, deadline: float) -> None:
         conf, logs = str(self.conf), self.root / "log"
-        self._wait(munged, "listening", self.munge_socket.exists, deadline)
         ctld = self._spawn("slurmctld", ["slurmctld", "-D", "-c", "-f", conf],
                            logs / "slurmctld.log")
         self._wait(ctld, "listening", lambda: _port_open(self.port_base), deadline)
@@ -396,15 +414,15 @@ def _kill_and_reap(procs: dict[int, str], timeout_s: float = 5) -> None:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
+    def running(pid: int) -> bool:
+        try:
+            return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+        except OSError:
+            return False
+
     end = time.monotonic() + timeout_s
-    for pid in procs:
-        while time.monotonic() < end:
-            try:
-                if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z":
-                    break
-            except OSError:
-                break
-            time.sleep(0.05)
+    while any(running(p) for p in procs) and time.monotonic() < end:
+        time.sleep(0.05)
 
 
 def _shm_mapped(pids: Iterable[int] | None = None) -> set[Path]:
@@ -440,7 +458,7 @@ def _remove_orphan_shm(owned: set[Path], since: float, settle_s: float = 10) -> 
         log.debug("removed %s", p)
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     up = ap.add_subparsers(dest="cmd", required=True).add_parser(
         "up", help="start a cluster and keep it up until Ctrl-C or SIGTERM")
@@ -452,17 +470,14 @@ def main(argv: list[str] | None = None) -> int:
     up.add_argument("--no-accounting", action="store_true")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # SystemExit runs __exit__
+    for sig in (signal.SIGTERM, signal.SIGINT):  # SIGINT too: `cmd &` ignores it
+        signal.signal(sig, lambda *_: sys.exit(0))  # SystemExit runs __exit__
     with LocalSlurmCluster(args.root, args.nodes, args.gpus, args.cpus,
                            not args.no_accounting, args.port_base) as cluster:
         print(f"export SLURM_CONF={cluster.conf}", flush=True)
-        try:
-            while True:
-                time.sleep(3600)
-        except KeyboardInterrupt:
-            pass
-    return 0
+        while True:
+            time.sleep(3600)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

@@ -3,9 +3,12 @@ step of N*G+1 mpi4py ranks (rank 0 is the extra controller on the first node).""
 from __future__ import annotations
 
 import collections
-import subprocess
 import sys
 import time
+
+import pytest
+
+pytestmark = pytest.mark.slurm
 
 RANK_REPORT = ("import os; from mpi4py import MPI; w = MPI.COMM_WORLD; "
                "print('RANK', w.Get_rank(), w.Get_size(), os.environ['SLURM_NODEID'], "
@@ -32,9 +35,10 @@ def test_mpi_step_with_controller_rank(slurm_cluster, tmp_path):
         "sbatch", "--parsable", "--job-name=mpi-shape", f"--output={tmp_path}/%j.out",
         f"--nodes={n}", f"--ntasks-per-node={g}", f"--gpus-per-node={g}",
         f"--chdir={tmp_path}", "--wrap", step).strip()
-    assert _wait_job(slurm_cluster, job_id) == "COMPLETED", (tmp_path / f"{job_id}.out").read_text()
+    output = tmp_path / f"{job_id}.out"
+    assert _wait_job(slurm_cluster, job_id) == "COMPLETED", output.read_text()
 
-    rows = [line.split() for line in (tmp_path / f"{job_id}.out").read_text().splitlines()
+    rows = [line.split() for line in output.read_text().splitlines()
             if line.startswith("RANK ")]
     assert sorted(int(r[1]) for r in rows) == list(range(n * g + 1))
     assert {int(r[2]) for r in rows} == {n * g + 1}

@@ -94,17 +94,24 @@ class World:
     def apply(self, layout: Layout) -> GroupHandle | None:
         """Collective over the world: drop the old groups, split into the new ones."""
         self._release()
-        if self.rank == CONTROLLER:
-            self.comm.Split(MPI.UNDEFINED, self.rank)
-            self.layout = layout
-            return None
-        slot = self.topology.place_of(self.rank).slot
-        group = layout.group_of(slot)
-        comm = self.comm.Split(group.gid, group.slots.index(slot))
-        members = [self.topology.rank_of(s) for s in group.slots]
-        torch_group = dist.new_group(members, backend=self.backend, use_local_synchronization=True)
         self.layout = layout
-        self.handle = GroupHandle(group, comm, torch_group, comm.Get_rank())
+        if self.rank == CONTROLLER:
+            mine = None
+            self.comm.Split(MPI.UNDEFINED, self.rank)
+        else:
+            slot = self.topology.place_of(self.rank).slot
+            mine = layout.group_of(slot)
+            comm = self.comm.Split(mine.gid, mine.slots.index(slot))
+        # Every rank creates every torch group, in gid order. Member-only creation
+        # (use_local_synchronization) names a group by hashing its ranks, so a group re-made
+        # with the same members after a relayout reuses the old store keys and hangs on
+        # stale gloo addresses; world-wide creation names groups by a counter that never
+        # repeats.
+        for group in layout.groups:
+            members = [self.topology.rank_of(s) for s in group.slots]
+            torch_group = dist.new_group(members, backend=self.backend)
+            if group is mine:
+                self.handle = GroupHandle(mine, comm, torch_group, comm.Get_rank())
         return self.handle
 
     def probe(self) -> dict:

@@ -2,8 +2,8 @@
 and record what every group reports.
 
 Until the cost-based planner lands, the layout decision is the scripted one of the
-config: the initial layout, and the hybrid pool lent to training at
-``planner.borrow_at_step``. Each step is one control round: broadcast the command (with a
+config: the initial layout, the hybrid pool lent to training at
+``planner.borrow_at_step`` and given back at ``planner.return_at_step``. Each step is one control round: broadcast the command (with a
 new layout when it changes), let every group run its check collective, gather reports.
 """
 
@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import time
 
-from libra_hpc.cluster.layout import Layout, layout_from_config, lend_hybrid_to_training
+from libra_hpc.cluster.layout import Layout, layout_from_config, lend_hybrid_to_training, return_hybrid_to_rollout
 from libra_hpc.cluster.world import World
 from libra_hpc.config import ExperimentConfig
 from libra_hpc.metrics.runlog import RunLog
@@ -24,20 +24,22 @@ class GroupCheckError(RuntimeError):
     """A group's check collective returned the wrong sum: its communicator is broken."""
 
 
-def next_layout(cfg: ExperimentConfig, step: int, current: Layout) -> Layout | None:
+def next_layout(cfg: ExperimentConfig, step: int, current: Layout, initial: Layout) -> Layout | None:
     """The layout to switch to before ``step``, or None to keep the current one."""
     if step == cfg.planner.borrow_at_step and current.hybrid:
         return lend_hybrid_to_training(current, reason=f"planner.borrow_at_step={step}: lend the hybrid pool to training")
+    if step == cfg.planner.return_at_step and current.hybrid:
+        return return_hybrid_to_rollout(current, initial, reason=f"planner.return_at_step={step}: hybrid pool back to rollout")
     return None
 
 
 def run_controller(world: World, cfg: ExperimentConfig, runlog: RunLog) -> None:
     runlog.event("world_started", **world.topology.describe(), backend=world.backend)
-    layout = layout_from_config(cfg)
+    initial = layout = layout_from_config(cfg)
     runlog.event("layout_planned", **layout.summary())
     for step in range(cfg.rl.steps):
         start = time.perf_counter()
-        new = layout if step == 0 else next_layout(cfg, step, layout)
+        new = layout if step == 0 else next_layout(cfg, step, layout, initial)
         world.broadcast({"op": "step", "step": step, "layout": new})
         if new is not None:
             world.apply(new)

@@ -1,0 +1,45 @@
+#!/usr/bin/env python
+"""Validate an experiment and run it: on Slurm through submitit, or locally under mpiexec.
+
+    python launch.py --nodes 6                                  # the embedded default
+    python launch.py --config configs/a800-6node.yaml --dry-run # what would be asked for
+    python launch.py --nodes 4 --executor slurm --wait          # submit and follow
+"""
+
+import sys
+from pathlib import Path
+
+import click
+
+from libra_hpc import launcher
+from libra_hpc.config import ConfigError, load_config
+
+DEFAULT_CONFIG = Path(__file__).resolve().parent / "configs" / "default.yaml"
+
+
+@click.command(help=__doc__)
+@click.option("--config", "config_path", type=click.Path(dir_okay=False), help="Experiment YAML (default: configs/default.yaml).")
+@click.option("--nodes", type=int, help="Override cluster.nodes.")
+@click.option("--gpus-per-node", type=int, help="Override cluster.gpus_per_node.")
+@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help="Override any field, e.g. --set rl.steps=8 (repeatable).")
+@click.option("--executor", type=click.Choice(["auto", "slurm", "local"]), help="Override cluster.executor.")
+@click.option("--dry-run", is_flag=True, help="Validate, print the Slurm request and the initial layout, exit.")
+@click.option("--wait/--no-wait", default=None, help="Follow the job until it ends (default: yes locally, no on Slurm).")
+def main(config_path, nodes, gpus_per_node, overrides, executor, dry_run, wait):
+    try:
+        cfg = load_config(config_path or DEFAULT_CONFIG, list(overrides), **{
+            "cluster.nodes": nodes, "cluster.gpus_per_node": gpus_per_node, "cluster.executor": executor})
+        chosen, why = launcher.choose_executor(cfg.cluster.executor, strict=not dry_run)
+    except (ConfigError, RuntimeError) as exc:
+        raise click.ClickException(str(exc)) from None
+    cfg = launcher.with_absolute_log_dir(cfg)
+    if dry_run:
+        click.echo(launcher.describe(cfg, chosen, why))
+        return
+    if chosen == "slurm":
+        sys.exit(launcher.launch_slurm(cfg, bool(wait), sys.stdout))
+    sys.exit(launcher.launch_local(cfg, wait is not False, sys.stdout))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,43 @@
+"""Follow a running job: print its events as they are written, until it ends."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Callable, TextIO
+
+from libra_hpc.metrics.runlog import read_jsonl
+
+
+def format_event(event: dict) -> str:
+    """One line for a person watching the run."""
+    kind = event["kind"]
+    head = f"[{event.get('elapsed_s', 0):8.2f}s] {kind}"
+    if kind == "world_started":
+        emulated = " (emulated nodes)" if event.get("emulated_nodes") else ""
+        return f"{head}: {event['world_size']} ranks on {event['nodes']} nodes × {event['gpus_per_node']}{emulated}, {event.get('backend')}"
+    if kind in ("layout_planned", "layout_applied"):
+        gpus, train = event["gpus"], event.get("training") or {}
+        return (f"{head}: v{event['version']} training {gpus['training']} GPUs (TP{train.get('tp')}×PP{train.get('pp')}×DP{train.get('dp')}), "
+                f"rollout {gpus['rollout']} GPUs as TP {event['rollout_tp']} — {event['reason']}")
+    if kind == "group_check":
+        state = "ok" if event["ok"] else "FAILED"
+        return f"{head}: step {event['step']} {state}, {len(event['groups'])} groups"
+    if kind == "failure":
+        return f"{head}: rank {event.get('rank')}: {event.get('error')}"
+    rest = {k: v for k, v in event.items() if k not in ("t", "elapsed_s", "kind")}
+    return f"{head}: {rest}" if rest else head
+
+
+def follow(events_path: Path, finished: Callable[[], bool], out: TextIO, poll_s: float = 0.5) -> list[dict]:
+    """Print new events until ``finished()`` is true, then the rest; returns all events."""
+    shown = 0
+    while True:
+        done = finished()
+        events = read_jsonl(events_path)
+        for event in events[shown:]:
+            print(format_event(event), file=out, flush=True)
+        shown = len(events)
+        if done:
+            return events
+        time.sleep(poll_s)

@@ -1,0 +1,120 @@
+"""What ``launch.py`` does once the config is valid: pick the executor, describe the job,
+submit or start it, and follow it."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import TextIO
+
+from libra_hpc.cluster import follow as follow_mod
+from libra_hpc.cluster import local, slurm
+from libra_hpc.cluster.layout import layout_from_config
+from libra_hpc.config import ExperimentConfig, dump_config
+
+
+def choose_executor(requested: str, strict: bool = True) -> tuple[str, str]:
+    """``(executor, why)``: Slurm when asked or reachable, else local. Asking for Slurm
+    when none answers is an error, unless ``strict`` is off (dry runs describe anyway)."""
+    if requested == "local":
+        return "local", "asked for"
+    ok, why = slurm.slurm_reachable()
+    if requested == "slurm":
+        if not ok and strict:
+            raise RuntimeError(f"executor slurm, but {why}")
+        return "slurm", "asked for" if ok else f"asked for, but {why}"
+    return ("slurm", f"auto: {why}") if ok else ("local", f"auto: {why}")
+
+
+def with_absolute_log_dir(cfg: ExperimentConfig) -> ExperimentConfig:
+    """Pin logging.dir to an absolute path, so every rank writes where the user looks."""
+    folder = str(Path(cfg.logging.dir).expanduser().resolve())
+    return cfg.model_copy(update={"logging": cfg.logging.model_copy(update={"dir": folder})})
+
+
+def describe(cfg: ExperimentConfig, executor: str, why: str) -> str:
+    """The dry-run report: Slurm request, MPI step, initial layout."""
+    request = slurm.SlurmRequest.from_config(cfg)
+    layout = layout_from_config(cfg)
+    train = layout.training
+    rollout = layout.rollout_instances
+    hybrid = sorted({s.node for s in layout.hybrid})
+    lines = [
+        f"executor: {executor} ({why})",
+        f"Slurm request: {cfg.cluster.nodes} nodes × {cfg.cluster.gpus_per_node} GPUs = {cfg.cluster.total_gpus} GPUs, "
+        f"{request.world_size} MPI ranks (one per GPU + the controller), time limit {request.time_minutes} min",
+        *request.sbatch_directives(),
+        "job step: " + " ".join(request.srun_command(Path("<config.yaml>"), python="python")),
+        "",
+        f"initial layout (model {cfg.model.name}):",
+        f"  training: TP{train.tp} × PP{train.pp} × DP{train.dp} = {len(train.slots)} GPUs",
+        f"  rollout:  {len(layout.slots_of('rollout'))} GPUs in {len(rollout)} instances of TP {[g.tp for g in rollout]}",
+        f"  hybrid pool (*): nodes {hybrid or 'none'}"
+        + (f", lent to training at step {cfg.planner.borrow_at_step}" if hybrid and cfg.planner.borrow_at_step is not None else ""),
+        "",
+        layout.table(),
+    ]
+    return "\n".join(lines)
+
+
+def launch_local(cfg: ExperimentConfig, wait: bool, out: TextIO) -> int:
+    job_id = "local-" + time.strftime("%Y%m%d-%H%M%S")
+    log_dir = Path(cfg.logging.dir) / f"{cfg.cluster.job_name}-{job_id}"
+    log_dir.mkdir(parents=True, exist_ok=True)
+    config_path = log_dir / "config.yaml"
+    config_path.write_text(dump_config(cfg))
+    process = local.start(local.mpiexec_command(cfg, config_path, log_dir), log_dir, detach=not wait)
+    print(f"job {job_id} (local, pid {process.pid}): {cfg.cluster.total_gpus + 1} ranks under mpiexec", file=out)
+    print(f"log folder: {log_dir}", file=out, flush=True)
+    if not wait:
+        return 0
+    try:
+        events = follow_mod.follow(log_dir / "events.jsonl", lambda: process.poll() is not None, out)
+    except KeyboardInterrupt:
+        process.terminate()
+        process.wait()
+        print("interrupted: the local job was stopped", file=out)
+        return 130
+    return _verdict(process.returncode == 0, f"exit status {process.returncode}", events, log_dir / "job.out", out)
+
+
+def launch_slurm(cfg: ExperimentConfig, wait: bool, out: TextIO) -> int:
+    request = slurm.SlurmRequest.from_config(cfg)
+    staging = Path(cfg.logging.dir) / "submitit"
+    staging.mkdir(parents=True, exist_ok=True)
+    config_path = staging / f"{cfg.cluster.job_name}-{time.strftime('%Y%m%d-%H%M%S')}-{time.monotonic_ns() % 10**6}.yaml"
+    config_path.write_text(dump_config(cfg))
+    job_id = slurm.submit(request, config_path, staging)
+    log_dir = Path(cfg.logging.dir) / f"{cfg.cluster.job_name}-{job_id}"
+    print(f"job {job_id} submitted to Slurm: {request.nodes} nodes × {request.gpus_per_node} GPUs", file=out)
+    print(f"log folder: {log_dir} (batch output: {staging}/{job_id}_0_log.out)", file=out, flush=True)
+    if not wait:
+        return 0
+    last = {"state": None}
+
+    def finished() -> bool:
+        state = slurm.job_state(job_id)
+        if state != last["state"]:
+            print(f"job {job_id}: {state or 'gone from Slurm'}", file=out, flush=True)
+            last["state"] = state
+        return state is None or state in slurm.TERMINAL_STATES
+
+    try:
+        events = follow_mod.follow(log_dir / "events.jsonl", finished, out, poll_s=1.0)
+    except KeyboardInterrupt:
+        print(f"stopped following; job {job_id} keeps running (scancel {job_id} to stop it)", file=out)
+        return 130
+    state = last["state"]
+    return _verdict(state == "COMPLETED", f"Slurm state {state}", events, staging / f"{job_id}_0_log.out", out)
+
+
+def _verdict(ok: bool, status: str, events: list[dict], output: Path, out: TextIO) -> int:
+    finished = any(e["kind"] == "shutdown" for e in events)
+    if ok and finished:
+        print(f"done: {status}", file=out)
+        return 0
+    print(f"FAILED: {status}; {'no shutdown event' if not finished else 'shut down with errors'}; see {output}", file=out)
+    if output.exists():
+        tail = output.read_text(errors="replace").splitlines()[-15:]
+        print("\n".join("  | " + line for line in tail), file=out)
+    return 1
