@@ -101,14 +101,15 @@ def _node_key(env: ProcessEnv) -> str:
 
 
 def _device(env: ProcessEnv, gpu: int, cuda: bool) -> tuple[int | None, str | None]:
-    if not cuda:
-        return None, None
-    visible = env.visible_gpus
+    """(CUDA ordinal to open, GPU id as Slurm names it). Slurm's binding is recorded even
+    on CPU-only machines (emulated GPUs declared as GRES), where nothing is opened."""
+    visible = env.visible_gpus if env.visible_gpus is not None else env.step_gpus
     if visible is not None and len(visible) == 1:
-        return 0, visible[0]  # Slurm bound exactly one GPU to this task
+        return (0 if cuda else None), visible[0]  # Slurm bound exactly one GPU to this task
     if visible is not None and gpu >= len(visible):
         raise TopologyError(
-            f"rank on {env.hostname} drives GPU slot {gpu} but CUDA_VISIBLE_DEVICES={','.join(visible)} "
-            "shows fewer GPUs; request --gpus-per-node to match cluster.gpus_per_node"
+            f"rank on {env.hostname} drives GPU slot {gpu} but Slurm/CUDA_VISIBLE_DEVICES shows only "
+            f"{','.join(visible)}; request --gpus-per-node to match cluster.gpus_per_node"
         )
-    return gpu, visible[gpu] if visible is not None else str(gpu)
+    physical = visible[gpu] if visible is not None else (str(gpu) if cuda else None)
+    return (gpu if cuda else None), physical

@@ -1,0 +1,43 @@
+#!/bin/bash
+# Plain sbatch entry for people who don't use launch.py.
+#
+#   sbatch sbatch/libra.sh                                  # configs/default.yaml
+#   sbatch sbatch/libra.sh configs/a800-6node.yaml          # another experiment
+#   sbatch -N 6 --ntasks-per-node=8 --gpus-per-node=8 sbatch/libra.sh configs/a800-6node.yaml rl.steps=50
+#   CONFIG=configs/x.yaml sbatch sbatch/libra.sh
+#
+# Arguments after the config are KEY=VALUE overrides (as launch.py --set). The allocation
+# decides the world's shape: cluster.nodes and cluster.gpus_per_node are taken from it.
+# One task per GPU (--ntasks-per-node = --gpus-per-node); the MPI world has one more
+# rank, the controller, which shares the first node (--overcommit).
+#SBATCH --job-name=libra
+#SBATCH --nodes=4
+#SBATCH --ntasks-per-node=2
+#SBATCH --gpus-per-node=2
+#SBATCH --time=00:30:00
+#SBATCH --signal=USR2@120
+#SBATCH --requeue
+#SBATCH --output=logs/%x-%j.out
+set -euo pipefail
+
+CONFIG="${1:-${CONFIG:-configs/default.yaml}}"
+shift $(( $# > 0 ? 1 : 0 ))
+PYTHON="${PYTHON:-python}"
+
+# Slurm does not create folders for --output: make logs/<name>-<id>/ and move the output
+# file in (the open file follows the rename).
+LOG_DIR="logs/${SLURM_JOB_NAME}-${SLURM_JOB_ID}"
+mkdir -p "$LOG_DIR"
+if [ -f "logs/${SLURM_JOB_NAME}-${SLURM_JOB_ID}.out" ]; then
+    mv "logs/${SLURM_JOB_NAME}-${SLURM_JOB_ID}.out" "$LOG_DIR/slurm.out"
+fi
+
+NODES="$SLURM_JOB_NUM_NODES"
+GPUS="${SLURM_NTASKS_PER_NODE:?submit with --ntasks-per-node equal to --gpus-per-node}"
+OVERRIDES=(--set "cluster.nodes=$NODES" --set "cluster.gpus_per_node=$GPUS")
+for kv in "$@"; do OVERRIDES+=(--set "$kv"); done
+
+echo "libra: job $SLURM_JOB_ID, $NODES nodes x $GPUS GPUs, config $CONFIG, log folder $LOG_DIR"
+srun --mpi=pmi2 --overcommit --kill-on-bad-exit=1 \
+    --nodes="$NODES" --ntasks=$(( NODES * GPUS + 1 )) \
+    "$PYTHON" -m libra_hpc.run --config "$CONFIG" --log-dir "$LOG_DIR" "${OVERRIDES[@]}"
