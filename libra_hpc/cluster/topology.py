@@ -104,6 +104,7 @@ def _device(env: ProcessEnv, gpu: int, cuda: bool) -> tuple[int | None, str | No
     """(CUDA ordinal to open, GPU id as Slurm names it). Slurm's binding is recorded even
     on CPU-only machines (emulated GPUs declared as GRES), where nothing is opened."""
     visible = env.visible_gpus if env.visible_gpus is not None else env.step_gpus
+    visible = visible or None  # CUDA_VISIBLE_DEVICES="" hides GPUs: nothing to bind
     if visible is not None and len(visible) == 1:
         return (0 if cuda else None), visible[0]  # Slurm bound exactly one GPU to this task
     if visible is not None and gpu >= len(visible):
