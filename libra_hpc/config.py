@@ -22,6 +22,31 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 _SLURM_TIME = re.compile(r"^(?:(\d+)-)?(\d+)(?::(\d+))?(?::(\d+))?$")
 
 
+class _YamlLoader(yaml.SafeLoader):
+    """SafeLoader with YAML 1.2 numbers: ``2:00:00`` stays a string (YAML 1.1 reads it as
+    the base-60 number 7200, which would wreck Slurm time limits) and ``1e-5`` is a float
+    (YAML 1.1 wants ``1.0e-5``)."""
+
+
+_YamlLoader.yaml_implicit_resolvers = {
+    first: [(tag, rx) for tag, rx in resolvers if tag not in ("tag:yaml.org,2002:int", "tag:yaml.org,2002:float")]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
+_YamlLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:int", re.compile(r"^(?:[-+]?(?:0|[1-9][0-9_]*)|0x[0-9a-fA-F_]+|0o[0-7_]+)$"), list("-+0123456789")
+)
+_YamlLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^(?:[-+]?(?:\.[0-9]+|[0-9][0-9_]*(?:\.[0-9_]*)?)(?:[eE][-+]?[0-9]+)?|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$"),
+    list("-+.0123456789"),
+)
+
+
+def parse_yaml(text: str):
+    """YAML as the config reads it (see _YamlLoader)."""
+    return yaml.load(text, Loader=_YamlLoader)  # noqa: S506 - a SafeLoader subclass
+
+
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, frozen=True, use_attribute_docstrings=True)
 
@@ -39,17 +64,17 @@ class ClusterConfig(_Section):
     ``auto`` picks slurm when ``sbatch`` is on PATH and a controller answers, else local."""
     job_name: str = Field("libra", pattern=r"^[A-Za-z0-9_.-]+$")
     """Slurm job name (``%x``); the log folder is ``<logging.dir>/<job_name>-<job id>``."""
-    partition: str | None = None
+    partition: str | None = Field(None, min_length=1)
     """Slurm partition (``--partition``); null uses the cluster's default."""
-    account: str | None = None
+    account: str | None = Field(None, min_length=1)
     """Slurm account to charge (``--account``); null: your default account."""
-    qos: str | None = None
+    qos: str | None = Field(None, min_length=1)
     """Slurm quality of service (``--qos``)."""
-    constraint: str | None = None
+    constraint: str | None = Field(None, min_length=1)
     """Slurm node feature constraint (``--constraint``), e.g. ``a800``."""
-    time_limit: str = "00:30:00"
-    """Wall-clock limit in a Slurm time format: ``MM``, ``MM:SS``, ``HH:MM:SS``,
-    ``D-HH``, ``D-HH:MM`` or ``D-HH:MM:SS``."""
+    time_limit: str | int = "00:30:00"
+    """Wall-clock limit: minutes as a number, or a Slurm time string ``MM``, ``MM:SS``,
+    ``HH:MM:SS``, ``D-HH``, ``D-HH:MM`` or ``D-HH:MM:SS``."""
     cpus_per_task: int = Field(1, ge=1)
     """CPU cores Slurm reserves for each GPU-slot task (``--cpus-per-task``)."""
     signal_before_limit_s: int = Field(120, ge=0)
@@ -64,7 +89,7 @@ class ClusterConfig(_Section):
     @property
     def time_limit_minutes(self) -> int:
         """The time limit rounded up to whole minutes (what submitit takes)."""
-        days, first, second, third = _SLURM_TIME.match(self.time_limit).groups()  # type: ignore[union-attr]
+        days, first, second, third = _SLURM_TIME.match(str(self.time_limit)).groups()  # type: ignore[union-attr]
         if days is not None:  # D-HH[:MM[:SS]]
             seconds = int(days) * 86400 + int(first) * 3600 + int(second or 0) * 60 + int(third or 0)
         elif third is not None:  # HH:MM:SS
@@ -222,9 +247,11 @@ def load_config(path: str | Path | None = None, overrides: list[str] = (), **cli
     raw: dict[str, Any] = {}
     if path is not None:
         try:
-            loaded = yaml.safe_load(Path(path).read_text())
+            loaded = parse_yaml(Path(path).read_text(encoding="utf-8"))
         except OSError as exc:
             raise ConfigError(source, [f"cannot read the file: {exc.strerror}"]) from None
+        except UnicodeDecodeError as exc:
+            raise ConfigError(source, [f"not UTF-8 text (byte {exc.start}): is this the right file?"]) from None
         except yaml.YAMLError as exc:
             raise ConfigError(source, [f"not valid YAML: {exc}"]) from None
         if loaded is not None and not isinstance(loaded, dict):
@@ -237,7 +264,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] = (), **cli
             problems.append(f"--set {item!r}: expected KEY=VALUE, e.g. cluster.nodes=4")
             continue
         try:
-            _set_path(raw, key.strip(), yaml.safe_load(text))
+            _set_path(raw, key.strip(), parse_yaml(text))
         except (ValueError, yaml.YAMLError) as exc:
             problems.append(f"--set {item!r}: {exc}")
     for key, value in cli.items():
@@ -310,7 +337,7 @@ def check_shape(cfg: ExperimentConfig) -> list[str]:
     c, t, r, p = cfg.cluster, cfg.training, cfg.rollout, cfg.planner
     g = c.gpus_per_node
     problems: list[str] = []
-    if not _SLURM_TIME.match(c.time_limit):
+    if isinstance(c.time_limit, int) and c.time_limit < 1 or not _SLURM_TIME.match(str(c.time_limit)):
         problems.append(
             f"cluster.time_limit: {c.time_limit!r} is not a Slurm time; use MM, MM:SS, HH:MM:SS or D-HH:MM:SS"
         )

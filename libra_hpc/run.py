@@ -6,12 +6,14 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+import time
 from pathlib import Path
 
 from libra_hpc.cluster.env import ProcessEnv
 from libra_hpc.config import ConfigError, ExperimentConfig, dump_config, load_config
 
 log = logging.getLogger("libra_hpc.run")
+ABORT_GRACE_S = 2.0
 
 
 def log_folder(cfg: ExperimentConfig, env: ProcessEnv, given: str | None) -> Path:
@@ -63,6 +65,10 @@ def main(argv: list[str] | None = None) -> int:
         log.exception("rank %d failed", rank)
         if runlog is not None:
             runlog.event("failure", rank=rank, error=f"{type(exc).__name__}: {exc}")
+        else:
+            # Give the controller a moment to record a failure it may share (Abort kills
+            # every rank at once); a controller blocked on us loses only this delay.
+            time.sleep(ABORT_GRACE_S)
         MPI.COMM_WORLD.Abort(1)
     finally:
         if runlog is not None:

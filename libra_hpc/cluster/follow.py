@@ -24,7 +24,8 @@ def format_event(event: dict) -> str:
         state = "ok" if event["ok"] else "FAILED"
         return f"{head}: step {event['step']} {state}, {len(event['groups'])} groups"
     if kind == "failure":
-        return f"{head}: rank {event.get('rank')}: {event.get('error')}"
+        error = " | ".join(str(event.get("error")).splitlines())
+        return f"{head}: rank {event.get('rank')}: {error}"
     rest = {k: v for k, v in event.items() if k not in ("t", "elapsed_s", "kind")}
     return f"{head}: {rest}" if rest else head
 

@@ -140,6 +140,8 @@ def initial_layout(
     # Node-major slots keep each chunk of `tp` consecutive slots on one node (tp divides G).
     groups = [Group(0, "training", tuple(all_slots[:n_train]), tp, pp, dp)]
     hybrid = frozenset(s for s in all_slots if s.node >= nodes - hybrid_nodes) if hybrid_nodes else frozenset()
+    if hybrid and n_train and min(hybrid) <= all_slots[n_train - 1]:
+        raise LayoutError(f"hybrid_nodes={hybrid_nodes} reaches into the training nodes (training ends at {all_slots[n_train - 1]})")
     free = all_slots[n_train:]
     whole_nodes = 0
     for node in sorted({s.node for s in free}):
@@ -179,9 +181,13 @@ def lend_hybrid_to_training(layout: Layout, reason: str) -> Layout:
     replica = train.tp * train.pp
     if len(lent) % replica:
         raise LayoutError(f"{len(lent)} hybrid slots do not form whole replicas of TP×PP = {replica}")
-    # New replicas append after the core ones; node-major order keeps their TP chunks on one node.
+    # Megatron order is TP fastest, then DP, then PP: per pipeline stage, the core
+    # replicas' block then the new replicas' block. Node-major hybrid slots keep each TP
+    # chunk on one node.
     extra_dp = len(lent) // replica
-    slots = train.slots + tuple(lent)
+    core_stages = _stage_blocks(train.slots, train.tp * train.dp)
+    new_stages = _stage_blocks(tuple(lent), train.tp * extra_dp)
+    slots = tuple(s for core, new in zip(core_stages, new_stages) for s in core + new)
     new_train = replace(train, slots=slots, dp=train.dp + extra_dp)
     keep = [g for g in layout.rollout_instances if not g.hybrid]
     return _renumbered(layout, [new_train, *keep], reason)
@@ -193,10 +199,14 @@ def return_hybrid_to_rollout(layout: Layout, base: Layout, reason: str) -> Layou
     lent = [s for s in layout.hybrid if train is not None and s in train.slots]
     if not lent:
         raise LayoutError(f"the hybrid pool is not lent to training in layout v{layout.version}")
-    core = tuple(s for s in train.slots if s not in layout.hybrid)
+    core = tuple(s for s in train.slots if s not in layout.hybrid)  # stage-major order survives filtering
     new_train = replace(train, slots=core, dp=len(core) // (train.tp * train.pp))
     back = [g for g in base.rollout_instances if g.hybrid]
     return _renumbered(layout, [new_train, *layout.rollout_instances, *back], reason)
+
+
+def _stage_blocks(slots: tuple[Slot, ...], per_stage: int) -> list[tuple[Slot, ...]]:
+    return [slots[i : i + per_stage] for i in range(0, len(slots), per_stage)]
 
 
 def _renumbered(layout: Layout, groups: list[Group], reason: str) -> Layout:

@@ -22,7 +22,7 @@ from mpi4py import MPI
 
 from libra_hpc.cluster.env import ProcessEnv
 from libra_hpc.cluster.layout import Group, Layout
-from libra_hpc.cluster.topology import Topology, discover
+from libra_hpc.cluster.topology import Topology, TopologyError, discover
 
 log = logging.getLogger(__name__)
 
@@ -57,9 +57,20 @@ class World:
         """Collective over MPI.COMM_WORLD: discover the topology and start torch.distributed."""
         comm = MPI.COMM_WORLD
         cuda = torch.cuda.is_available()
-        envs = comm.allgather(env)
-        topology = discover(envs, nodes, gpus_per_node, cuda)
         rank = comm.Get_rank()
+        envs = comm.gather(env, root=CONTROLLER)
+        # The controller decides and everyone raises the same error, so rank 0 gets to
+        # record it before any rank aborts the world.
+        found: Topology | TopologyError | None = None
+        if rank == CONTROLLER:
+            try:
+                found = discover(envs, nodes, gpus_per_node, cuda)
+            except TopologyError as exc:
+                found = exc
+        found = comm.bcast(found, root=CONTROLLER)
+        if isinstance(found, TopologyError):
+            raise found
+        topology = found
         device = torch.device("cpu")
         if rank != CONTROLLER and cuda:
             index = topology.place_of(rank).device_index
@@ -68,7 +79,7 @@ class World:
         if backend == "auto":
             backend = "nccl" if cuda else "gloo"
         default_backend = "cpu:gloo,cuda:nccl" if backend == "nccl" else "gloo"
-        hosts = [e.hostname for e in envs]
+        hosts = [e.hostname for e in envs] if rank == CONTROLLER else []
         addr, port = comm.bcast(_store_address(hosts) if rank == CONTROLLER else None)
         dist.init_process_group(
             default_backend,

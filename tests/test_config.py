@@ -1,0 +1,296 @@
+"""The experiment schema: shipped configs, readable errors, overrides, time limits."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from libra_hpc.config import ConfigError, ExperimentConfig, dump_config, load_config, validate_config
+
+CONFIGS = Path(__file__).resolve().parent.parent / "configs"
+A800 = CONFIGS / "a800-6node.yaml"
+DEFAULT = CONFIGS / "default.yaml"
+
+
+def _a800_raw() -> dict:
+    return yaml.safe_load(A800.read_text())
+
+
+def _problems(raw: dict) -> str:
+    with pytest.raises(ConfigError) as info:
+        validate_config(raw, "test.yaml")
+    return str(info.value)
+
+
+# ------------------------------------------------------------------ shipped configs
+
+
+@pytest.mark.parametrize("path", [DEFAULT, A800], ids=lambda p: p.name)
+def test_shipped_configs_load(path):
+    cfg = load_config(path)
+    assert isinstance(cfg, ExperimentConfig)
+    # every GPU slot is either training or rollout, and rollout keeps its minimum
+    assert cfg.training_slots + cfg.planner.min_rollout_gpus <= cfg.cluster.total_gpus
+
+
+def test_a800_shape():
+    cfg = load_config(A800)
+    assert (cfg.cluster.nodes, cfg.cluster.gpus_per_node, cfg.cluster.total_gpus) == (6, 8, 48)
+    t = cfg.training
+    assert (t.tensor_parallel, t.pipeline_parallel, t.data_parallel) == (8, 1, 4)
+    assert cfg.training_slots == 32
+    assert cfg.rollout.tp_per_node == [1, 1, 2, 4]
+    assert cfg.rollout.node_patterns == [[1, 1, 2, 4]]
+    assert cfg.planner.hybrid_nodes == 1
+    assert cfg.cluster.executor == "slurm"
+
+
+def test_default_config_alternates_rollout_patterns():
+    cfg = load_config(DEFAULT)
+    assert cfg.rollout.node_patterns == [[1, 1], [2]]
+    assert load_config(None) == ExperimentConfig()  # no file: the schema's defaults
+
+
+# ----------------------------------------------------------------- schema errors
+
+
+@pytest.mark.parametrize(
+    "section, key, path, right",
+    [
+        (None, "traning", "traning", "training"),
+        ("cluster", "nodse", "cluster.nodse", "nodes"),
+        ("rollout", "tp_per_nod", "rollout.tp_per_nod", "tp_per_node"),
+    ],
+)
+def test_misspelled_key(section, key, path, right):
+    raw = _a800_raw()
+    if section is None:
+        raw[key] = {}
+    else:
+        raw[section][key] = 1
+    msg = _problems(raw)
+    assert f"{path}: unknown key" in msg
+    assert f"did you mean '{right}'" in msg
+    valid = ExperimentConfig.model_fields if section is None else ExperimentConfig.model_fields[section].annotation.model_fields
+    assert "Valid keys are: " + ", ".join(valid) in msg
+    assert "test.yaml" in msg
+
+
+def test_unknown_key_without_close_match_lists_keys_only():
+    raw = _a800_raw()
+    raw["cluster"]["zzzzzz"] = 1
+    msg = _problems(raw)
+    assert "cluster.zzzzzz: unknown key" in msg
+    assert "did you mean" not in msg
+    assert "gpus_per_node" in msg
+
+
+@pytest.mark.parametrize("value", ["6", 6.0, True], ids=["string", "float", "bool"])
+def test_wrong_type_is_not_coerced(value):
+    raw = _a800_raw()
+    raw["cluster"]["nodes"] = value
+    msg = _problems(raw)
+    assert "cluster.nodes:" in msg
+    assert f"(got {value!r})" in msg
+
+
+def test_wrong_literal_names_allowed_values():
+    raw = _a800_raw()
+    raw["cluster"]["executor"] = "slrum"
+    msg = _problems(raw)
+    assert "cluster.executor: got 'slrum'" in msg
+    for allowed in ("'auto'", "'slurm'", "'local'"):
+        assert allowed in msg
+
+
+@pytest.mark.parametrize(
+    "section, key, value, expected",
+    [
+        ("training", "tensor_parallel", 16, "training.tensor_parallel: 16 must divide cluster.gpus_per_node=8"),
+        ("training", "tensor_parallel", 3, "training.tensor_parallel: 3 must divide"),
+        # 8 × 5 = 40 of 48 leaves 8 = min_rollout_gpus, so 6 replicas (48) leave nothing
+        ("training", "data_parallel", 6, "training: TP×PP×DP = 48 GPU slots leaves 0 of the 48"),
+        ("rollout", "tp_per_node", [1, 1, 2], "rollout.tp_per_node: [1, 1, 2] sums to 4 GPUs"),
+        ("rollout", "tp_per_node", [[1, 1, 2, 4], [4, 2]], "rollout.tp_per_node: [4, 2] sums to 6 GPUs"),
+        ("rollout", "tp_per_node", [3, 5], "rollout.tp_per_node: sizes must be powers of two"),
+        ("rollout", "tp_per_node", [6, 2], "got [6]"),
+        ("planner", "hybrid_nodes", 3, "planner.hybrid_nodes: 3 but only 2 node(s)"),
+        ("cluster", "time_limit", "1h", "cluster.time_limit: '1h' is not a Slurm time"),
+        ("cluster", "time_limit", "1:2:3:4", "cluster.time_limit: '1:2:3:4' is not a Slurm time"),
+    ],
+)
+def test_impossible_shape(section, key, value, expected):
+    raw = _a800_raw()
+    raw[section][key] = value
+    assert expected in _problems(raw)
+
+
+def test_data_parallel_five_still_fits():
+    raw = _a800_raw()
+    raw["planner"]["hybrid_nodes"] = 0
+    raw["training"]["data_parallel"] = 5
+    raw["training"]["global_batch_size"] = 250
+    assert validate_config(raw).training_slots == 40
+
+
+@pytest.mark.parametrize("borrow, ret", [(5, 3), (5, 5), (None, 3)])
+def test_return_must_come_after_borrow(borrow, ret):
+    raw = _a800_raw()
+    raw["planner"].update(borrow_at_step=borrow, return_at_step=ret)
+    assert f"planner.return_at_step: {ret} must come after planner.borrow_at_step={borrow}" in _problems(raw)
+
+
+def test_steps_outside_run():
+    raw = _a800_raw()
+    raw["planner"]["borrow_at_step"] = 200  # rl.steps is 200: steps 0..199
+    assert "planner.borrow_at_step: 200 is outside" in _problems(raw)
+
+
+# -------------------------------------------------------------------- overrides
+
+
+def test_set_overrides_parse_yaml_values():
+    cfg = load_config(A800, ["cluster.nodes=7", "rollout.tp_per_node=[[1,1,2,4],[4,4]]",
+                             "planner.hybrid_nodes=2", "cluster.partition=gpu", "cluster.requeue=false"])
+    assert cfg.cluster.nodes == 7
+    assert cfg.planner.hybrid_nodes == 2
+    assert cfg.rollout.node_patterns == [[1, 1, 2, 4], [4, 4]]
+    assert cfg.cluster.partition == "gpu"
+    assert cfg.cluster.requeue is False
+    assert cfg.training.tensor_parallel == 8  # untouched fields stay as in the file
+
+
+def test_set_on_defaults_creates_sections():
+    cfg = load_config(None, ["cluster.nodes=4", "rollout.tp_per_node=[[1,1],[2]]"])
+    assert cfg.cluster.nodes == 4
+    assert cfg.rollout.node_patterns == [[1, 1], [2]]
+
+
+@pytest.mark.parametrize("item", ["nodes", "=4"])
+def test_malformed_override(item):
+    with pytest.raises(ConfigError) as info:
+        load_config(A800, [item])
+    assert f"--set {item!r}: expected KEY=VALUE" in str(info.value)
+
+
+def test_override_into_a_scalar():
+    with pytest.raises(ConfigError) as info:
+        load_config(A800, ["cluster.nodes.x=1"])
+    assert "cluster.nodes is a value, not a section" in str(info.value)
+
+
+def test_every_bad_override_is_reported():
+    with pytest.raises(ConfigError) as info:
+        load_config(A800, ["nodes", "cluster.nodes.x=1"])
+    assert len(info.value.problems) == 2
+
+
+def test_override_value_is_still_validated():
+    with pytest.raises(ConfigError) as info:
+        load_config(A800, ["cluster.nodes='6'"])
+    assert "cluster.nodes:" in str(info.value)
+
+
+def test_cli_kwargs_apply_and_none_is_ignored():
+    cfg = load_config(A800, **{"cluster.nodes": 7, "cluster.partition": None, "rl.steps": 10})
+    assert cfg.cluster.nodes == 7
+    assert cfg.cluster.partition is None
+    assert cfg.rl.steps == 10
+    cfg = load_config(A800, **{"cluster.nodes": None})
+    assert cfg.cluster.nodes == 6
+
+
+@pytest.mark.parametrize("text, minutes", [("90", 90), ("30:00", 30), ("2:00:00", 120)])
+def test_set_time_limit_in_slurm_format(text, minutes):
+    cfg = load_config(A800, [f"cluster.time_limit={text}"])
+    assert cfg.cluster.time_limit_minutes == minutes
+
+
+# ------------------------------------------------------------------- time limits
+
+
+@pytest.mark.parametrize(
+    "text, minutes",
+    [
+        ("90", 90),                    # MM
+        ("0", 1),                      # never below one minute
+        ("30:00", 30),                 # MM:SS
+        ("30:01", 31),                 # MM:SS rounds up
+        ("00:00:30", 1),               # HH:MM:SS, under a minute rounds up
+        ("02:30:00", 150),             # HH:MM:SS
+        ("01:00:59", 61),
+        ("1-00", 24 * 60),             # D-HH
+        ("2-12", 60 * 60),
+        ("1-02:30", 24 * 60 + 150),    # D-HH:MM
+        ("1-00:00:00", 1440),          # D-HH:MM:SS
+        ("0-00:10:01", 11),
+    ],
+)
+def test_time_limit_minutes(text, minutes):
+    raw = _a800_raw()
+    raw["cluster"]["time_limit"] = text
+    assert validate_config(raw).cluster.time_limit_minutes == minutes
+
+
+# ------------------------------------------------------------------ dump / files
+
+
+@pytest.mark.parametrize(
+    "path, overrides",
+    [(DEFAULT, []), (A800, []), (A800, ["cluster.time_limit='1:30:00'", "cluster.partition=gpu", "model.path=/ckpt"])],
+)
+def test_dump_round_trips(tmp_path, path, overrides):
+    cfg = load_config(path, overrides)
+    out = tmp_path / "resolved.yaml"
+    out.write_text(dump_config(cfg))
+    again = load_config(out)
+    assert again == cfg
+    assert dump_config(again) == dump_config(cfg)
+
+
+def test_missing_file_names_it(tmp_path):
+    missing = tmp_path / "nope.yaml"
+    with pytest.raises(ConfigError) as info:
+        load_config(missing)
+    assert str(missing) in str(info.value)
+    assert "cannot read the file" in str(info.value)
+
+
+def test_directory_instead_of_file(tmp_path):
+    with pytest.raises(ConfigError) as info:
+        load_config(tmp_path)
+    assert str(tmp_path) in str(info.value)
+
+
+@pytest.mark.parametrize("text, kind", [("- a\n- b\n", "list"), ("hello\n", "str"), ("42\n", "int")])
+def test_non_mapping_yaml(tmp_path, text, kind):
+    path = tmp_path / "bad.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    assert str(path) in str(info.value)
+    assert f"must be a mapping of sections, got {kind}" in str(info.value)
+
+
+def test_invalid_yaml(tmp_path):
+    path = tmp_path / "broken.yaml"
+    path.write_text("cluster: [nodes\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    assert str(path) in str(info.value)
+    assert "not valid YAML" in str(info.value)
+
+
+def test_empty_file_gives_defaults(tmp_path):
+    path = tmp_path / "empty.yaml"
+    path.write_text("")
+    assert load_config(path) == ExperimentConfig()
+
+
+def test_binary_file_gives_config_error(tmp_path):
+    path = tmp_path / "model.bin"
+    path.write_bytes(b"\xff\xfe\x00\x01garbage")
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    assert str(path) in str(info.value)

@@ -1,0 +1,149 @@
+"""launch.py end to end without Slurm: dry runs, refusals before anything starts, and the
+MPI world under mpiexec with emulated nodes (real mpi4py, real torch gloo groups)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from libra_hpc.metrics.runlog import read_jsonl
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def launch(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(ROOT / "launch.py"), *args], capture_output=True, text=True,
+                          timeout=timeout, cwd=ROOT)
+
+
+def only_log_folder(logs: Path) -> Path:
+    folders = [p for p in logs.iterdir() if p.is_dir() and p.name != "submitit"]
+    assert len(folders) == 1, folders
+    return folders[0]
+
+
+def test_dry_run_prints_the_48_gpu_request_and_layout():
+    done = launch("--nodes", "6", "--config", "configs/a800-6node.yaml", "--dry-run")
+    assert done.returncode == 0, done.stderr
+    out = done.stdout
+    assert "6 nodes × 8 GPUs = 48 GPUs" in out and "49 MPI ranks" in out
+    for line in ("#SBATCH --nodes=6", "#SBATCH --gpus-per-node=8", "#SBATCH --ntasks-per-node=8", "#SBATCH --requeue"):
+        assert line in out
+    assert "srun --mpi=pmi2" in out and "--ntasks=49" in out
+    rows = [line.split() for line in out.splitlines() if line[:1].isdigit()]
+    assert [int(r[0]) for r in rows] == list(range(6))
+    assert all(len(r) == 9 for r in rows)  # node index + 8 GPU cells
+    assert all(cell == "T(tp8)" for r in rows[:4] for cell in r[1:])
+    assert rows[4][1:] == ["R1(tp1)", "R2(tp1)", "R3(tp2)", "R3(tp2)", "R4(tp4)", "R4(tp4)", "R4(tp4)", "R4(tp4)"]
+    assert all(cell.endswith("*") for cell in rows[5][1:])  # node 5: the hybrid pool
+
+
+@pytest.mark.parametrize(
+    "yaml_text, field",
+    [
+        ("cluster:\n  nodse: 6\n", "cluster.nodse"),
+        ("cluster:\n  nodes: six\n", "cluster.nodes"),
+        ("cluster:\n  gpus_per_node: 8\ntraining:\n  tensor_parallel: 16\n", "training.tensor_parallel"),
+    ],
+    ids=["misspelled-key", "wrong-type", "tp16-on-8-gpu-nodes"],
+)
+def test_bad_config_exits_before_anything_starts(tmp_path, yaml_text, field):
+    config = tmp_path / "bad.yaml"
+    config.write_text(yaml_text + f"logging:\n  dir: {tmp_path / 'logs'}\n")
+    done = launch("--config", str(config), "--executor", "local")
+    assert done.returncode != 0
+    assert field in done.stderr and str(config) in done.stderr
+    assert not (tmp_path / "logs").exists(), "a log folder means something was started"
+
+
+def test_misspelled_key_suggests_the_right_one(tmp_path):
+    done = launch("--set", "training.tensor_paralel=2", "--dry-run")
+    assert done.returncode != 0
+    assert "did you mean 'tensor_parallel'" in done.stderr
+
+
+@pytest.mark.mpi
+def test_local_world_runs_two_layouts_to_completion(tmp_path):
+    done = launch("--nodes", "6", "--set", f"logging.dir={tmp_path}")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "done: exit status 0" in done.stdout
+    folder = only_log_folder(tmp_path)
+    assert f"log folder: {folder}" in done.stdout
+    events = read_jsonl(folder / "events.jsonl")
+    kinds = [e["kind"] for e in events]
+    assert kinds[0] == "world_started" and kinds[-1] == "shutdown" and "failure" not in kinds
+    started = events[0]
+    assert started["world_size"] == 13 and started["emulated_nodes"] is True
+    applied = [e for e in events if e["kind"] == "layout_applied"]
+    assert [(e["version"], e["step"]) for e in applied] == [(0, 0), (1, 2), (2, 4)]
+    assert [e["gpus"]["training"] for e in applied] == [4, 6, 4]
+    assert applied[2]["groups"] == applied[0]["groups"]  # the pool came back as it was
+    checks = [e for e in events if e["kind"] == "group_check"]
+    assert [e["step"] for e in checks] == list(range(6)) and all(e["ok"] for e in checks)
+    # After lending, the training group spans the hybrid node's ranks too.
+    assert checks[2]["groups"]["training"]["size"] == 6
+    metrics = read_jsonl(folder / "metrics.jsonl")
+    assert [m["gpus_training"] + m["gpus_rollout"] for m in metrics] == [12] * 6
+    assert "nodes: 6" in (folder / "config.yaml").read_text()
+
+
+@pytest.mark.mpi
+def test_a_dead_worker_fails_the_job_with_a_clear_report(tmp_path):
+    process = subprocess.Popen(
+        [sys.executable, str(ROOT / "launch.py"), "--nodes", "3", "--set", "rl.steps=100000",
+         "--set", "planner.hybrid_nodes=0", "--set", "planner.borrow_at_step=null",
+         "--set", "planner.return_at_step=null", "--set", f"logging.dir={tmp_path}"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not list(tmp_path.glob("*/events.jsonl")) or len(read_jsonl(next(tmp_path.glob("*/events.jsonl")))) < 4:
+            if process.poll() is not None:
+                pytest.fail(f"launch.py ended early:\n{process.stdout.read()}")
+            assert time.monotonic() < deadline, "the world never got going"
+            time.sleep(0.2)
+        ranks = json.loads((next(tmp_path.glob("*/events.jsonl"))).read_text().splitlines()[0])["ranks"]
+        assert ranks  # the world is up: find a worker rank's pid and kill it
+        victim = _worker_pid(str(tmp_path))
+        os.kill(victim, signal.SIGKILL)
+        out, _ = process.communicate(timeout=120)
+    finally:
+        try:
+            os.killpg(process.pid, signal.SIGKILL)  # launch.py, mpiexec and every rank left
+        except ProcessLookupError:
+            pass
+        process.wait()
+    assert process.returncode == 1, out
+    assert "FAILED" in out and "no shutdown event" in out and "job.out" in out
+
+
+def _worker_pid(marker: str) -> int:
+    """A rank of this run (its command line names ``marker``) that is not rank 0; MPICH
+    exports PMI_RANK to every rank."""
+    listing = subprocess.run(["pgrep", "-f", marker], capture_output=True, text=True).stdout.split()
+    for pid in listing:
+        try:
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if any(item.startswith(b"PMI_RANK=") and item != b"PMI_RANK=0" for item in environ):
+            return int(pid)
+    raise AssertionError(f"no worker rank among {listing}")
+
+
+@pytest.mark.mpi
+def test_world_that_does_not_match_the_config_is_refused(tmp_path):
+    done = subprocess.run(
+        ["mpiexec", "-n", "3", sys.executable, "-m", "libra_hpc.run", "--log-dir", str(tmp_path / "run"),
+         "--set", "cluster.nodes=2"],
+        capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert done.returncode != 0
+    failure = [e for e in read_jsonl(tmp_path / "run" / "events.jsonl") if e["kind"] == "failure"]
+    assert failure and "TopologyError" in failure[0]["error"]
+    assert "3 ranks" in failure[0]["error"] and "cluster.nodes" in failure[0]["error"]
