@@ -12,6 +12,7 @@ from pathlib import Path
 import click
 
 from libra_hpc import launcher
+from libra_hpc.cluster.slurm import SubmissionError
 from libra_hpc.config import ConfigError, load_config
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent / "configs" / "default.yaml"
@@ -37,7 +38,10 @@ def main(config_path, nodes, gpus_per_node, overrides, executor, dry_run, wait):
         click.echo(launcher.describe(cfg, chosen, why))
         return
     if chosen == "slurm":
-        sys.exit(launcher.launch_slurm(cfg, bool(wait), sys.stdout))
+        try:
+            sys.exit(launcher.launch_slurm(cfg, bool(wait), sys.stdout))
+        except SubmissionError as exc:
+            raise click.ClickException(str(exc)) from None
     sys.exit(launcher.launch_local(cfg, wait is not False, sys.stdout))
 
 

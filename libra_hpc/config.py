@@ -107,11 +107,11 @@ class ModelConfig(_Section):
     """The policy model."""
 
     name: str = "tiny"
-    """A label for logs and reports; ``tiny`` is the small model built locally."""
+    """A label for logs and reports; ``tiny`` is the small model built locally. *Validated; not used by the runtime until the engines land.*"""
     path: str | None = None
-    """Directory of a Hugging Face checkpoint; null builds the tiny local model."""
+    """Directory of a Hugging Face checkpoint; null builds the tiny local model. *Validated; not used by the runtime until the engines land.*"""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    """Parameter and activation dtype."""
+    """Parameter and activation dtype. *Validated; not used by the runtime until the engines land.*"""
 
 
 class TrainingConfig(_Section):
@@ -125,11 +125,11 @@ class TrainingConfig(_Section):
     data_parallel: int = Field(1, ge=1)
     """Data-parallel replicas in the core training group (hybrid replicas come on top)."""
     micro_batch_size: int = Field(1, ge=1)
-    """Sequences per micro-batch per DP replica."""
+    """Sequences per micro-batch per DP replica. *Validated; not used by the runtime until the engines land.*"""
     global_batch_size: int = Field(8, ge=1)
-    """Sequences per optimizer step across all replicas."""
+    """Sequences per optimizer step across all replicas. *Validated; not used by the runtime until the engines land.*"""
     lr: float = Field(1e-5, gt=0)
-    """Adam learning rate."""
+    """Adam learning rate. *Validated; not used by the runtime until the engines land.*"""
 
 
 class RolloutConfig(_Section):
@@ -149,9 +149,9 @@ class RolloutConfig(_Section):
             return self.tp_per_node  # type: ignore[return-value]
         return [self.tp_per_node]  # type: ignore[list-item]
     max_new_tokens: int = Field(256, ge=1)
-    """Generation cap per turn, in tokens."""
+    """Generation cap per turn, in tokens. *Validated; not used by the runtime until the engines land.*"""
     temperature: float = Field(1.0, ge=0)
-    """Sampling temperature."""
+    """Sampling temperature. *Validated; not used by the runtime until the engines land.*"""
 
 
 class PlannerConfig(_Section):
@@ -174,16 +174,16 @@ class SchedulerConfig(_Section):
     """Routing of trajectories to rollout instances."""
 
     policy: Literal["cmlfq", "fifo", "least_load", "length_aware", "oracle"] = "cmlfq"
-    """Registered routing policy name."""
+    """Registered routing policy name. *Validated; not used by the runtime until the C-MLFQ scheduler and its baselines land.*"""
 
 
 class ToolsConfig(_Section):
     """Sandboxed tool execution."""
 
     wall_time_s: float = Field(10.0, gt=0)
-    """Wall-clock limit of one tool call, in seconds."""
+    """Wall-clock limit of one tool call, in seconds. *Validated; not used by the runtime until the tool sandbox and orchestrator land.*"""
     max_workers: int = Field(4, ge=1)
-    """Upper bound of the sandbox worker pool."""
+    """Upper bound of the sandbox worker pool. *Validated; not used by the runtime until the tool sandbox and orchestrator land.*"""
 
 
 class RLConfig(_Section):
@@ -192,11 +192,11 @@ class RLConfig(_Section):
     steps: int = Field(4, ge=1)
     """Number of RL steps the controller runs."""
     group_size: int = Field(4, ge=1)
-    """Samples per prompt (GRPO group)."""
+    """Samples per prompt (GRPO group). *Validated; not used by the runtime until the engines land.*"""
     max_staleness: int = Field(1, ge=0)
-    """Policy versions a trajectory may lag behind training; 0 is synchronous RL."""
+    """Policy versions a trajectory may lag behind training; 0 is synchronous RL. *Validated; not used by the runtime until the engines land.*"""
     seed: int = 0
-    """Seed of every random choice of the run."""
+    """Seed of every random choice of the run. *Validated; not used by the runtime until the engines land.*"""
 
 
 class LoggingConfig(_Section):

@@ -63,6 +63,7 @@ def launch_local(cfg: ExperimentConfig, wait: bool, out: TextIO) -> int:
     log_dir.mkdir(parents=True, exist_ok=True)
     config_path = log_dir / "config.yaml"
     config_path.write_text(dump_config(cfg))
+    started = time.time()
     process = local.start(local.mpiexec_command(cfg, config_path, log_dir), log_dir, detach=not wait)
     print(f"job {job_id} (local, pid {process.pid}): {cfg.cluster.total_gpus + 1} ranks under mpiexec", file=out)
     print(f"log folder: {log_dir}", file=out, flush=True)
@@ -75,6 +76,8 @@ def launch_local(cfg: ExperimentConfig, wait: bool, out: TextIO) -> int:
         process.wait()
         print("interrupted: the local job was stopped", file=out)
         return 130
+    if process.returncode != 0:
+        local.remove_stale_shm(since=started - 1)  # a killed world cannot clean up after itself
     return _verdict(process.returncode == 0, f"exit status {process.returncode}", events, log_dir / "job.out", out)
 
 

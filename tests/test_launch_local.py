@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from libra_hpc.cluster.local import remove_stale_shm
 from libra_hpc.metrics.runlog import read_jsonl
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -71,7 +72,7 @@ def test_misspelled_key_suggests_the_right_one(tmp_path):
 
 @pytest.mark.mpi
 def test_local_world_runs_two_layouts_to_completion(tmp_path):
-    done = launch("--nodes", "6", "--set", f"logging.dir={tmp_path}")
+    done = launch("--nodes", "6", "--executor", "local", "--set", f"logging.dir={tmp_path}")
     assert done.returncode == 0, done.stdout + done.stderr
     assert "done: exit status 0" in done.stdout
     folder = only_log_folder(tmp_path)
@@ -96,8 +97,9 @@ def test_local_world_runs_two_layouts_to_completion(tmp_path):
 
 @pytest.mark.mpi
 def test_a_dead_worker_fails_the_job_with_a_clear_report(tmp_path):
+    started = time.time() - 1
     process = subprocess.Popen(
-        [sys.executable, str(ROOT / "launch.py"), "--nodes", "3", "--set", "rl.steps=100000",
+        [sys.executable, str(ROOT / "launch.py"), "--nodes", "3", "--executor", "local", "--set", "rl.steps=100000",
          "--set", "planner.hybrid_nodes=0", "--set", "planner.borrow_at_step=null",
          "--set", "planner.return_at_step=null", "--set", f"logging.dir={tmp_path}"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT, start_new_session=True)
@@ -121,6 +123,8 @@ def test_a_dead_worker_fails_the_job_with_a_clear_report(tmp_path):
         process.wait()
     assert process.returncode == 1, out
     assert "FAILED" in out and "no shutdown event" in out and "job.out" in out
+    left = [p for p in Path("/dev/shm").glob("mpich_shm_*") if p.stat().st_mtime >= started]
+    assert not left, f"the killed world's shared memory was left behind: {left}"
 
 
 def _worker_pid(marker: str) -> int:
@@ -139,10 +143,12 @@ def _worker_pid(marker: str) -> int:
 
 @pytest.mark.mpi
 def test_world_that_does_not_match_the_config_is_refused(tmp_path):
+    started = time.time() - 1
     done = subprocess.run(
         ["mpiexec", "-n", "3", sys.executable, "-m", "libra_hpc.run", "--log-dir", str(tmp_path / "run"),
          "--set", "cluster.nodes=2"],
         capture_output=True, text=True, timeout=120, cwd=ROOT)
+    remove_stale_shm(started)  # MPI_Abort leaves MPICH's shared memory behind
     assert done.returncode != 0
     failure = [e for e in read_jsonl(tmp_path / "run" / "events.jsonl") if e["kind"] == "failure"]
     assert failure and "TopologyError" in failure[0]["error"]

@@ -127,11 +127,24 @@ def run_world_step(command: list[str]) -> int:
 def submit(request: SlurmRequest, config_path: Path, folder: Path) -> str:
     """Submit the job with submitit; returns the Slurm job id."""
     import submitit
+    from submitit.core.utils import FailedJobError
 
     executor = submitit.SlurmExecutor(folder=folder, max_num_timeout=3)
     executor.update_parameters(**request.submitit_parameters())
-    job = executor.submit(run_world_step, request.srun_command(config_path))
+    try:
+        job = executor.submit(run_world_step, request.srun_command(config_path))
+    except FailedJobError as exc:
+        said = [line for line in str(exc).splitlines() if line.strip()]
+        raise SubmissionError(
+            f"sbatch refused {request.nodes} nodes × {request.gpus_per_node} GPUs"
+            f"{f' on partition {request.partition}' if request.partition else ''}: {said[-1] if said else exc} "
+            "(check cluster.nodes, cluster.gpus_per_node, cluster.partition against `sinfo -o '%P %D %G'`)"
+        ) from None
     return str(job.job_id)
+
+
+class SubmissionError(RuntimeError):
+    """Slurm refused the job; the message carries sbatch's reason and the request."""
 
 
 def job_state(job_id: str) -> str | None:
