@@ -40,11 +40,13 @@ def main(argv: list[str] | None = None) -> int:
     from libra_hpc.cluster.world import World  # MPI init happens here, after the config is known to be good
     from libra_hpc.metrics.runlog import RunLog
     from libra_hpc.runtime.controller import run_controller
+    from libra_hpc.runtime.signals import StopRequest
     from libra_hpc.runtime.worker import run_worker
 
     from mpi4py import MPI
 
     rank = MPI.COMM_WORLD.Get_rank()
+    stop = StopRequest().install()  # every rank: Slurm's USR2 must not kill workers either
     logging.basicConfig(level=cfg.logging.level, format=f"%(asctime)s [rank {rank}] %(name)s: %(message)s")
     runlog = None
     try:
@@ -57,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
         world = World.connect(env, cfg.cluster.nodes, cfg.cluster.gpus_per_node, cfg.cluster.torch_backend)
         if world.rank == 0:
             log.info("controller up: %d ranks, log folder %s", world.size, runlog.folder)
-            run_controller(world, cfg, runlog)
+            run_controller(world, cfg, runlog, stop)
         else:
             run_worker(world)
         world.close()

@@ -19,7 +19,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Callable, Iterable
+from collections.abc import Callable, Iterable
 
 log = logging.getLogger(__name__)
 
@@ -186,7 +186,7 @@ class LocalSlurmCluster:
         _remove_orphan_shm(owned, since=self._started_at)
         log.info("Slurm cluster %s stopped; its files stay under %s", self.name, self.root)
 
-    def __enter__(self) -> "LocalSlurmCluster":
+    def __enter__(self) -> LocalSlurmCluster:
         self.start()
         return self
 
@@ -201,7 +201,7 @@ class LocalSlurmCluster:
                                  capture_output=True, timeout=timeout_s)
         except subprocess.TimeoutExpired:
             if check:
-                raise RuntimeError(f"{' '.join(argv)} timed out after {timeout_s} s")
+                raise RuntimeError(f"{' '.join(argv)} timed out after {timeout_s} s") from None
             return ""
         if check and res.returncode != 0:
             raise RuntimeError(f"{' '.join(argv)} failed ({res.returncode}): "

@@ -3,7 +3,6 @@ MPI world under mpiexec with emulated nodes (real mpi4py, real torch gloo groups
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -95,50 +94,74 @@ def test_local_world_runs_two_layouts_to_completion(tmp_path):
     assert "nodes: 6" in (folder / "config.yaml").read_text()
 
 
-@pytest.mark.mpi
-def test_a_dead_worker_fails_the_job_with_a_clear_report(tmp_path):
-    started = time.time() - 1
+def _start_long_world(tmp_path: Path) -> subprocess.Popen:
+    """A local world of 3 emulated nodes that runs until stopped, already past its start."""
     process = subprocess.Popen(
         [sys.executable, str(ROOT / "launch.py"), "--nodes", "3", "--executor", "local", "--set", "rl.steps=100000",
          "--set", "planner.hybrid_nodes=0", "--set", "planner.borrow_at_step=null",
          "--set", "planner.return_at_step=null", "--set", f"logging.dir={tmp_path}"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT, start_new_session=True)
+    deadline = time.monotonic() + 120
+    while not list(tmp_path.glob("*/events.jsonl")) or len(read_jsonl(next(tmp_path.glob("*/events.jsonl")))) < 4:
+        if process.poll() is not None:
+            pytest.fail(f"launch.py ended early:\n{process.stdout.read()}")
+        assert time.monotonic() < deadline, "the world never got going"
+        time.sleep(0.2)
+    return process
+
+
+def _rank_pids(marker: str) -> dict[int, int]:
+    """MPI rank → pid for the ranks of this run (their command line names ``marker``);
+    MPICH exports PMI_RANK to every rank."""
+    pids = {}
+    for pid in subprocess.run(["pgrep", "-f", marker], capture_output=True, text=True).stdout.split():
+        try:
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        for item in environ:
+            if item.startswith(b"PMI_RANK="):
+                pids[int(item.split(b"=")[1])] = int(pid)
+    return pids
+
+
+def _finish(process: subprocess.Popen) -> str:
     try:
-        deadline = time.monotonic() + 120
-        while not list(tmp_path.glob("*/events.jsonl")) or len(read_jsonl(next(tmp_path.glob("*/events.jsonl")))) < 4:
-            if process.poll() is not None:
-                pytest.fail(f"launch.py ended early:\n{process.stdout.read()}")
-            assert time.monotonic() < deadline, "the world never got going"
-            time.sleep(0.2)
-        ranks = json.loads((next(tmp_path.glob("*/events.jsonl"))).read_text().splitlines()[0])["ranks"]
-        assert ranks  # the world is up: find a worker rank's pid and kill it
-        victim = _worker_pid(str(tmp_path))
-        os.kill(victim, signal.SIGKILL)
         out, _ = process.communicate(timeout=120)
+        return out
     finally:
         try:
-            os.killpg(process.pid, signal.SIGKILL)  # launch.py, mpiexec and every rank left
+            os.killpg(process.pid, signal.SIGKILL)  # launch.py, mpiexec and any rank left
         except ProcessLookupError:
             pass
         process.wait()
+
+
+@pytest.mark.mpi
+def test_a_dead_worker_fails_the_job_with_a_clear_report(tmp_path):
+    started = time.time() - 1
+    process = _start_long_world(tmp_path)
+    pids = _rank_pids(str(tmp_path))
+    assert sorted(pids) == list(range(7)), pids
+    os.kill(pids[3], signal.SIGKILL)
+    out = _finish(process)
     assert process.returncode == 1, out
     assert "FAILED" in out and "no shutdown event" in out and "job.out" in out
     left = [p for p in Path("/dev/shm").glob("mpich_shm_*") if p.stat().st_mtime >= started]
     assert not left, f"the killed world's shared memory was left behind: {left}"
 
 
-def _worker_pid(marker: str) -> int:
-    """A rank of this run (its command line names ``marker``) that is not rank 0; MPICH
-    exports PMI_RANK to every rank."""
-    listing = subprocess.run(["pgrep", "-f", marker], capture_output=True, text=True).stdout.split()
-    for pid in listing:
-        try:
-            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if any(item.startswith(b"PMI_RANK=") and item != b"PMI_RANK=0" for item in environ):
-            return int(pid)
-    raise AssertionError(f"no worker rank among {listing}")
+@pytest.mark.mpi
+def test_slurm_time_limit_warning_stops_the_run_cleanly(tmp_path):
+    process = _start_long_world(tmp_path)
+    for pid in _rank_pids(str(tmp_path)).values():  # Slurm signals every task of the step
+        os.kill(pid, signal.SIGUSR2)
+    out = _finish(process)
+    assert process.returncode == 0, out
+    events = read_jsonl(next(tmp_path.glob("*/events.jsonl")))
+    stop = [e for e in events if e["kind"] == "stop_requested"]
+    assert stop and stop[0]["signal"] == "SIGUSR2"
+    assert events[-1]["kind"] == "shutdown" and 0 < events[-1]["steps"] < 100000
 
 
 @pytest.mark.mpi

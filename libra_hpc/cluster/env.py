@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import socket
 from dataclasses import dataclass
-from typing import Mapping
+from collections.abc import Mapping
 
 
 @dataclass(frozen=True)
@@ -34,7 +34,7 @@ class ProcessEnv:
     """SLURM_SUBMIT_DIR: where the job was submitted from."""
 
     @classmethod
-    def read(cls, environ: Mapping[str, str] = os.environ) -> "ProcessEnv":
+    def read(cls, environ: Mapping[str, str] = os.environ) -> ProcessEnv:
         return cls(
             hostname=socket.gethostname(),
             job_id=environ.get("SLURM_JOB_ID"),

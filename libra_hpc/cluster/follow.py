@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Callable, TextIO
+from typing import TextIO
+from collections.abc import Callable
 
 from libra_hpc.metrics.runlog import read_jsonl
 

@@ -161,7 +161,7 @@ def initial_layout(
     return layout
 
 
-def layout_from_config(cfg: "ExperimentConfig") -> Layout:
+def layout_from_config(cfg: ExperimentConfig) -> Layout:
     """The initial layout an experiment config asks for."""
     c, t = cfg.cluster, cfg.training
     return initial_layout(

@@ -6,6 +6,7 @@ from __future__ import annotations
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 SHM = Path("/dev/shm")
@@ -32,21 +33,37 @@ def start(command: list[str], log_dir: Path, detach: bool) -> subprocess.Popen:
     return subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=detach)
 
 
-def remove_stale_shm(since: float) -> list[Path]:
+def remove_stale_shm(since: float, settle_s: float = 5.0) -> list[Path]:
     """Remove MPICH shared-memory files that a killed world left behind: created at or
-    after ``since`` (Unix seconds) and mapped by no live process. Returns what went."""
+    after ``since`` (Unix seconds) and mapped by no live process. Ranks of an aborted world
+    may still be exiting when mpiexec returns, so files still mapped are retried for up to
+    ``settle_s`` seconds. Returns what was removed."""
+    removed: list[Path] = []
+    deadline = time.monotonic() + settle_s
+    while True:
+        mapped = _mapped_shm()
+        busy = False
+        for path in SHM.glob("mpich_shm_*"):
+            try:
+                if path.stat().st_mtime < since:
+                    continue
+                if str(path) in mapped:
+                    busy = True
+                    continue
+                path.unlink()
+                removed.append(path)
+            except OSError:
+                continue  # gone meanwhile
+        if not busy or time.monotonic() >= deadline:
+            return removed
+        time.sleep(0.2)
+
+
+def _mapped_shm() -> set[str]:
     mapped: set[str] = set()
     for maps in Path("/proc").glob("[0-9]*/maps"):
         try:
             mapped.update(line.split(None, 5)[-1].strip() for line in maps.read_text().splitlines() if "/dev/shm/" in line)
         except OSError:
             continue  # the process ended while we looked
-    removed = []
-    for path in SHM.glob("mpich_shm_*"):
-        try:
-            if path.stat().st_mtime >= since and str(path) not in mapped:
-                path.unlink()
-                removed.append(path)
-        except OSError:
-            continue
-    return removed
+    return mapped

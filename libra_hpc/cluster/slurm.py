@@ -42,7 +42,7 @@ class SlurmRequest:
     constraint: str | None = None
 
     @classmethod
-    def from_config(cls, cfg: ExperimentConfig) -> "SlurmRequest":
+    def from_config(cls, cfg: ExperimentConfig) -> SlurmRequest:
         c = cfg.cluster
         return cls(
             job_name=c.job_name, nodes=c.nodes, gpus_per_node=c.gpus_per_node, cpus_per_task=c.cpus_per_task,

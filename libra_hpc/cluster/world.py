@@ -53,7 +53,7 @@ class World:
         self.handle: GroupHandle | None = None
 
     @classmethod
-    def connect(cls, env: ProcessEnv, nodes: int, gpus_per_node: int, backend: str = "auto") -> "World":
+    def connect(cls, env: ProcessEnv, nodes: int, gpus_per_node: int, backend: str = "auto") -> World:
         """Collective over MPI.COMM_WORLD: discover the topology and start torch.distributed."""
         comm = MPI.COMM_WORLD
         cuda = torch.cuda.is_available()

@@ -16,6 +16,7 @@ from libra_hpc.cluster.layout import Layout, layout_from_config, lend_hybrid_to_
 from libra_hpc.cluster.world import World
 from libra_hpc.config import ExperimentConfig
 from libra_hpc.metrics.runlog import RunLog
+from libra_hpc.runtime.signals import StopRequest
 
 log = logging.getLogger(__name__)
 
@@ -33,11 +34,15 @@ def next_layout(cfg: ExperimentConfig, step: int, current: Layout, initial: Layo
     return None
 
 
-def run_controller(world: World, cfg: ExperimentConfig, runlog: RunLog) -> None:
+def run_controller(world: World, cfg: ExperimentConfig, runlog: RunLog, stop: StopRequest) -> None:
     runlog.event("world_started", **world.topology.describe(), backend=world.backend)
     initial = layout = layout_from_config(cfg)
     runlog.event("layout_planned", **layout.summary())
+    steps_done = 0
     for step in range(cfg.rl.steps):
+        if stop:
+            runlog.event("stop_requested", step=step, signal=stop.signal, reason="Slurm's time-limit warning")
+            break
         start = time.perf_counter()
         new = layout if step == 0 else next_layout(cfg, step, layout, initial)
         world.broadcast({"op": "step", "step": step, "layout": new})
@@ -57,8 +62,9 @@ def run_controller(world: World, cfg: ExperimentConfig, runlog: RunLog) -> None:
             rollout_instances=len(layout.rollout_instances),
             probe_ms_max=max(r["torch_ms"] for r in reports),
         )
+        steps_done = step + 1
     world.broadcast({"op": "stop"})
-    runlog.event("shutdown", steps=cfg.rl.steps, final_layout_version=layout.version)
+    runlog.event("shutdown", steps=steps_done, of=cfg.rl.steps, final_layout_version=layout.version)
 
 
 def _check(reports: list[dict], step: int, runlog: RunLog) -> None:
