@@ -171,10 +171,41 @@ class PlannerConfig(_Section):
 
 
 class SchedulerConfig(_Section):
-    """Routing of trajectories to rollout instances."""
+    """Routing of trajectory turns to rollout buckets (C-MLFQ) and the queue service."""
 
     policy: Literal["cmlfq", "fifo", "least_load", "length_aware", "oracle"] = "cmlfq"
-    """Registered routing policy name. *Validated; not used by the runtime until the C-MLFQ scheduler and its baselines land.*"""
+    """Registered routing policy: ``cmlfq`` (causal tool-return signals), ``fifo``
+    (round-robin), ``least_load`` (least outstanding work, one homogeneous pool),
+    ``length_aware`` (a length predictor with ``predictor_noise``), ``oracle`` (true
+    remaining length; a bound for benchmarks and simulations)."""
+    bucket_token_limits: dict[int, int] = Field(default_factory=lambda: {1: 1024, 2: 4096, 4: 16384, 8: 1 << 30})
+    """Rollout TP size → the most remaining output tokens a trajectory may have to be
+    routed to that bucket. Small TP: high throughput for short work; large TP: low
+    latency for long work. Buckets are the MLFQ levels in ascending limit order."""
+    size_thresholds: list[int] = Field(default_factory=lambda: [256, 4096])
+    """Tool output sizes (characters) that separate the payload size classes: with
+    ``[256, 4096]`` an output is S below 256, M below 4096, L otherwise."""
+    error_markers: list[str] = Field(default_factory=lambda: ["Traceback (most recent call last)", "Error:", "error:", "Exception"])
+    """Substrings of a tool's output that mark it as failed even with exit status 0."""
+    tree_window: int = Field(256, ge=2)
+    """Remaining-token samples each causal prefix-tree node keeps (bounded window for
+    the mean and p90)."""
+    min_samples: int = Field(8, ge=1)
+    """Samples a tree node needs before its statistics are trusted; otherwise the
+    shallower node (or the global tree) decides."""
+    rebuild_every: int = Field(1000, ge=1)
+    """Finished trajectories between rebuilds of the trees from the recent window
+    (between rebuilds, each finish updates the trees incrementally)."""
+    tree_save_every_s: float = Field(30.0, gt=0)
+    """Seconds between saves of the trees to the log folder (off the request path)."""
+    lease_s: float = Field(60.0, gt=0)
+    """Seconds a rollout instance holds a turn without a report or heartbeat before the
+    turn is put back in the queue."""
+    max_batch: int = Field(16, ge=1)
+    """Most turns handed out in one answer to an instance asking for work."""
+    predictor_noise: float = Field(0.5, ge=0)
+    """``length_aware`` baseline only: sigma of the multiplicative log-normal error of
+    its length predictor."""
 
 
 class ToolsConfig(_Section):
@@ -289,7 +320,7 @@ def validate_config(raw: dict[str, Any], source: str = "<dict>") -> ExperimentCo
 
 def dump_config(cfg: ExperimentConfig) -> str:
     """The resolved configuration as YAML (what the run really used)."""
-    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
+    return yaml.safe_dump(cfg.model_dump(mode="python"), sort_keys=False)  # int dict keys stay ints
 
 
 def _set_path(raw: dict[str, Any], dotted: str, value: Any) -> None:
@@ -361,6 +392,16 @@ def check_shape(cfg: ExperimentConfig) -> list[str]:
                 f"rollout.tp_per_node: {pattern} sums to {sum(pattern)} GPUs, "
                 f"but a node has cluster.gpus_per_node={g}"
             )
+    sc = cfg.scheduler
+    if sorted(sc.size_thresholds) != sc.size_thresholds or len(set(sc.size_thresholds)) != len(sc.size_thresholds):
+        problems.append(f"scheduler.size_thresholds: {sc.size_thresholds} must be strictly increasing")
+    rollout_tps = {tp for pattern in r.node_patterns for tp in pattern}
+    missing = sorted(rollout_tps - set(sc.bucket_token_limits))
+    if missing:
+        problems.append(
+            f"scheduler.bucket_token_limits: no limit for rollout TP {missing} (used by rollout.tp_per_node); "
+            f"given for {sorted(sc.bucket_token_limits)}"
+        )
     rollout_slots = c.total_gpus - cfg.training_slots
     if rollout_slots < p.min_rollout_gpus:
         problems.append(

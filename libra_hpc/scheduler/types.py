@@ -1,0 +1,89 @@
+"""The contract between the C-MLFQ routing core and the queue service that drives it.
+
+Pure data, no MPI, no torch. The service (scheduler/service.py) owns trajectories, turns
+and leases; a :class:`Router` (scheduler/routers.py) only decides *where* the next turn of
+a trajectory is generated, and learns from finished trajectories.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal, Protocol
+
+Status = Literal["success", "failure", "timeout"]
+
+
+@dataclass(frozen=True, order=True)
+class ToolState:
+    """The causal signal of one tool return: which tool, how big its output, how it ended."""
+
+    tool: str
+    size: str  # a size class name, e.g. "S", "M", "L" (thresholds in SchedulerConfig)
+    status: Status
+
+    def key(self) -> str:
+        """Compact, JSON-safe key used in the prefix tree."""
+        return f"{self.tool}|{self.size}|{self.status}"
+
+
+@dataclass(frozen=True)
+class BucketSpec:
+    """Rollout instances of one TP size. Buckets form the MLFQ levels, ordered by
+    ``token_limit`` ascending: level 0 (top) is for the shortest remaining work."""
+
+    name: str
+    tp: int
+    token_limit: int  # remaining output tokens this bucket is meant for (upper bound)
+    instances: tuple[int, ...]  # instance ids (rollout group ids of the layout)
+    max_outstanding_tokens: int = 1 << 30  # an instance above this is saturated
+
+
+@dataclass
+class TrajectoryView:
+    """What a router may know about a trajectory when placing its next turn."""
+
+    tid: str
+    prompt_id: str
+    states: tuple[ToolState, ...] = ()  # tool returns so far, oldest first
+    generated_tokens: int = 0
+    bucket: str | None = None  # where its previous turn ran (None: new)
+    true_remaining: int | None = None  # known only to the oracle (simulations, benchmarks)
+
+
+@dataclass(frozen=True)
+class Placement:
+    bucket: str
+    instance: int
+    migrated: bool = False  # the bucket changed: the KV cache is recomputed at the destination
+    reason: str = ""
+
+
+@dataclass
+class FinishedTrajectory:
+    """Input for learning: ``remaining_after[d]`` is the output tokens generated after the
+    d-th tool return (``remaining_after[0]``: after the start, i.e. the whole output), so
+    ``len(remaining_after) == len(states) + 1``."""
+
+    prompt_id: str
+    states: tuple[ToolState, ...]
+    remaining_after: tuple[int, ...]
+    extra: dict = field(default_factory=dict)
+
+
+class Router(Protocol):
+    """Where turns run. Implementations: CmlfqRouter and the baselines, by registered name."""
+
+    name: str
+
+    def place(self, view: TrajectoryView) -> Placement:
+        """Choose bucket and instance for the trajectory's next turn (first turn when
+        ``view.bucket`` is None). Must return an instance of ``buckets``."""
+
+    def turn_started(self, instance: int, expected_tokens: int) -> None:
+        """A turn was handed to ``instance`` (load accounting)."""
+
+    def turn_ended(self, instance: int, expected_tokens: int) -> None:
+        """That turn ended (done, failed or its lease expired)."""
+
+    def observe(self, finished: FinishedTrajectory) -> None:
+        """Learn from a finished trajectory. O(depth): called on the service's hot path."""
