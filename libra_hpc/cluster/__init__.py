@@ -1,0 +1,1 @@
+"""Slurm/MPI world: environment, topology, layouts, communicator splits, submission."""

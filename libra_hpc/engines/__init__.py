@@ -1,0 +1,1 @@
+"""Rollout (vLLM) and training (Megatron-Core) engines (not built yet)."""

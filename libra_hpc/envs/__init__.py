@@ -1,0 +1,1 @@
+"""Agentic tasks: multi-turn environments with tools and verifiers (not built yet)."""

@@ -1,0 +1,1 @@
+"""The run's log folder: JSON-lines events and metrics."""

@@ -1,0 +1,1 @@
+"""Trajectories, rewards, GRPO advantages and loss, staleness bound (not built yet)."""

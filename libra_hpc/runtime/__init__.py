@@ -1,0 +1,1 @@
+"""Controller loop (rank 0) and worker loop (ranks >= 1)."""
