@@ -1,0 +1,315 @@
+"""C-MLFQ queue service and routing: throughput, latency, cost and quality.
+
+    python benchmarks/bench_cmlfq.py [--clients 4] [--mpi-seconds 3]
+
+In-process (no MPI, best of 3): the routing cost of ``CmlfqRouter.place`` after tool
+returns, the learning cost of ``observe`` per finished trajectory, the QueueService loop with asks, tool returns and finishes (tree updates included), the
+rebuild of a causal index from 10,000 trajectories, and routing quality on the synthetic
+workload (bucket accuracy of cmlfq against always keeping the top level).
+
+Under MPI (the script re-launches itself with ``mpiexec -n clients+1``): rank 0 serves,
+the clients act as rollout instance leaders (one instance per bucket; each client asks
+for all instances in rotation, so that no bucket's share of the work idles a client).
+First the raw request/reply rate of an empty server (same transport, a constant reply),
+then the real service: clients loop ask → tool_return … → finish over synthetic trajectories, first one
+request per report (the headline), then with the batch op (the reports of a batch of
+turns and the next ask in one message). A decision is a tool_return answered with a
+placement; its latency is the client's round trip. A last run repeats the batched one
+with clients that sleep between probes for their reply (``QueueClient(poll_s=...)``), as
+on a host with more ranks than cores. Prints a table; the last line is one JSON object
+with the headline figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from libra_hpc.scheduler.routers import make_router
+from libra_hpc.scheduler.service import QueueService
+from libra_hpc.scheduler.synthetic import default_buckets, evaluate_routing, generate, split_by_sample
+from libra_hpc.scheduler.types import TrajectoryView
+
+THRESHOLDS, MARKERS = [256, 4096], ["Traceback (most recent call last)", "Error:"]
+OUTPUT = {"S": "x" * 16, "M": "x" * 1000, "L": "x" * 5000}  # a tool output of each size class
+SEED = 0
+
+
+def cmlfq(buckets, rebuild_every=1000):
+    return make_router("cmlfq", buckets, window=256, min_samples=8, rebuild_every=rebuild_every)
+
+
+def trained_router(buckets, train):
+    router = cmlfq(buckets)
+    for trajectory in train:
+        router.observe(trajectory.finished())
+    return router
+
+
+def report_of(trajectory, turn: int) -> dict:
+    """The protocol report of ``turn`` of a synthetic trajectory (lease left out)."""
+    if turn == len(trajectory.states):
+        return {"op": "finish", "tokens": trajectory.turns[turn]}
+    state = trajectory.states[turn]
+    return {"op": "tool_return", "tool": state.tool, "output": OUTPUT[state.size],
+            "exit_code": 1 if state.status == "failure" else 0, "timed_out": state.status == "timeout",
+            "tokens": trajectory.turns[turn]}
+
+
+def new_service(router):
+    return QueueService(router, lease_s=60.0, max_batch=16, size_thresholds=THRESHOLDS, error_markers=MARKERS)
+
+
+# -------------------------------------------------------------------- in-process
+
+def bench_route_us(train, test, buckets) -> float:
+    router = trained_router(buckets, train)
+    views = [TrajectoryView(t.tid, t.prompt_id, t.states[:d], sum(t.turns[:d]), "tp1")
+             for t in test for d in range(1, len(t.turns))]
+    start = time.perf_counter()
+    for view in views:
+        router.place(view)
+    return (time.perf_counter() - start) / len(views) * 1e6
+
+
+def bench_observe_us(train, test, buckets, rebuild_every: int) -> float:
+    router = cmlfq(buckets, rebuild_every)
+    for trajectory in train:
+        router.observe(trajectory.finished())
+    finished = [t.finished() for t in test]
+    start = time.perf_counter()
+    for f in finished:
+        router.observe(f)
+    return (time.perf_counter() - start) / len(finished) * 1e6
+
+
+def bench_loop(train, work, buckets) -> dict:
+    """Submit in waves, then asks, tool returns and finishes until every trajectory is done."""
+    service = new_service(trained_router(buckets, train))
+    by_tid = {t.tid: t for t in work}
+    instances = [i for b in buckets for i in b.instances]
+    now, wave = 0.0, 2000
+    start = time.perf_counter()
+    for first in range(0, len(work), wave):
+        for t in work[first:first + wave]:
+            service.submit(t.tid, t.prompt_id)
+        while service.stats()["active"]:
+            for instance in instances:
+                reply = service.handle({"op": "ask", "instance": instance, "max": 16}, now)
+                for turn in reply["turns"]:
+                    message = report_of(by_tid[turn["tid"]], turn["turn"])
+                    message["lease"] = turn["lease"]
+                    assert service.handle(message, now)["ok"]
+            now += 0.001
+    elapsed = time.perf_counter() - start
+    stats = service.stats()
+    assert stats["completed"] == len(work)
+    return {"loop_decisions_per_s": stats["decisions"] / elapsed, "loop_s": elapsed, "loop_decisions": stats["decisions"],
+            "loop_migrations": stats["migrations"]}
+
+
+def bench_rebuild(trajectories, buckets) -> float:
+    router = cmlfq(buckets, rebuild_every=10_000)
+    for t in trajectories[:10_000]:
+        router.observe(t.finished())
+    start = time.perf_counter()
+    router.index.rebuild()
+    return time.perf_counter() - start
+
+
+# ---------------------------------------------------------------------------- MPI
+
+class _Echo:
+    """An empty server: the transport alone."""
+
+    def handle(self, message, now):
+        return {"ok": True}
+
+    def expire(self, now):
+        return 0
+
+
+def mpi_main(args) -> None:
+    from mpi4py import MPI
+
+    from libra_hpc.scheduler.mpi_service import QueueClient, serve
+    comm = MPI.COMM_WORLD
+    rank = comm.Get_rank()
+    clients = comm.Split(MPI.UNDEFINED if rank == 0 else 1, rank)
+    buckets = default_buckets()
+    instances = [i for b in buckets for i in b.instances]
+    train, work = split_by_sample(generate(args.prompts, 16, SEED), 8)
+    by_tid = {t.tid: t for t in work}
+    out = {}
+
+    def phase(server, client, poll_s=None):
+        """Rank 0 runs ``server()`` (a serve loop), the clients ``client(queue)``, then
+        the clients stop it; returns the server's result and the clients' (rank 0 only)."""
+        comm.Barrier()
+        if rank == 0:
+            mine = server()
+        else:
+            queue = QueueClient(comm, poll_s=poll_s)
+            mine = client(queue)
+            clients.Barrier()
+            if rank == 1:
+                queue.shutdown()
+        gathered = comm.gather(mine)
+        return gathered and (gathered[0], gathered[1:])
+
+    def full_service():
+        service = new_service(trained_router(buckets, train))
+        for t in work:
+            service.submit(t.tid, t.prompt_id)
+        return service
+
+    probe = report_of(work[0], 0) | {"lease": 1}
+    raw = phase(lambda: serve(comm, _Echo()), lambda queue: _raw_client(queue, probe, args.mpi_seconds))
+    rotation = instances[rank - 1:] + instances[:rank - 1] if rank else []
+    for mode, poll_s in (("single", None), ("batched", None), ("batched_poll", args.poll_s)):
+        service = full_service() if rank == 0 else None
+        batched = mode != "single"
+        result = phase(lambda service=service: (serve(comm, service), service.stats()),
+                       lambda queue, batched=batched: _client(queue, rotation, by_tid, batched=batched), poll_s)
+        if rank == 0:
+            (transport, stats), runs = result
+            assert stats["completed"] == len(work), stats
+            latencies = sorted(x for r in runs for x in r["latencies"])
+            elapsed = max(r["elapsed"] for r in runs)
+            prefix = "" if mode == "single" else f"{mode}_"
+            out.update({f"{prefix}decisions_per_s": stats["decisions"] / elapsed,
+                        f"{prefix}requests_per_s": transport["requests"] / elapsed,
+                        f"{prefix}p50_ms": latencies[len(latencies) // 2] * 1e3,
+                        f"{prefix}p99_ms": latencies[int(len(latencies) * 0.99)] * 1e3,
+                        f"{prefix}elapsed_s": elapsed})
+            if mode == "single":
+                out.update(decisions=stats["decisions"], trajectories=len(work), migrations=stats["migrations"],
+                           empty_asks=sum(r["empty_asks"] for r in runs))
+    if rank == 0:
+        _, counts = raw
+        out["raw_msgs_per_s"] = sum(c for c, _ in counts) / max(s for _, s in counts)
+        print("MPI_RESULT " + json.dumps(out), flush=True)
+    else:
+        clients.Free()
+
+
+def _raw_client(queue, probe: dict, seconds: float) -> tuple[int, float]:
+    count, start = 0, time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        for _ in range(100):
+            queue.request(probe)
+        count += 100
+    return count, time.perf_counter() - start
+
+
+def _client(queue, instances: list[int], by_tid: dict, batched: bool) -> dict:
+    """Asks for the instances in rotation (its own first), so that every client stays busy
+    whatever each bucket's share of the work: the server, not one bucket, is the limit.
+    ``batched``: the reports of a batch of turns and the next ask go in one message.
+    Latencies: round trips that carried a tool return."""
+    latencies, empty, backoff, asks, idle, turns = [], 0, 0.0, 0, 0, []
+    start = time.perf_counter()
+    while True:
+        reports = []
+        for turn in turns:
+            message = report_of(by_tid[turn["tid"]], turn["turn"])
+            message["lease"] = turn["lease"]
+            reports.append(message)
+        ask = {"op": "ask", "instance": instances[asks % len(instances)], "max": 16}
+        asks += 1
+        if batched:
+            sent = time.perf_counter()
+            reply = queue.batch(reports + [ask])[-1]
+            if any(r["op"] == "tool_return" for r in reports):
+                latencies.append(time.perf_counter() - sent)
+        else:
+            for message in reports:
+                sent = time.perf_counter()
+                queue.request(message)
+                if message["op"] == "tool_return":
+                    latencies.append(time.perf_counter() - sent)
+            reply = queue.request(ask)
+        turns = reply["turns"]
+        if turns:
+            idle, backoff = 0, 0.0
+            continue
+        if reply["active"] == 0:
+            break
+        empty += 1
+        idle += 1
+        if idle >= len(instances):  # nothing anywhere: poll again after a growing backoff
+            backoff, idle = min(max(backoff * 2, 1e-4), 2e-3), 0
+            time.sleep(backoff)
+    return {"latencies": latencies, "elapsed": time.perf_counter() - start, "empty_asks": empty}
+
+
+def run_mpi(args) -> dict:
+    command = ["mpiexec", "-n", str(args.clients + 1), sys.executable, str(Path(__file__).resolve()), "--mpi-part",
+               "--mpi-seconds", str(args.mpi_seconds), "--prompts", str(args.prompts), "--poll-s", str(args.poll_s)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300, check=False)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("MPI_RESULT ")]
+    if done.returncode != 0 or not lines:
+        raise SystemExit(f"the MPI part failed (exit {done.returncode}):\n{done.stdout}\n{done.stderr}")
+    return json.loads(lines[-1].removeprefix("MPI_RESULT "))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--clients", type=int, default=4, help="rollout instance leaders (MPI ranks besides the server)")
+    parser.add_argument("--mpi-seconds", type=float, default=3.0, help="duration of the raw request/reply phase")
+    parser.add_argument("--prompts", type=int, default=600, help="synthetic prompts (16 samples each, half for training)")
+    parser.add_argument("--poll-s", type=float, default=1e-5,
+                        help="QueueClient poll_s of the last service run (clients sleep instead of spinning)")
+    parser.add_argument("--mpi-part", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.mpi_part:
+        return mpi_main(args)
+    buckets = default_buckets()
+    everything = generate(1000, 16, SEED)
+    train, test = split_by_sample(everything, 4)
+    results = {"route_us": min(bench_route_us(train, test, buckets) for _ in range(3)),
+               "observe_us": min(bench_observe_us(train, test, buckets, 1000) for _ in range(3)),
+               "observe_no_rebuild_us": min(bench_observe_us(train, test, buckets, 10**9) for _ in range(3))}
+    results.update(max((bench_loop(train, test, buckets) for _ in range(3)), key=lambda r: r["loop_decisions_per_s"]))
+    results["rebuild_10k_s"] = min(bench_rebuild(train, buckets) for _ in range(3))
+    quality = evaluate_routing(cmlfq, train, test, buckets)
+    results.update(bucket_accuracy=quality["bucket_accuracy"], top_level_accuracy=quality["top_level_accuracy"],
+                   mean_level_error=quality["mean_level_error"])
+    results.update(run_mpi(args))
+    rows = [("routing cost, CmlfqRouter.place after a tool return", f"{results['route_us']:.2f} µs", "≤ 20 µs"),
+            ("CmlfqRouter.observe per finish, rebuild every 1000 / never",
+             f"{results['observe_us']:.1f} / {results['observe_no_rebuild_us']:.1f} µs", ""),
+            ("in-process loop (ask, tool_return, finish)", f"{results['loop_decisions_per_s']:,.0f} decisions/s", "≥ 50,000"),
+            ("rebuild of the causal index, 10k trajectories", f"{results['rebuild_10k_s']:.3f} s", "≤ 1 s"),
+            ("bucket accuracy: cmlfq / always top level",
+             f"{results['bucket_accuracy']:.3f} / {results['top_level_accuracy']:.3f}", "cmlfq higher"),
+            (f"MPI raw request/reply, {args.clients} clients", f"{results['raw_msgs_per_s']:,.0f} msgs/s", "the limit"),
+            ("MPI service, one request per report: requests", f"{results['requests_per_s']:,.0f} req/s", ""),
+            ("MPI service, one request per report: decisions", f"{results['decisions_per_s']:,.0f} decisions/s",
+             f"≥ {results['raw_msgs_per_s'] / 2:,.0f} (50% raw)"),
+            ("  decision latency p50 / p99", f"{results['p50_ms']:.3f} / {results['p99_ms']:.3f} ms", ""),
+            ("MPI service, batch op (reports + ask): decisions", f"{results['batched_decisions_per_s']:,.0f} decisions/s",
+             ""),
+            ("  batch round trip p50 / p99", f"{results['batched_p50_ms']:.3f} / {results['batched_p99_ms']:.3f} ms",
+             ""),
+            (f"  the same, clients sleep {args.poll_s * 1e6:g} µs between probes",
+             f"{results['batched_poll_decisions_per_s']:,.0f} decisions/s", "")]
+    width = max(len(r[0]) for r in rows)
+    print(f"{'measure':<{width}}  {'measured':>28}  target")
+    for name, value, target in rows:
+        print(f"{name:<{width}}  {value:>28}  {target}")
+    print(f"(MPI: {results['trajectories']} trajectories, {results['decisions']} decisions, "
+          f"{results['migrations']} migrations, {results['empty_asks']} empty asks, {results['elapsed_s']:.2f} s; "
+          f"{os.cpu_count()} cores)")
+    keys = ("decisions_per_s", "raw_msgs_per_s", "p99_ms", "route_us", "loop_decisions_per_s", "rebuild_10k_s",
+            "bucket_accuracy", "top_level_accuracy", "batched_decisions_per_s", "batched_poll_decisions_per_s")
+    print(json.dumps({k: round(results[k], 4) for k in keys}))
+
+
+if __name__ == "__main__":
+    main()

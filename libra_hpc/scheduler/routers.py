@@ -1,0 +1,390 @@
+"""Routing policies behind the :class:`~libra_hpc.scheduler.types.Router` protocol.
+
+Buckets are the MLFQ levels, sorted by ``token_limit`` ascending: level 0 (top) takes the
+shortest remaining work. Every policy is registered by name (``SchedulerConfig.policy``):
+
+- ``cmlfq``: :class:`CmlfqRouter`, the paper's causal multi-level feedback queue.
+- ``fifo``: :class:`FifoRouter`, round-robin, never changes a trajectory's bucket.
+- ``least_load``: :class:`LeastLoadRouter`, least outstanding work over one pool.
+- ``length_aware``: :class:`LengthAwareRouter`, a noisy length predictor.
+- ``oracle``: :class:`OracleRouter`, the true remaining length (a bound).
+
+All share the load accounting (:meth:`RouterBase.turn_started` / ``turn_ended``: the
+expected tokens of the turns each instance is running) and the counters ``decisions``,
+``migrations`` (the bucket changed: the KV cache is recomputed at the destination) and
+``fallbacks`` (the chosen bucket had no unsaturated instance, a neighbour took the turn).
+
+Instance choice inside a bucket: the least outstanding work among unsaturated instances,
+ties to the instance listed first. Fallback order from level ``l``: ``l+1, l-1, l+2,
+l-2, ...`` (a longer level first: it can finish the work, a shorter one may cut it). When
+every instance everywhere is saturated, the turn still has to run: it goes to the least
+loaded instance of the first non-empty bucket in that order, saturation ignored.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import math
+import random
+from bisect import bisect_left
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from libra_hpc.scheduler.tree import CausalIndex
+from libra_hpc.scheduler.types import (
+    BucketSpec,
+    FinishedTrajectory,
+    Placement,
+    Router,
+    TrajectoryView,
+)
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RouterOptions:
+    """Every policy's knobs, so one factory builds any of them (each uses what it needs).
+
+    ``window``: samples per causal-tree node. ``min_samples``: samples before a node is
+    trusted. ``rebuild_every``: finished trajectories between tree rebuilds.
+    ``predictor_noise``: sigma of the length_aware predictor's log-normal error.
+    ``seed``: the only source of randomness."""
+
+    window: int = 256
+    min_samples: int = 8
+    rebuild_every: int = 1000
+    predictor_noise: float = 0.5
+    seed: int = 0
+
+
+ROUTERS: dict[str, type[RouterBase]] = {}
+
+
+def register(name: str) -> Callable[[type[RouterBase]], type[RouterBase]]:
+    """Class decorator: make a policy available to :func:`make_router` under ``name``."""
+    def add(cls: type[RouterBase]) -> type[RouterBase]:
+        if name in ROUTERS:
+            raise ValueError(f"router name {name!r} is already registered by {ROUTERS[name].__name__}")
+        cls.name = name
+        ROUTERS[name] = cls
+        return cls
+    return add
+
+
+def validate_buckets(buckets: Sequence[BucketSpec]) -> tuple[BucketSpec, ...]:
+    """The buckets sorted by ``token_limit`` (the MLFQ levels), after checking unique
+    names, distinct positive limits, instance ids unique across buckets and at least one
+    instance overall; ValueError names the offending bucket or instance."""
+    names, owner = set(), {}
+    for bucket in buckets:
+        if bucket.name in names:
+            raise ValueError(f"bucket name {bucket.name!r} appears twice; bucket names must be unique")
+        names.add(bucket.name)
+        if bucket.token_limit <= 0 or bucket.max_outstanding_tokens <= 0:
+            raise ValueError(f"bucket {bucket.name!r}: token_limit={bucket.token_limit} and max_outstanding_tokens="
+                             f"{bucket.max_outstanding_tokens} must be positive token counts")
+        for instance in bucket.instances:
+            if instance in owner:
+                raise ValueError(f"instance {instance} is in both bucket {owner[instance]!r} and {bucket.name!r}; "
+                                 "an instance belongs to exactly one bucket")
+            owner[instance] = bucket.name
+    if not owner:
+        raise ValueError(f"no rollout instance in any bucket ({[b.name for b in buckets]}); a router needs at least one")
+    ordered = tuple(sorted(buckets, key=lambda b: b.token_limit))
+    for lower, upper in itertools.pairwise(ordered):
+        if lower.token_limit == upper.token_limit:
+            raise ValueError(f"buckets {lower.name!r} and {upper.name!r} share token_limit={lower.token_limit}; "
+                             "MLFQ levels need distinct limits")
+    return ordered
+
+
+def outward_order(level: int, levels: int) -> tuple[int, ...]:
+    """``level`` then its neighbours outward, the longer (higher index) one first."""
+    order = [level]
+    for step in range(1, levels):
+        order.extend(x for x in (level + step, level - step) if 0 <= x < levels)
+    return tuple(order)
+
+
+class RouterBase:
+    """Buckets, levels, per-instance outstanding work and the counters every policy shares."""
+
+    name = "base"
+
+    def __init__(self, buckets: Sequence[BucketSpec]):
+        self.buckets = validate_buckets(buckets)
+        self.level_of = {bucket.name: level for level, bucket in enumerate(self.buckets)}
+        self.limits = [bucket.token_limit for bucket in self.buckets]
+        self.outstanding = {instance: 0 for bucket in self.buckets for instance in bucket.instances}
+        self._order = [outward_order(level, len(self.buckets)) for level in range(len(self.buckets))]
+        self.decisions = self.migrations = self.fallbacks = 0
+
+    @classmethod
+    def build(cls, buckets: Sequence[BucketSpec], options: RouterOptions) -> RouterBase:
+        """Construct from the shared options (what :func:`make_router` calls)."""
+        return cls(buckets)
+
+    # --- load accounting ---
+    def turn_started(self, instance: int, expected_tokens: int) -> None:
+        """A turn of ``expected_tokens`` was handed to ``instance``."""
+        self._check(instance, expected_tokens)
+        self.outstanding[instance] += expected_tokens
+
+    def turn_ended(self, instance: int, expected_tokens: int) -> None:
+        """That turn ended (done, failed or its lease expired); pass the same tokens."""
+        self._check(instance, expected_tokens)
+        left = self.outstanding[instance] - expected_tokens
+        if left < 0:
+            raise ValueError(f"instance {instance}: turn_ended({expected_tokens}) with only "
+                             f"{self.outstanding[instance]} outstanding tokens; was the turn ended twice?")
+        self.outstanding[instance] = left
+
+    def _check(self, instance: int, expected_tokens: int) -> None:
+        if instance not in self.outstanding:
+            raise KeyError(f"unknown rollout instance {instance}; this router's instances are {sorted(self.outstanding)}")
+        if expected_tokens < 0:
+            raise ValueError(f"instance {instance}: expected_tokens={expected_tokens} must be >= 0")
+
+    def observe(self, finished: FinishedTrajectory) -> None:
+        """Baselines learn nothing from finished trajectories."""
+
+    def counters(self) -> dict[str, int]:
+        return {"decisions": self.decisions, "migrations": self.migrations, "fallbacks": self.fallbacks}
+
+    # --- shared placement rules ---
+    def level_for(self, tokens: float) -> int:
+        """The level whose token_limit is the smallest >= ``tokens`` (beyond all: the last)."""
+        return min(bisect_left(self.limits, tokens), len(self.limits) - 1)
+
+    def least_loaded(self, level: int, respect_saturation: bool = True) -> int | None:
+        """The instance of ``level`` with the least outstanding work (first listed on ties);
+        None when the bucket is empty, or every instance is saturated."""
+        bucket = self.buckets[level]
+        best, best_load = None, None
+        limit = bucket.max_outstanding_tokens if respect_saturation else math.inf
+        for instance in bucket.instances:
+            load = self.outstanding[instance]
+            if load < limit and (best_load is None or load < best_load):
+                best, best_load = instance, load
+        return best
+
+    def place_near(self, level: int) -> tuple[int, int]:
+        """(level, instance) for a turn meant for ``level``, by the fallback rule."""
+        for candidate in self._order[level]:
+            instance = self.least_loaded(candidate)
+            if instance is not None:
+                return candidate, instance
+        for candidate in self._order[level]:
+            if self.buckets[candidate].instances:
+                return candidate, self.least_loaded(candidate, respect_saturation=False)
+        raise AssertionError("validate_buckets guarantees an instance")  # pragma: no cover
+
+    def placement(self, view: TrajectoryView, target: int, reason: str) -> Placement:
+        """Place near ``target`` and count the decision, fallback and migration."""
+        level, instance = self.place_near(target)
+        if level != target:
+            self.fallbacks += 1
+            reason = f"{reason}; fell back from {self.buckets[target].name}"
+        return self.record(view, level, instance, reason)
+
+    def record(self, view: TrajectoryView, level: int, instance: int, reason: str) -> Placement:
+        """The Placement of a decision, counted (a migration when the bucket changed)."""
+        self.decisions += 1
+        bucket = self.buckets[level].name
+        migrated = view.bucket is not None and view.bucket != bucket
+        self.migrations += migrated
+        return Placement(bucket, instance, migrated, reason)
+
+
+@register("cmlfq")
+class CmlfqRouter(RouterBase):
+    """Causal MLFQ: start at the top level; after each tool return, look the trajectory's
+    tool-return sequence up in the causal index (per-prompt tree, global fallback) and map
+    the node's remaining-token mean and p90 to levels; move the next turn only when both
+    map to the same level and it differs from the current one (up or down). No length
+    predictor. The trees are rebuilt from the recent window every ``rebuild_every``
+    finished trajectories."""
+
+    def __init__(self, buckets: Sequence[BucketSpec], *, window: int = 256, min_samples: int = 8,
+                 rebuild_every: int = 1000, retain: int | None = None):
+        super().__init__(buckets)
+        if rebuild_every < 1:
+            raise ValueError(f"rebuild_every={rebuild_every} finished trajectories must be >= 1")
+        self.rebuild_every = rebuild_every
+        self.index = CausalIndex(window, min_samples, retain or max(rebuild_every, window))
+        self.observed = 0
+
+    @classmethod
+    def build(cls, buckets: Sequence[BucketSpec], options: RouterOptions) -> CmlfqRouter:
+        return cls(buckets, window=options.window, min_samples=options.min_samples,
+                   rebuild_every=options.rebuild_every)
+
+    def place(self, view: TrajectoryView) -> Placement:
+        current = self.level_of.get(view.bucket) if view.bucket is not None else None
+        if current is None:  # new, or its bucket left the layout: start at the top
+            return self.placement(view, 0, "new" if view.bucket is None else f"bucket {view.bucket!r} gone")
+        if not view.states:
+            return self.placement(view, current, "no tool return")
+        found = self.index.match(view.prompt_id, view.states)
+        if found is None:
+            return self.placement(view, current, "no trusted node")
+        by_mean, by_p90 = self.level_for(found.stats.mean), self.level_for(found.stats.p90)
+        if by_mean != by_p90:
+            return self.placement(view, current, f"mean/p90 disagree ({found.source} depth {found.depth})")
+        if by_mean == current:
+            return self.placement(view, current, f"stay ({found.source} depth {found.depth})")
+        return self.placement(view, by_mean, f"move ({found.source} depth {found.depth})")
+
+    def observe(self, finished: FinishedTrajectory) -> None:
+        """Learn incrementally (O(depth)); every ``rebuild_every``-th call also rebuilds."""
+        self.index.observe(finished)
+        self.observed += 1
+        if self.observed % self.rebuild_every == 0:
+            self.index.rebuild()
+
+    def state_dict(self) -> dict:
+        """The causal index as JSON (for the service's periodic save)."""
+        return self.index.to_json()
+
+    def load_state_dict(self, state: dict) -> None:
+        """Resume from :meth:`state_dict`. A saved index with another window or retention
+        than configured is rebuilt, with the configured ones, from its retained
+        trajectories (the configuration wins)."""
+        loaded = CausalIndex.from_json(state)
+        loaded.min_samples = self.index.min_samples
+        if (loaded.window, loaded.retain) != (self.index.window, self.index.retain):
+            logger.info("saved causal index has window %d and retain %d, configured %d and %d: rebuilding",
+                        loaded.window, loaded.retain, self.index.window, self.index.retain)
+            fresh = CausalIndex(self.index.window, self.index.min_samples, self.index.retain)
+            fresh.recent.extend(loaded.recent)
+            fresh.rebuild()
+            loaded = fresh
+        self.index = loaded
+
+
+@register("fifo")
+class FifoRouter(RouterBase):
+    """Round-robin: a new trajectory takes the next instance over all buckets in level
+    order; later turns take the next instance of the trajectory's bucket. Load-blind and
+    never changes a trajectory's bucket (unless that bucket left the layout)."""
+
+    def __init__(self, buckets: Sequence[BucketSpec]):
+        super().__init__(buckets)
+        self._all = [(level, i) for level, b in enumerate(self.buckets) for i in b.instances]
+        self._next_all = 0
+        self._next_in: dict[int, int] = defaultdict(int)
+
+    def place(self, view: TrajectoryView) -> Placement:
+        level = self.level_of.get(view.bucket) if view.bucket is not None else None
+        if level is None or not self.buckets[level].instances:
+            level, instance = self._all[self._next_all % len(self._all)]
+            self._next_all += 1
+            return self.record(view, level, instance, "round-robin over all")
+        instances = self.buckets[level].instances
+        instance = instances[self._next_in[level] % len(instances)]
+        self._next_in[level] += 1
+        return self.record(view, level, instance, "round-robin in bucket")
+
+
+@register("least_load")
+class LeastLoadRouter(RouterBase):
+    """One homogeneous pool: a new trajectory takes the instance with the least outstanding
+    work over all buckets; later turns the least loaded instance of its own bucket (never
+    migrates unless that bucket left the layout). Saturation only breaks ties in favour of
+    unsaturated instances: the pool has nowhere else to send work."""
+
+    def place(self, view: TrajectoryView) -> Placement:
+        level = self.level_of.get(view.bucket) if view.bucket is not None else None
+        if level is None:
+            candidates = [(self._saturated(i, b), self.outstanding[i], lv, i)
+                          for lv, b in enumerate(self.buckets) for i in b.instances]
+            _, _, level, instance = min(candidates, key=lambda c: c[:2])
+        else:
+            instance = self.least_loaded(level)
+            if instance is None:  # all saturated: stay anyway
+                instance = self.least_loaded(level, respect_saturation=False)
+            if instance is None:  # its bucket has no instance left
+                level, instance = self.place_near(level)
+        return self.record(view, level, instance, "least load")
+
+    def _saturated(self, instance: int, bucket: BucketSpec) -> bool:
+        return self.outstanding[instance] >= bucket.max_outstanding_tokens
+
+
+class _TrueLengthRouter(RouterBase):
+    """Maps an estimate of ``view.true_remaining`` to a level at every turn, first included."""
+
+    def estimate(self, true_remaining: int) -> float:
+        raise NotImplementedError
+
+    def place(self, view: TrajectoryView) -> Placement:
+        if view.true_remaining is None:
+            raise ValueError(f"{self.name} router needs view.true_remaining (trajectory {view.tid!r}); "
+                             "it exists only in simulations and benchmarks")
+        estimate = self.estimate(view.true_remaining)
+        return self.placement(view, self.level_for(estimate), f"{self.name} estimate {estimate:.0f}")
+
+
+@register("length_aware")
+class LengthAwareRouter(_TrueLengthRouter):
+    """A length predictor: the true remaining length times ``exp(N(0, noise))``, drawn
+    afresh at every decision from a seeded generator; the estimate's level, least load
+    inside, neighbour fallback."""
+
+    def __init__(self, buckets: Sequence[BucketSpec], *, noise: float = 0.5, seed: int = 0):
+        super().__init__(buckets)
+        if noise < 0:
+            raise ValueError(f"predictor_noise={noise} must be >= 0 (sigma of a log-normal error)")
+        self.noise = noise
+        self.rng = random.Random(seed)
+
+    @classmethod
+    def build(cls, buckets: Sequence[BucketSpec], options: RouterOptions) -> LengthAwareRouter:
+        return cls(buckets, noise=options.predictor_noise, seed=options.seed)
+
+    def estimate(self, true_remaining: int) -> float:
+        return true_remaining * math.exp(self.rng.gauss(0.0, self.noise)) if self.noise else float(true_remaining)
+
+
+@register("oracle")
+class OracleRouter(_TrueLengthRouter):
+    """The level of the true remaining length, exactly (an upper bound for benchmarks)."""
+
+    def estimate(self, true_remaining: int) -> float:
+        return float(true_remaining)
+
+
+def make_router(policy: str, buckets: Sequence[BucketSpec], *, window: int, min_samples: int,
+                rebuild_every: int, predictor_noise: float = 0.5, seed: int = 0) -> Router:
+    """The registered policy ``policy`` over ``buckets``; ValueError lists the names."""
+    if policy not in ROUTERS:
+        raise ValueError(f"unknown routing policy {policy!r}; registered policies: {sorted(ROUTERS)}")
+    options = RouterOptions(window, min_samples, rebuild_every, predictor_noise, seed)
+    return ROUTERS[policy].build(buckets, options)
+
+
+def router_from_config(cfg, buckets: Sequence[BucketSpec], seed: int = 0) -> Router:
+    """:func:`make_router` from a :class:`~libra_hpc.config.SchedulerConfig`."""
+    return make_router(cfg.policy, buckets, window=cfg.tree_window, min_samples=cfg.min_samples,
+                       rebuild_every=cfg.rebuild_every, predictor_noise=cfg.predictor_noise, seed=seed)
+
+
+def buckets_from_instances(instances: Sequence[tuple[int, int]], token_limits: dict[int, int]) -> list[BucketSpec]:
+    """Group ``(instance_id, tp)`` pairs by TP into buckets ``tp{tp}`` with the configured
+    token limit (``SchedulerConfig.bucket_token_limits``), sorted by limit; instances
+    keep their given order inside a bucket."""
+    by_tp: dict[int, list[int]] = defaultdict(list)
+    seen: set[int] = set()
+    for instance, tp in instances:
+        if instance in seen:
+            raise ValueError(f"rollout instance {instance} is listed twice")
+        if tp not in token_limits:
+            raise ValueError(f"rollout instance {instance} has TP={tp}, which has no token limit in "
+                             f"scheduler.bucket_token_limits (configured TPs: {sorted(token_limits)})")
+        seen.add(instance)
+        by_tp[tp].append(instance)
+    buckets = [BucketSpec(f"tp{tp}", tp, token_limits[tp], tuple(ids)) for tp, ids in by_tp.items()]
+    return sorted(buckets, key=lambda b: b.token_limit)

@@ -1,0 +1,477 @@
+"""The C-MLFQ queue service: trajectories, their turns, and the leases on them.
+
+Pure: no MPI, no torch, no clock of its own (every call that needs the time takes
+``now``, seconds on one monotonic clock). scheduler/mpi_service.py carries the protocol
+over MPI; the simulator may call :meth:`QueueService.handle` directly.
+
+A trajectory alternates generated turns and tool calls. Its turns run one at a time: a
+turn is *queued* on a rollout instance, *leased* to the instance that asked for it, and
+ends with a tool return (the router places the next turn, which may migrate to another
+bucket) or with the finish of the trajectory (the router learns from it). At any moment
+an active trajectory has exactly one turn, queued or leased; a finished one has none.
+
+Protocol (requests and replies are plain dicts; lease ids are ints):
+
+``{"op": "ask", "instance": int, "max": int}``
+    → ``{"ok": True, "turns": [turn, ...], "active": int}``: up to ``min(max, max_batch)``
+    turns queued on that instance, then on the other instances of its bucket (so a dead
+    instance's queue is drained by its siblings). A turn is ``{"lease", "tid",
+    "prompt_id", "turn" (tool returns so far), "bucket", "migrated" (its KV cache must be
+    recomputed here), "prev_instance" (where its previous turn ran; None for the first),
+    "lease_s" (seconds the lease lasts without a report or heartbeat)}``. ``active`` is
+    the number of unfinished trajectories. Asking also renews the instance's leases.
+``{"op": "tool_return", "lease": int, "tool": str, "output": str, "exit_code": int|None,
+"timed_out": bool, "tokens": int}`` (``exit_code`` defaults to None, a tool without a
+process; ``timed_out`` to False)
+    → ``{"ok": True, "tid", "bucket", "instance", "migrated", "reason"}``: the turn that
+    ended in a tool call generated ``tokens`` output tokens; the tool's outcome is
+    classified into a ToolState and the next turn is placed and queued.
+``{"op": "finish", "lease": int, "tokens": int}``
+    → ``{"ok": True, "tid", "turns": int}``: the last turn generated ``tokens`` tokens
+    and the trajectory is complete (exactly once; see :meth:`QueueService.drain_finished`).
+``{"op": "heartbeat", "instance": int}`` → ``{"ok": True, "leases": int}``: every lease
+    the instance holds now lasts ``lease_s`` from ``now``; ``leases`` is how many it holds.
+``{"op": "stats"}`` → ``{"ok": True, "stats": {...}}`` (see :meth:`QueueService.stats`).
+``{"op": "batch", "requests": [request, ...]}`` → ``{"ok": True, "replies": [reply, ...]}``:
+    up to :data:`MAX_BATCH_REQUESTS` requests (no nested batch) answered in order, each
+    exactly as if sent alone: one message for the reports of every turn that ended in an
+    engine step, plus the instance's next ask.
+
+Every refusal is ``{"ok": False, "reason": str, "error": str}`` and is counted under
+``reason``: ``malformed`` (not a dict, unknown op, missing or ill-typed field),
+``unknown_instance``, ``unknown_lease`` (never issued), ``late_report`` (the lease
+expired and its turn was re-queued, or it ended too long ago to remember how),
+``duplicate_report`` (the lease was already used by a report). A refused report changes
+nothing, so nothing is generated twice into the training batch.
+
+Leases. A lease lasts ``lease_s`` from when it was handed out or from the holder's last
+``ask``/``heartbeat``, whichever is later. :meth:`QueueService.expire` (run at the start
+of every request) re-places expired turns with the router (the instance may be dead) and
+queues them at the front. Expiry uses a heap of deadlines; renewing an instance only
+stamps the instance, and a popped deadline that a renewal pushed back is pushed again.
+Entries of leases ended by a report stay in the heap until popped; when they outnumber
+live leases 3 to 1 (plus 4096) the heap is rebuilt, which is amortised O(1).
+
+Load accounting. ``router.turn_started(instance, e)`` when a turn is handed out and
+``router.turn_ended(instance, e)`` when its lease ends (report or expiry), with the same
+``e``: the mean turn length (output tokens) reported so far, ``default_turn_tokens``
+before the first report.
+
+Cost per request: O(1) for heartbeat; O(batch · log leases + bucket instances) for ask;
+O(depth + log leases) plus the router's cost for tool_return and finish. Nothing scans
+all trajectories or all leases per request (the heap compaction is amortised;
+:meth:`QueueService.audit` scans, for tests only).
+"""
+
+from __future__ import annotations
+
+import heapq
+import logging
+from collections import OrderedDict, deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from libra_hpc.scheduler.state import classify as classify_tool_return
+from libra_hpc.scheduler.state import size_class_names
+from libra_hpc.scheduler.types import BucketSpec, FinishedTrajectory, Placement, Router, ToolState, TrajectoryView
+
+log = logging.getLogger(__name__)
+
+QUEUED, LEASED = "queued", "leased"
+OPS = ("ask", "tool_return", "finish", "heartbeat", "stats", "batch")
+MAX_BATCH_REQUESTS = 1024
+REASONS = ("malformed", "unknown_instance", "unknown_lease", "late_report", "duplicate_report")
+
+
+class RouterError(RuntimeError):
+    """The router returned a placement that does not exist (a bug in the router, not in
+    the request): raised out of :meth:`QueueService.handle`."""
+
+
+class ServiceInvariantError(AssertionError):
+    """:meth:`QueueService.audit` found a trajectory lost or in two places at once."""
+
+
+class _Reject(Exception):
+    def __init__(self, reason: str, error: str):
+        super().__init__(error)
+        self.reason = reason
+        self.error = error
+
+
+@dataclass(frozen=True)
+class CompletedTrajectory:
+    """A finished trajectory, for the trainer side. ``turn_tokens[d]``: output tokens of
+    the turn generated after ``d`` tool returns (``len(states) + 1`` turns)."""
+
+    tid: str
+    prompt_id: str
+    states: tuple[ToolState, ...]
+    turn_tokens: tuple[int, ...]
+    migrations: int  # placements that changed bucket
+    requeues: int  # leases that expired under it
+
+
+class _Trajectory:
+    __slots__ = ("bucket", "generated", "instance", "migrated", "migrations", "phase", "prev_instance", "prompt_id",
+                 "requeues", "states", "tid", "true_remaining", "turn_tokens")
+
+    def __init__(self, tid: str, prompt_id: str, true_remaining: int | None):
+        self.tid = tid
+        self.prompt_id = prompt_id
+        self.true_remaining = true_remaining  # output tokens in all, if known (oracle)
+        self.states: list[ToolState] = []
+        self.turn_tokens: list[int] = []
+        self.generated = 0
+        self.bucket: str | None = None  # of the current turn
+        self.instance = -1  # queued on / leased to
+        self.prev_instance: int | None = None  # where the previous turn ran
+        self.migrated = False
+        self.phase = QUEUED
+        self.migrations = 0
+        self.requeues = 0
+
+
+class _Lease:
+    __slots__ = ("deadline", "expected", "instance", "lid", "traj")
+
+    def __init__(self, lid: int, traj: _Trajectory, instance: int, expected: int, deadline: float):
+        self.lid = lid
+        self.traj = traj
+        self.instance = instance
+        self.expected = expected
+        self.deadline = deadline
+
+
+class QueueService:
+    """Owns trajectories, per-instance turn queues and leases; asks ``router`` where turns
+    run. ``buckets`` defaults to ``router.buckets``; the instances of the buckets are the
+    only ones that may ask. ``remember_leases``: how many ended leases are remembered to
+    tell a late report from a duplicate one."""
+
+    def __init__(self, router: Router, *, lease_s: float, max_batch: int, size_thresholds: Sequence[int],
+                 error_markers: Sequence[str], buckets: Sequence[BucketSpec] | None = None,
+                 default_turn_tokens: int = 256, remember_leases: int = 1 << 16,
+                 classify: Callable[..., ToolState] = classify_tool_return):
+        if lease_s <= 0 or max_batch < 1 or default_turn_tokens < 1:
+            raise ValueError(f"QueueService: lease_s={lease_s} must be > 0, max_batch={max_batch} >= 1, "
+                             f"default_turn_tokens={default_turn_tokens} >= 1")
+        size_class_names(size_thresholds)  # refuses bad thresholds now, not on the first tool return
+        buckets = buckets if buckets is not None else getattr(router, "buckets", None)
+        if not buckets:
+            raise ValueError(f"QueueService: router {getattr(router, 'name', router)!r} has no .buckets; pass buckets=")
+        self._router = router
+        self._lease_s = float(lease_s)
+        self._max_batch = int(max_batch)
+        self._thresholds = tuple(size_thresholds)
+        self._markers = tuple(error_markers)
+        self._classify = classify
+        self._default_turn_tokens = int(default_turn_tokens)
+        self._remember = int(remember_leases)
+        self._bucket_of: dict[int, str] = {}
+        self._sources: dict[int, tuple[int, ...]] = {}  # instance → queues it drains, its own first
+        for bucket in buckets:
+            for i, instance in enumerate(bucket.instances):
+                if instance in self._bucket_of:
+                    raise ValueError(f"QueueService: instance {instance} is in buckets "
+                                     f"{self._bucket_of[instance]!r} and {bucket.name!r}")
+                self._bucket_of[instance] = bucket.name
+                self._sources[instance] = bucket.instances[i:] + bucket.instances[:i]
+        self._queues: dict[int, deque[_Trajectory]] = {i: deque() for i in self._bucket_of}
+        self._depth: dict[str, int] = {b.name: 0 for b in buckets}
+        self._held: dict[int, int] = dict.fromkeys(self._bucket_of, 0)
+        self._renewed: dict[int, float] = {}
+        self._trajs: dict[str, _Trajectory] = {}
+        self._leases: dict[int, _Lease] = {}
+        self._ended: OrderedDict[int, str] = OrderedDict()  # lease id → "used" | "expired"
+        self._expiry: list[tuple[float, int]] = []
+        self._next_lease = 1
+        self._finished: list[CompletedTrajectory] = []
+        self._turn_tokens_total = 0
+        self._turns_total = 0
+        self._counts = dict.fromkeys(("submitted", "placements", "decisions", "migrations", "handed_out",
+                                      "completed", "requeued_on_expiry"), 0)
+        self._rejected = dict.fromkeys(REASONS, 0)
+        self._ops = {"ask": self._ask, "tool_return": self._tool_return, "finish": self._finish,
+                     "heartbeat": self._heartbeat, "stats": lambda message, now: {"ok": True, "stats": self.stats()}}
+        self._batched_ops = dict(self._ops)
+        self._ops["batch"] = self._batch
+
+    # ------------------------------------------------------------------ entry points
+
+    def submit(self, tid: str, prompt_id: str, true_remaining: int | None = None) -> Placement:
+        """A new trajectory; the router places its first turn (``view.bucket is None``).
+        ``true_remaining``: its total output tokens, known only in simulations (oracle)."""
+        if not isinstance(tid, str) or not isinstance(prompt_id, str):
+            raise TypeError(f"submit: tid and prompt_id must be str, got {tid!r}, {prompt_id!r}")
+        if tid in self._trajs:
+            raise ValueError(f"submit: trajectory {tid!r} is already active ({self._trajs[tid].phase})")
+        traj = _Trajectory(tid, prompt_id, true_remaining)
+        self._trajs[tid] = traj
+        self._counts["submitted"] += 1
+        return self._place(traj, front=False)
+
+    def handle(self, message: Any, now: float) -> dict:
+        """Answer one protocol request (module docstring). Never raises for a bad request;
+        raises :class:`RouterError` only when the router misbehaves."""
+        if self._expiry and self._expiry[0][0] <= now:
+            self.expire(now)
+        return self._dispatch(message, now, self._ops)
+
+    def _dispatch(self, message: Any, now: float, ops: dict) -> dict:
+        if not isinstance(message, dict):
+            return self._refuse("malformed", f"request must be a dict with an 'op' field, got {type(message).__name__}")
+        op = message.get("op")
+        handler = ops.get(op) if isinstance(op, str) else None
+        if handler is None:
+            valid = ", ".join(o for o in OPS if o in ops)
+            return self._refuse("malformed", f"request op {op!r} is unknown here; valid ops: {valid}")
+        try:
+            return handler(message, now)
+        except _Reject as refused:
+            return self._refuse(refused.reason, refused.error)
+
+    def expire(self, now: float) -> int:
+        """Re-place and re-queue every turn whose lease expired by ``now``; returns how many."""
+        heap, expired = self._expiry, 0
+        while heap and heap[0][0] <= now:
+            _, lid = heapq.heappop(heap)
+            lease = self._leases.get(lid)
+            if lease is None:
+                continue  # ended by a report
+            deadline = max(lease.deadline, self._renewed.get(lease.instance, lease.deadline - self._lease_s) + self._lease_s)
+            if deadline > now:  # renewed since: look again then
+                lease.deadline = deadline
+                heapq.heappush(heap, (deadline, lid))
+                continue
+            self._end_lease(lease, "expired")
+            traj = lease.traj
+            traj.requeues += 1
+            self._counts["requeued_on_expiry"] += 1
+            log.info("lease %d of trajectory %s on instance %d expired at t=%.3f: turn re-queued", lid, traj.tid,
+                     lease.instance, now)
+            self._place(traj, front=True)
+            expired += 1
+        return expired
+
+    def drain_finished(self) -> list[CompletedTrajectory]:
+        """Completed trajectories since the last call, in completion order."""
+        done, self._finished = self._finished, []
+        return done
+
+    def stats(self) -> dict:
+        """Counters since start: ``submitted``, ``placements`` (all router decisions),
+        ``decisions`` (placements after a tool return), ``migrations``, ``handed_out``,
+        ``completed``, ``requeued_on_expiry``, ``late_reports``, ``duplicate_reports``,
+        ``rejected`` (by reason); and now: ``active`` trajectories, ``leased`` turns,
+        ``queued`` turns per bucket, ``undrained`` completed trajectories."""
+        return {**self._counts, "late_reports": self._rejected["late_report"],
+                "duplicate_reports": self._rejected["duplicate_report"], "rejected": dict(self._rejected),
+                "active": len(self._trajs), "leased": len(self._leases), "queued": dict(self._depth),
+                "undrained": len(self._finished)}
+
+    def audit(self) -> dict[str, str]:
+        """Tid → ``queued``/``leased`` for every active trajectory, checked against the
+        queues and leases. A full scan, for tests: raises ServiceInvariantError when a
+        trajectory is lost, in two places, or its phase disagrees with where it is."""
+        seen: dict[str, str] = {}
+        for instance, queue in self._queues.items():
+            for traj in queue:
+                self._audit_one(seen, traj, QUEUED, instance)
+        for lease in self._leases.values():
+            self._audit_one(seen, lease.traj, LEASED, lease.instance)
+        if seen.keys() != self._trajs.keys():
+            raise ServiceInvariantError(f"lost: {sorted(self._trajs.keys() - seen.keys())}, "
+                                        f"unknown: {sorted(seen.keys() - self._trajs.keys())}")
+        depth = {b: 0 for b in self._depth}
+        for instance, queue in self._queues.items():
+            depth[self._bucket_of[instance]] += len(queue)
+        held = {i: 0 for i in self._held}
+        for lease in self._leases.values():
+            held[lease.instance] += 1
+        if depth != self._depth or held != self._held:
+            raise ServiceInvariantError(f"counters drifted: depth {self._depth} vs {depth}, held {self._held} vs {held}")
+        return seen
+
+    def _audit_one(self, seen: dict[str, str], traj: _Trajectory, phase: str, instance: int) -> None:
+        if traj.tid in seen:
+            raise ServiceInvariantError(f"trajectory {traj.tid} is both {seen[traj.tid]} and {phase}")
+        if traj.phase != phase or traj.instance != instance or self._trajs.get(traj.tid) is not traj:
+            raise ServiceInvariantError(f"trajectory {traj.tid}: phase {traj.phase} on {traj.instance}, "
+                                        f"found {phase} on {instance}")
+        seen[traj.tid] = phase
+
+    # ------------------------------------------------------------------- operations
+
+    def _ask(self, message: dict, now: float) -> dict:
+        instance = self._instance(message, "ask")
+        want = _int(message, "max", "ask", minimum=1)
+        self._renewed[instance] = now
+        room = min(want, self._max_batch)
+        turns: list[dict] = []
+        for source in self._sources[instance]:
+            queue = self._queues[source]
+            while queue and room:
+                turns.append(self._hand_out(queue.popleft(), instance, now))
+                room -= 1
+            if not room:
+                break
+        return {"ok": True, "turns": turns, "active": len(self._trajs)}
+
+    def _tool_return(self, message: dict, now: float) -> dict:
+        op = "tool_return"
+        tool = _str(message, "tool", op)
+        output = _str(message, "output", op)
+        exit_code = message.get("exit_code")
+        if exit_code is not None and (type(exit_code) is not int):
+            raise _Reject("malformed", f"{op}: field 'exit_code' must be an int or None, got {exit_code!r}")
+        timed_out = message.get("timed_out", False)
+        if type(timed_out) is not bool:
+            raise _Reject("malformed", f"{op}: field 'timed_out' must be a bool, got {timed_out!r}")
+        tokens = _int(message, "tokens", op, minimum=0)
+        lid = _int(message, "lease", op)
+        try:
+            state = self._classify(tool, output, exit_code, timed_out, self._thresholds, self._markers)
+        except ValueError as exc:
+            raise _Reject("malformed", f"{op} (lease {lid}): {exc}") from None
+        lease = self._claim(lid, op)
+        traj = lease.traj
+        traj.states.append(state)
+        self._record_turn(traj, tokens)
+        self._counts["decisions"] += 1
+        placement = self._place(traj, front=False)
+        return {"ok": True, "tid": traj.tid, "bucket": placement.bucket, "instance": placement.instance,
+                "migrated": placement.migrated, "reason": placement.reason}
+
+    def _finish(self, message: dict, now: float) -> dict:
+        tokens = _int(message, "tokens", "finish", minimum=0)
+        lease = self._claim(_int(message, "lease", "finish"), "finish")
+        traj = lease.traj
+        self._record_turn(traj, tokens)
+        remaining = [0] * len(traj.turn_tokens)
+        total = 0
+        for d in range(len(remaining) - 1, -1, -1):
+            total += traj.turn_tokens[d]
+            remaining[d] = total
+        states = tuple(traj.states)
+        self._router.observe(FinishedTrajectory(traj.prompt_id, states, tuple(remaining)))
+        del self._trajs[traj.tid]
+        self._finished.append(CompletedTrajectory(traj.tid, traj.prompt_id, states, tuple(traj.turn_tokens),
+                                                  traj.migrations, traj.requeues))
+        self._counts["completed"] += 1
+        return {"ok": True, "tid": traj.tid, "turns": len(remaining)}
+
+    def _batch(self, message: dict, now: float) -> dict:
+        requests = message.get("requests")
+        if type(requests) is not list or len(requests) > MAX_BATCH_REQUESTS:
+            raise _Reject("malformed", f"batch: field 'requests' must be a list of at most {MAX_BATCH_REQUESTS} "
+                                       f"requests, got {type(requests).__name__}"
+                                       f"{f' of {len(requests)}' if type(requests) is list else ''}")
+        return {"ok": True, "replies": [self._dispatch(request, now, self._batched_ops) for request in requests]}
+
+    def _heartbeat(self, message: dict, now: float) -> dict:
+        instance = self._instance(message, "heartbeat")
+        self._renewed[instance] = now
+        return {"ok": True, "leases": self._held[instance]}
+
+    # ---------------------------------------------------------------------- helpers
+
+    def _place(self, traj: _Trajectory, front: bool) -> Placement:
+        remaining = None if traj.true_remaining is None else max(0, traj.true_remaining - traj.generated)
+        view = TrajectoryView(traj.tid, traj.prompt_id, tuple(traj.states), traj.generated, traj.bucket, remaining)
+        placement = self._router.place(view)
+        bucket = self._bucket_of.get(placement.instance)
+        if bucket is None or bucket != placement.bucket:
+            raise RouterError(f"router {getattr(self._router, 'name', '?')!r} placed trajectory {traj.tid} on "
+                              f"instance {placement.instance} of bucket {placement.bucket!r}; instances by bucket: "
+                              f"{self._bucket_of}")
+        self._counts["placements"] += 1
+        if placement.migrated:
+            self._counts["migrations"] += 1
+            traj.migrations += 1
+        traj.bucket = bucket
+        traj.migrated = placement.migrated
+        traj.phase = QUEUED
+        traj.instance = placement.instance
+        queue = self._queues[placement.instance]
+        queue.appendleft(traj) if front else queue.append(traj)
+        self._depth[bucket] += 1
+        return placement
+
+    def _hand_out(self, traj: _Trajectory, instance: int, now: float) -> dict:
+        self._depth[traj.bucket] -= 1
+        lid = self._next_lease
+        self._next_lease += 1
+        expected = self._turn_tokens_total // self._turns_total if self._turns_total else self._default_turn_tokens
+        deadline = now + self._lease_s
+        self._leases[lid] = _Lease(lid, traj, instance, expected, deadline)
+        heapq.heappush(self._expiry, (deadline, lid))
+        if len(self._expiry) > 4 * len(self._leases) + 4096:  # mostly ended leases: compact (amortised O(1))
+            self._expiry = [(lease.deadline, lease.lid) for lease in self._leases.values()]
+            heapq.heapify(self._expiry)
+        self._held[instance] += 1
+        traj.phase = LEASED
+        traj.instance = instance
+        self._counts["handed_out"] += 1
+        self._router.turn_started(instance, expected)
+        return {"lease": lid, "tid": traj.tid, "prompt_id": traj.prompt_id, "turn": len(traj.states),
+                "bucket": traj.bucket, "migrated": traj.migrated, "prev_instance": traj.prev_instance,
+                "lease_s": self._lease_s}
+
+    def _claim(self, lid: int, op: str) -> _Lease:
+        """End the lease ``lid`` for a report, or refuse the report."""
+        lease = self._leases.get(lid)
+        if lease is None:
+            if not 0 < lid < self._next_lease:
+                raise _Reject("unknown_lease", f"{op}: lease {lid} was never handed out")
+            if self._ended.get(lid) == "used":
+                raise _Reject("duplicate_report", f"{op}: lease {lid} was already reported; this report is dropped")
+            how = "expired and its turn was re-queued" if lid in self._ended else "ended too long ago to remember"
+            raise _Reject("late_report", f"{op}: lease {lid} {how}; this report is dropped")
+        self._end_lease(lease, "used")
+        lease.traj.prev_instance = lease.instance
+        return lease
+
+    def _end_lease(self, lease: _Lease, how: str) -> None:
+        del self._leases[lease.lid]
+        self._ended[lease.lid] = how
+        if len(self._ended) > self._remember:
+            self._ended.popitem(last=False)
+        self._held[lease.instance] -= 1
+        self._router.turn_ended(lease.instance, lease.expected)
+
+    def _record_turn(self, traj: _Trajectory, tokens: int) -> None:
+        traj.turn_tokens.append(tokens)
+        traj.generated += tokens
+        self._turn_tokens_total += tokens
+        self._turns_total += 1
+
+    def _instance(self, message: dict, op: str) -> int:
+        instance = _int(message, "instance", op)
+        if instance not in self._bucket_of:
+            raise _Reject("unknown_instance", f"{op}: instance {instance} is in no bucket; known instances: "
+                                              f"{sorted(self._bucket_of)}")
+        return instance
+
+    def _refuse(self, reason: str, error: str) -> dict:
+        self._rejected[reason] += 1
+        log.warning("queue request refused (%s): %s", reason, error)
+        return {"ok": False, "reason": reason, "error": error}
+
+
+def _int(message: dict, name: str, op: str, minimum: int | None = None) -> int:
+    value = message.get(name)
+    if type(value) is not int or (minimum is not None and value < minimum):
+        bound = f" >= {minimum}" if minimum is not None else ""
+        missing = "missing" if name not in message else f"got {value!r} ({type(value).__name__})"
+        raise _Reject("malformed", f"{op}: field {name!r} must be an int{bound}, {missing}")
+    return value
+
+
+def _str(message: dict, name: str, op: str) -> str:
+    value = message.get(name)
+    if type(value) is not str:
+        missing = "missing" if name not in message else f"got {type(value).__name__}"
+        raise _Reject("malformed", f"{op}: field {name!r} must be a str, {missing}")
+    return value

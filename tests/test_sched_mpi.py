@@ -1,0 +1,52 @@
+"""The queue service over real MPI: ``mpiexec -n 3`` runs tests/sched_mpi_world.py (rank 0
+serves, ranks 1-2 are rollout instance leaders) and rank 0 reports what it saw."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from libra_hpc.cluster.local import remove_stale_shm
+
+HERE = Path(__file__).resolve().parent
+
+
+@pytest.mark.mpi
+@pytest.mark.skipif(shutil.which("mpiexec") is None, reason="mpiexec is not on PATH (scripts/install.sh --test)")
+def test_three_rank_queue_completes_every_trajectory_exactly_once():
+    started = time.time()
+    process = subprocess.Popen(["mpiexec", "-n", "3", sys.executable, str(HERE / "sched_mpi_world.py")],
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                               cwd=HERE.parent, start_new_session=True)
+    try:
+        out, _ = process.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        out, _ = process.communicate()
+        remove_stale_shm(started - 1)
+        pytest.fail(f"the queue world hung:\n{out}")
+    assert process.returncode == 0, out
+    [line] = [line for line in out.splitlines() if line.startswith("SUMMARY ")]
+    summary = json.loads(line.removeprefix("SUMMARY "))
+    assert summary["completed"] == sorted(f"t{i}" for i in range(12)) and summary["unique"] == 12
+    assert summary["wrong_tokens"] == [] and summary["audit"] == {}
+    stats = summary["stats"]
+    assert stats["completed"] == 12 and stats["active"] == 0 and stats["leased"] == 0
+    assert stats["decisions"] == sum(i % 3 + 1 for i in range(12))  # one per accepted tool return
+    assert stats["migrations"] == 12  # every trajectory's second turn moved to tp4
+    assert stats["duplicate_reports"] == 1 and stats["rejected"]["malformed"] == 1
+    assert stats["late_reports"] >= 1 and stats["requeued_on_expiry"] >= 1
+    assert summary["requeues"] == stats["requeued_on_expiry"]
+    assert summary["transport"]["bad_payloads"] == 1 and summary["saves"] >= 1
+    clients = {int(line.split()[1]): json.loads(line.split(None, 2)[2]) for line in out.splitlines()
+               if line.startswith("CLIENT ")}
+    assert clients[1]["malformed"] == 1 and clients[2]["malformed"] == 1 and clients[2]["duplicate_report"] == 1
+    assert clients[1].get("late_report", 0) + clients[2]["late_report"] == stats["late_reports"]

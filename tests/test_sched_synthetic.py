@@ -1,0 +1,84 @@
+"""The synthetic agentic workload, and C-MLFQ's routing quality on it."""
+
+from __future__ import annotations
+
+import itertools
+import statistics
+
+import pytest
+
+from libra_hpc.scheduler.routers import make_router
+from libra_hpc.scheduler.synthetic import (
+    default_buckets,
+    evaluate_routing,
+    generate,
+    length_summary,
+    split_by_sample,
+)
+
+
+@pytest.fixture(scope="module")
+def workload():
+    return generate(300, 16, seed=0)
+
+
+def test_generation_is_seeded():
+    assert generate(20, 4, seed=5) == generate(20, 4, seed=5)
+    assert generate(20, 4, seed=5) != generate(20, 4, seed=6)
+
+
+def test_trajectories_are_consistent(workload):
+    for t in workload:
+        assert len(t.states) == len(t.turns) - 1 and all(tokens > 0 for tokens in t.turns)
+        remaining = t.remaining_after
+        assert remaining[0] == t.total and remaining[-1] == t.turns[-1]
+        assert all(a > b for a, b in itertools.pairwise(remaining))
+        assert t.finished().remaining_after == remaining
+
+
+def test_failures_causally_lengthen_what_follows(workload):
+    after = {"failure": [], "success": []}
+    for t in workload:
+        for d, state in enumerate(t.states, start=1):
+            if state.status in after:
+                after[state.status].append((t.remaining_after[d], len(t.turns) - d))
+    tokens = {k: statistics.mean(r for r, _ in v) for k, v in after.items()}
+    turns = {k: statistics.mean(n for _, n in v) for k, v in after.items()}
+    assert tokens["failure"] > 3 * tokens["success"] and turns["failure"] > turns["success"] + 1
+
+
+def test_lengths_are_long_tailed_and_prompts_differ(workload):
+    summary = length_summary(workload)
+    assert 7 <= summary["p99"] / summary["median"] <= 14
+    by_prompt = {}
+    for t in workload:
+        by_prompt.setdefault(t.prompt_id, []).append(t.total)
+    means = sorted(statistics.mean(v) for v in by_prompt.values())
+    assert means[-len(means) // 10] > 3 * means[len(means) // 10]  # p90 vs p10 prompt
+
+
+def test_split_keeps_the_last_samples_of_every_prompt_for_test(workload):
+    train, test = split_by_sample(workload, 4)
+    assert len(test) == 300 * 4 and len(train) == 300 * 12
+    assert {t.sample for t in test} == {12, 13, 14, 15}
+    assert [t.sample for t in train[:300]] == [0] * 300  # epoch order: prompts interleaved
+
+
+def test_oracle_is_exact_and_fifo_ignores_lengths(workload):
+    train, test = split_by_sample(workload, 4)
+    oracle = evaluate_routing(lambda b: make_router("oracle", b, window=8, min_samples=1, rebuild_every=10),
+                              train, test, default_buckets())
+    assert oracle["bucket_accuracy"] == 1.0 and oracle["mean_level_error"] == 0.0 and oracle["decisions"] > 1000
+    fifo = evaluate_routing(lambda b: make_router("fifo", b, window=8, min_samples=1, rebuild_every=10),
+                            train, test, default_buckets())
+    assert fifo["migrations"] == 0 and fifo["bucket_accuracy"] < oracle["top_level_accuracy"]
+
+
+def test_cmlfq_routes_more_turns_to_their_true_bucket_than_keeping_the_top_level(workload):
+    """The quality bar: with the configured defaults (window 256, 8 samples to trust a
+    node, rebuild every 1000), causal routing beats a router that never moves."""
+    train, test = split_by_sample(workload, 4)
+    result = evaluate_routing(lambda b: make_router("cmlfq", b, window=256, min_samples=8, rebuild_every=1000),
+                              train, test, default_buckets())
+    assert result["bucket_accuracy"] > result["top_level_accuracy"] + 0.03, result
+    assert result["migrations"] > 0
