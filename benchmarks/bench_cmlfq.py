@@ -130,8 +130,8 @@ class _Echo:
     def handle(self, message, now):
         return {"ok": True}
 
-    def expire(self, now):
-        return 0
+    def maintain(self, now, *, busy=False):
+        return False
 
 
 def mpi_main(args) -> None:
@@ -173,7 +173,7 @@ def mpi_main(args) -> None:
     rotation = instances[rank - 1:] + instances[:rank - 1] if rank else []
     for mode, poll_s in (("single", None), ("batched", None), ("batched_poll", args.poll_s)):
         service = full_service() if rank == 0 else None
-        batched = mode != "single"
+        batched = mode.startswith("batched")
         result = phase(lambda service=service: (serve(comm, service), service.stats()),
                        lambda queue, batched=batched: _client(queue, rotation, by_tid, batched=batched), poll_s)
         if rank == 0:
@@ -249,7 +249,8 @@ def _client(queue, instances: list[int], by_tid: dict, batched: bool) -> dict:
 
 
 def run_mpi(args) -> dict:
-    command = ["mpiexec", "-n", str(args.clients + 1), sys.executable, str(Path(__file__).resolve()), "--mpi-part",
+    # `-m mpi4py`: an exception on any rank aborts the world instead of hanging it.
+    command = ["mpiexec", "-n", str(args.clients + 1), sys.executable, "-m", "mpi4py", str(Path(__file__).resolve()), "--mpi-part",
                "--mpi-seconds", str(args.mpi_seconds), "--prompts", str(args.prompts), "--poll-s", str(args.poll_s)]
     done = subprocess.run(command, capture_output=True, text=True, timeout=300, check=False)
     lines = [line for line in done.stdout.splitlines() if line.startswith("MPI_RESULT ")]

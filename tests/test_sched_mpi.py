@@ -23,7 +23,7 @@ HERE = Path(__file__).resolve().parent
 @pytest.mark.skipif(shutil.which("mpiexec") is None, reason="mpiexec is not on PATH (scripts/install.sh --test)")
 def test_three_rank_queue_completes_every_trajectory_exactly_once():
     started = time.time()
-    process = subprocess.Popen(["mpiexec", "-n", "3", sys.executable, str(HERE / "sched_mpi_world.py")],
+    process = subprocess.Popen(["mpiexec", "-n", "3", sys.executable, "-m", "mpi4py", str(HERE / "sched_mpi_world.py")],
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                cwd=HERE.parent, start_new_session=True)
     try:

@@ -223,12 +223,20 @@ def test_a_bucket_that_left_the_layout_restarts_at_the_top_as_a_migration():
     assert (placed.bucket, placed.migrated) == ("tp1", True)
 
 
-def test_rebuild_every_n_finishes_from_the_recent_window(monkeypatch):
+def test_rebuild_falls_due_every_n_finishes_and_runs_only_in_maintenance(monkeypatch):
     router = cmlfq(rebuild_every=3, window=4)
     calls = []
     monkeypatch.setattr(router.index, "rebuild", lambda: calls.append(router.observed))
-    teach(router, [OK], [1] * 7)
-    assert calls == [3, 6]
+    teach(router, [OK], [1] * 2)
+    assert not router.maintain() and calls == []  # not due yet
+    teach(router, [OK], [1])
+    assert calls == []  # observe never rebuilds: it is on the request path
+    assert router.maintain() and calls == [3]
+    assert not router.maintain()  # done until the next period
+    teach(router, [OK], [1] * 4)
+    assert not router.maintain(busy=True) and calls == [3]  # busy: only when a period overdue
+    teach(router, [OK], [1] * 2)
+    assert router.maintain(busy=True) and calls == [3, 9]
     assert router.index.retain == 4  # at least a node window
 
 

@@ -48,9 +48,10 @@ def serve(comm: Any, service: QueueService, *, clock: Callable[[], float] = time
     stop for another ``save_every_s``, it runs anyway between two requests. It also runs
     once on the way out. A failing save is logged and retried at the next period.
 
-    When idle, the loop probes ``spin`` times, then sleeps ``idle_sleep_s`` between probes
-    (so a waiting controller leaves the core to ranks on the same node) and lets expired
-    leases go back to the queue. ``stop_when`` is polled between requests and while idle.
+    When idle, the loop probes ``spin`` times, then runs the service's maintenance (lease
+    expiry, the router's tree rebuild when due) or sleeps ``idle_sleep_s`` between probes
+    (so a waiting controller leaves the core to ranks on the same node). Under constant
+    load, overdue maintenance runs every 1024 requests. ``stop_when`` is polled between requests and while idle.
     Returns transport counters: requests, bad_payloads, saves, save_failures."""
     status = MPI.Status()
     counters = {"requests": 0, "bad_payloads": 0, "saves": 0, "save_failures": 0}
@@ -63,8 +64,8 @@ def serve(comm: Any, service: QueueService, *, clock: Callable[[], float] = time
             if save is not None and clock() - last_save >= save_every_s:
                 last_save = _save(save, counters, clock)
             if idle > spin:
-                service.expire(clock())
-                time.sleep(idle_sleep_s)
+                if not service.maintain(clock()):  # lease expiry, tree rebuild when due
+                    time.sleep(idle_sleep_s)
             continue
         idle = 0
         source = status.Get_source()
@@ -88,6 +89,8 @@ def serve(comm: Any, service: QueueService, *, clock: Callable[[], float] = time
                       dest=source, tag=REPLY_TAG)
             raise
         comm.send(reply, dest=source, tag=REPLY_TAG)
+        if counters["requests"] % 1024 == 0:  # never idle: overdue maintenance runs anyway
+            service.maintain(clock(), busy=True)
         if save is not None and clock() - last_save >= 2 * save_every_s:  # never idle: save anyway
             last_save = _save(save, counters, clock)
     if save is not None:

@@ -216,6 +216,7 @@ class CmlfqRouter(RouterBase):
         self.rebuild_every = rebuild_every
         self.index = CausalIndex(window, min_samples, retain or max(rebuild_every, window))
         self.observed = 0
+        self.rebuilt_at = 0  # value of `observed` at the last rebuild
 
     @classmethod
     def build(cls, buckets: Sequence[BucketSpec], options: RouterOptions) -> CmlfqRouter:
@@ -239,11 +240,26 @@ class CmlfqRouter(RouterBase):
         return self.placement(view, by_mean, f"move ({found.source} depth {found.depth})")
 
     def observe(self, finished: FinishedTrajectory) -> None:
-        """Learn incrementally (O(depth)); every ``rebuild_every``-th call also rebuilds."""
+        """Learn incrementally (O(depth)). A rebuild falls due every ``rebuild_every``
+        observations; it runs in :meth:`maintain`, off the request path."""
         self.index.observe(finished)
         self.observed += 1
-        if self.observed % self.rebuild_every == 0:
-            self.index.rebuild()
+
+    @property
+    def rebuild_due(self) -> bool:
+        return self.observed - self.rebuilt_at >= self.rebuild_every
+
+    def maintain(self, *, busy: bool = False) -> bool:
+        """Periodic work the service runs between requests: rebuild the trees from the
+        recent window when due. ``busy`` (no idle moment came): rebuild only once a
+        second period is overdue, so drift is still followed under constant load.
+        Returns whether it rebuilt."""
+        overdue = self.observed - self.rebuilt_at >= (2 if busy else 1) * self.rebuild_every
+        if not overdue:
+            return False
+        self.index.rebuild()
+        self.rebuilt_at = self.observed
+        return True
 
     def state_dict(self) -> dict:
         """The causal index as JSON (for the service's periodic save)."""

@@ -255,6 +255,15 @@ class QueueService:
             expired += 1
         return expired
 
+    def maintain(self, now: float, *, busy: bool = False) -> bool:
+        """Work kept off the request path: expire leases, and let the router run its
+        periodic maintenance (C-MLFQ's tree rebuild) if it has any. The transport calls
+        this when no request is waiting (``busy=False``) and, under constant load,
+        between requests (``busy=True``: the router only does overdue work)."""
+        self.expire(now)
+        maintain = getattr(self._router, "maintain", None)
+        return bool(maintain(busy=busy)) if maintain is not None else False
+
     def drain_finished(self) -> list[CompletedTrajectory]:
         """Completed trajectories since the last call, in completion order."""
         done, self._finished = self._finished, []

@@ -15,6 +15,7 @@ branches, so each node needs proportionally more samples before it is trusted.
 from __future__ import annotations
 
 from bisect import bisect_right
+from functools import lru_cache
 from collections.abc import Sequence
 
 from libra_hpc.scheduler.types import Status, ToolState
@@ -32,6 +33,13 @@ MAX_THRESHOLDS = max(SIZE_CLASS_NAMES) - 1
 
 
 def size_class_names(size_thresholds: Sequence[int]) -> tuple[str, ...]:
+    """Names of the ``len(size_thresholds) + 1`` size classes, smallest first (checked
+    once per distinct threshold list: classify() calls this for every tool return)."""
+    return _size_class_names(tuple(size_thresholds))
+
+
+@lru_cache(maxsize=64)
+def _size_class_names(size_thresholds: tuple[int, ...]) -> tuple[str, ...]:
     """Names of the ``len(size_thresholds) + 1`` size classes, smallest first.
 
     Raises ValueError when the thresholds are not strictly increasing positive integers

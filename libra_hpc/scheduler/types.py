@@ -8,6 +8,7 @@ a trajectory is generated, and learns from finished trajectories.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Literal, Protocol
 
 Status = Literal["success", "failure", "timeout"]
@@ -22,7 +23,12 @@ class ToolState:
     status: Status
 
     def key(self) -> str:
-        """Compact, JSON-safe key used in the prefix tree."""
+        """Compact, JSON-safe key used in the prefix tree (computed once per state: the
+        same states are looked up at every later decision of their trajectory)."""
+        return self._key
+
+    @cached_property
+    def _key(self) -> str:
         return f"{self.tool}|{self.size}|{self.status}"
 
 
