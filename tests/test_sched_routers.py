@@ -311,3 +311,21 @@ def test_true_length_routers_need_the_true_remaining_length():
     for cls in (OracleRouter, LengthAwareRouter):
         with pytest.raises(ValueError, match="true_remaining"):
             cls(buckets()).place(view())
+
+
+def test_a_shallower_match_is_conditioned_on_tokens_generated_since():
+    router = cmlfq()
+    # After one failure, trajectories went on for 1500–2500 tokens (the tp2 level).
+    teach(router, [FAIL], [1500, 2000, 2500])
+    deeper = (FAIL, OK)  # never seen: the match is the depth-1 node
+    fresh = TrajectoryView("t", "p", deeper, 0, "tp1", None, (50, 0))
+    assert router.place(fresh).bucket == "tp2"  # nothing generated since the node: as the node says
+    # 1,600 tokens since that failure (the turn between the two tool returns): only the
+    # 2000 and 2500 samples lasted that long, leaving 400 and 900 tokens: the top level.
+    late = TrajectoryView("t", "p", deeper, 0, "tp2", None, (50, 1600))
+    placed = router.place(late)
+    assert (placed.bucket, placed.migrated) == ("tp1", True)
+    # Longer than every sample: no evidence left, stay.
+    outlived = TrajectoryView("t", "p", deeper, 0, "tp2", None, (50, 2600))
+    placed = router.place(outlived)
+    assert placed.bucket == "tp2" and "outlived" in placed.reason

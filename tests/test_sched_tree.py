@@ -231,3 +231,19 @@ def test_malformed_file_error_names_the_file(tmp_path):
     wrong.write_text(json.dumps(_corrupt(lambda d: d["global"].update(count=-1))))
     with pytest.raises(CausalTreeFormatError, match=r"wrong\.json: global\.count"):
         CausalIndex.load(wrong)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(0, 100), min_size=1, max_size=30), st.integers(-5, 120))
+def test_beyond_conditions_the_window_on_tokens_already_generated(values, already):
+    stats = NodeStats(16)
+    for value in values:
+        stats.add(value)
+    window = list(stats.samples)
+    lasted = [v - already for v in window if v > already] if already > 0 else window
+    got = stats.beyond(already)
+    if not lasted:
+        assert got is None
+    else:
+        mean, p90 = brute(lasted)
+        assert got[0] == pytest.approx(mean) and got[1] == p90

@@ -232,7 +232,13 @@ class CmlfqRouter(RouterBase):
         found = self.index.match(view.prompt_id, view.states)
         if found is None:
             return self.placement(view, current, "no trusted node")
-        by_mean, by_p90 = self.level_for(found.stats.mean), self.level_for(found.stats.p90)
+        # A shallower node describes what remained back at its tool return; condition it
+        # on the tokens generated since (samples that lasted longer, minus those tokens).
+        since = sum(view.turn_tokens[found.depth:]) if found.depth < len(view.states) else 0
+        estimate = found.stats.beyond(since)
+        if estimate is None:
+            return self.placement(view, current, f"outlived every sample ({found.source} depth {found.depth})")
+        by_mean, by_p90 = self.level_for(estimate[0]), self.level_for(estimate[1])
         if by_mean != by_p90:
             return self.placement(view, current, f"mean/p90 disagree ({found.source} depth {found.depth})")
         if by_mean == current:

@@ -388,7 +388,8 @@ class QueueService:
 
     def _place(self, traj: _Trajectory, front: bool) -> Placement:
         remaining = None if traj.true_remaining is None else max(0, traj.true_remaining - traj.generated)
-        view = TrajectoryView(traj.tid, traj.prompt_id, tuple(traj.states), traj.generated, traj.bucket, remaining)
+        view = TrajectoryView(traj.tid, traj.prompt_id, tuple(traj.states), traj.generated, traj.bucket, remaining,
+                              tuple(traj.turn_tokens))
         placement = self._router.place(view)
         bucket = self._bucket_of.get(placement.instance)
         if bucket is None or bucket != placement.bucket:

@@ -190,7 +190,7 @@ def evaluate_routing(router_factory: Callable[[list[BucketSpec]], Router], train
         remaining, bucket = trajectory.remaining_after, None
         for d, tokens in enumerate(trajectory.turns):
             view = TrajectoryView(trajectory.tid, trajectory.prompt_id, trajectory.states[:d],
-                                  sum(trajectory.turns[:d]), bucket, remaining[d])
+                                  sum(trajectory.turns[:d]), bucket, remaining[d], tuple(trajectory.turns[:d]))
             placement = router.place(view)
             router.turn_started(placement.instance, tokens)
             router.turn_ended(placement.instance, tokens)

@@ -21,7 +21,7 @@ import logging
 import os
 import tempfile
 import time
-from bisect import bisect_left, insort
+from bisect import bisect_left, bisect_right, insort
 from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
@@ -91,6 +91,19 @@ class NodeStats:
         window is <= to, ``sorted[ceil(0.9 n) - 1]`` (0 when empty)."""
         n = len(self._sorted)
         return self._sorted[(9 * n + 9) // 10 - 1] if n else 0
+
+    def beyond(self, already: int) -> tuple[float, int] | None:
+        """(mean, p90) of ``sample - already`` over the window's samples above
+        ``already``: what remains for a trajectory that has generated ``already`` more
+        tokens since this node, given that it has not finished yet. None when no sample
+        of the window lasted that long. O(log W) plus a C-level sum over the tail."""
+        if already <= 0:
+            return (self.mean, self.p90) if self._sorted else None
+        tail = self._sorted[bisect_right(self._sorted, already):]
+        if not tail:
+            return None
+        n = len(tail)
+        return sum(tail) / n - already, tail[(9 * n + 9) // 10 - 1] - already
 
     def __repr__(self) -> str:
         return f"NodeStats(n={self.n}, count={self.count}, mean={self.mean:.1f}, p90={self.p90})"

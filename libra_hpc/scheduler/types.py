@@ -54,6 +54,10 @@ class TrajectoryView:
     generated_tokens: int = 0
     bucket: str | None = None  # where its previous turn ran (None: new)
     true_remaining: int | None = None  # known only to the oracle (simulations, benchmarks)
+    turn_tokens: tuple[int, ...] = ()
+    """Output tokens of each turn so far: ``turn_tokens[d]`` was generated after the d-th
+    tool return. Lets C-MLFQ condition a shallower node's statistics on what the
+    trajectory has generated since that node."""
 
 
 @dataclass(frozen=True)
