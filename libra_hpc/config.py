@@ -171,7 +171,9 @@ class PlannerConfig(_Section):
 
 
 class SchedulerConfig(_Section):
-    """Routing of trajectory turns to rollout buckets (C-MLFQ) and the queue service."""
+    """Routing of trajectory turns to rollout buckets (C-MLFQ) and the queue service
+    (``libra_hpc.scheduler``). The runtime starts the service on the controller once the
+    rollout engines land; today the benchmark and tests drive it."""
 
     policy: Literal["cmlfq", "fifo", "least_load", "length_aware", "oracle"] = "cmlfq"
     """Registered routing policy: ``cmlfq`` (causal tool-return signals), ``fifo``
@@ -393,8 +395,17 @@ def check_shape(cfg: ExperimentConfig) -> list[str]:
                 f"but a node has cluster.gpus_per_node={g}"
             )
     sc = cfg.scheduler
-    if sorted(sc.size_thresholds) != sc.size_thresholds or len(set(sc.size_thresholds)) != len(sc.size_thresholds):
-        problems.append(f"scheduler.size_thresholds: {sc.size_thresholds} must be strictly increasing")
+    if (sorted(sc.size_thresholds) != sc.size_thresholds or len(set(sc.size_thresholds)) != len(sc.size_thresholds)
+            or len(sc.size_thresholds) > 4 or any(t < 1 for t in sc.size_thresholds)):
+        problems.append(f"scheduler.size_thresholds: {sc.size_thresholds} must be at most 4 strictly increasing "
+                        "positive character counts")
+    if sc.min_samples > sc.tree_window:
+        problems.append(f"scheduler.min_samples: {sc.min_samples} can never be reached with "
+                        f"scheduler.tree_window={sc.tree_window} samples per node")
+    limits = list(sc.bucket_token_limits.values())
+    if len(set(limits)) != len(limits) or min(limits, default=1) < 1:
+        problems.append(f"scheduler.bucket_token_limits: {sc.bucket_token_limits} must give each TP size its own "
+                        "positive limit (the limits order the MLFQ levels)")
     rollout_tps = {tp for pattern in r.node_patterns for tp in pattern}
     missing = sorted(rollout_tps - set(sc.bucket_token_limits))
     if missing:

@@ -294,3 +294,19 @@ def test_binary_file_gives_config_error(tmp_path):
     with pytest.raises(ConfigError) as info:
         load_config(path)
     assert str(path) in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "scheduler, field",
+    [
+        ({"size_thresholds": [10, 20, 30, 40, 50]}, "scheduler.size_thresholds"),
+        ({"size_thresholds": [4096, 256]}, "scheduler.size_thresholds"),
+        ({"min_samples": 300, "tree_window": 256}, "scheduler.min_samples"),
+        ({"bucket_token_limits": {1: 1000, 2: 1000, 4: 5000, 8: 9000}}, "scheduler.bucket_token_limits"),
+        ({"bucket_token_limits": {1: 1000, 4: 5000}}, "scheduler.bucket_token_limits"),  # default rollout uses TP 2
+    ],
+)
+def test_scheduler_settings_the_router_cannot_use_are_refused(scheduler, field):
+    with pytest.raises(ConfigError) as info:
+        validate_config({"scheduler": scheduler})
+    assert field in str(info.value)
