@@ -193,6 +193,18 @@ class LocalSlurmCluster:
     def __exit__(self, *exc) -> None:
         self.stop()
 
+    def wait_job(self, job_id: str, timeout_s: float = 60) -> str:
+        """Poll ``scontrol show job`` (quicker than ``sbatch --wait``) until the job leaves
+        the pending/running states; returns its final state."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            line = self.run("scontrol", "show", "job", "-o", job_id)
+            state = line.split("JobState=")[1].split()[0]
+            if state not in ("PENDING", "CONFIGURING", "RUNNING", "COMPLETING"):
+                return state
+            time.sleep(0.2)
+        raise TimeoutError(f"job {job_id} not finished after {timeout_s} s")
+
     def run(self, *argv: str, timeout_s: float = 30, check: bool = True) -> str:
         """Run a Slurm client (sinfo, sbatch, ...) against this cluster; return stdout
         ("" on failure or timeout when not ``check``)."""

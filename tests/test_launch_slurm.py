@@ -7,7 +7,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -20,17 +19,6 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def _env(cluster) -> dict[str, str]:
     return {**os.environ, **cluster.env, "PYTHON": sys.executable}
-
-
-def _wait_final(cluster, job_id: str, timeout_s: float = 240) -> str:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        line = cluster.run("scontrol", "show", "job", "-o", job_id)
-        state = line.split("JobState=")[1].split()[0]
-        if state not in ("PENDING", "CONFIGURING", "RUNNING", "COMPLETING"):
-            return state
-        time.sleep(0.5)
-    raise TimeoutError(f"job {job_id} still not finished after {timeout_s} s")
 
 
 def _assert_world_events(folder: Path, nodes: int, gpus: int) -> list[dict]:
@@ -57,7 +45,7 @@ def test_sbatch_script_runs_the_world(slurm_cluster, tmp_path):
         ["sbatch", "--parsable", f"--chdir={tmp_path}", str(ROOT / "sbatch" / "libra.sh"),
          str(ROOT / "configs" / "default.yaml")],
         capture_output=True, text=True, check=True, env=_env(slurm_cluster)).stdout.strip()
-    state = _wait_final(slurm_cluster, job_id)
+    state = slurm_cluster.wait_job(job_id, timeout_s=240)
     folder = tmp_path / "logs" / f"libra-{job_id}"
     output = folder / "slurm.out"
     assert state == "COMPLETED", output.read_text() if output.exists() else list((tmp_path / "logs").iterdir())

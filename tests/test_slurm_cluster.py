@@ -15,18 +15,6 @@ RANK_REPORT = ("import os; from mpi4py import MPI; w = MPI.COMM_WORLD; "
                "os.environ.get('CUDA_VISIBLE_DEVICES'), flush=True)")
 
 
-def _wait_job(cluster, job_id: str, timeout_s: float = 60) -> str:
-    """Poll `scontrol show job` (faster than `sbatch --wait`) until the job is final."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        line = cluster.run("scontrol", "show", "job", "-o", job_id)
-        state = line.split("JobState=")[1].split()[0]
-        if state not in ("PENDING", "CONFIGURING", "RUNNING", "COMPLETING"):
-            return state
-        time.sleep(0.2)
-    raise TimeoutError(f"job {job_id} not finished after {timeout_s} s")
-
-
 def test_mpi_step_with_controller_rank(slurm_cluster, tmp_path):
     n, g = slurm_cluster.nodes, slurm_cluster.gpus
     step = (f"srun --mpi=pmi2 --overcommit --nodes={n} --ntasks={n * g + 1} "
@@ -36,7 +24,7 @@ def test_mpi_step_with_controller_rank(slurm_cluster, tmp_path):
         f"--nodes={n}", f"--ntasks-per-node={g}", f"--gpus-per-node={g}",
         f"--chdir={tmp_path}", "--wrap", step).strip()
     output = tmp_path / f"{job_id}.out"
-    assert _wait_job(slurm_cluster, job_id) == "COMPLETED", output.read_text()
+    assert slurm_cluster.wait_job(job_id) == "COMPLETED", output.read_text()
 
     rows = [line.split() for line in output.read_text().splitlines()
             if line.startswith("RANK ")]
@@ -52,7 +40,7 @@ def test_accounting_reports_final_states(slurm_cluster, tmp_path):
                                    "--wrap", cmd).strip()
            for want, cmd in (("COMPLETED", "true"), ("FAILED", "exit 3"))}
     for want, job_id in ids.items():
-        assert _wait_job(slurm_cluster, job_id) == want
+        assert slurm_cluster.wait_job(job_id) == want
         deadline = time.monotonic() + 10  # the record reaches slurmdbd asynchronously
         while (got := slurm_cluster.run("sacct", "-X", "-n", "-j", job_id, "-o",
                                         "State").strip()) != want:
