@@ -343,7 +343,7 @@ class QueueMachine(RuleBasedStateMachine):
         self.expired: list[int] = []
 
     def _expire_model(self):
-        for lid, (tid, instance, start) in list(self.held.items()):
+        for lid, (_tid, instance, start) in list(self.held.items()):
             if max(start, self.renewed.get(instance, start)) + LEASE_S <= self.now:
                 del self.held[lid]
                 self.expired.append(lid)
