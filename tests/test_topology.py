@@ -45,14 +45,13 @@ def test_read_parses_slurm_and_cuda_variables():
     assert (env.job_id, env.job_name, env.node_id, env.local_id) == ("1234", "libra-a800", 3, 7)
     assert env.visible_gpus == ("4", "5")
     assert env.step_gpus == ("4", "5")  # the step's GPUs win over the job's
-    assert env.submit_dir == "/home/me/libra"
     assert env.under_slurm
 
 
 def test_read_outside_slurm():
     env = ProcessEnv.read({"PATH": "/usr/bin"})
     assert (env.job_id, env.job_name, env.node_id, env.local_id) == (None, None, None, None)
-    assert env.visible_gpus is None and env.step_gpus is None and env.submit_dir is None
+    assert env.visible_gpus is None and env.step_gpus is None
     assert not env.under_slurm
 
 

@@ -30,8 +30,6 @@ class ProcessEnv:
     """CUDA_VISIBLE_DEVICES as a tuple; None when unset (all GPUs visible, or no CUDA)."""
     step_gpus: tuple[str, ...] | None = None
     """SLURM_STEP_GPUS / SLURM_JOB_GPUS: physical GPU ids Slurm bound to this step."""
-    submit_dir: str | None = None
-    """SLURM_SUBMIT_DIR: where the job was submitted from."""
 
     @classmethod
     def read(cls, environ: Mapping[str, str] = os.environ) -> ProcessEnv:
@@ -43,7 +41,6 @@ class ProcessEnv:
             local_id=_int(environ.get("SLURM_LOCALID")),
             visible_gpus=_ids(environ.get("CUDA_VISIBLE_DEVICES")),
             step_gpus=_ids(environ.get("SLURM_STEP_GPUS") or environ.get("SLURM_JOB_GPUS")),
-            submit_dir=environ.get("SLURM_SUBMIT_DIR"),
         )
 
     @property

@@ -49,7 +49,6 @@ class World:
         self.topology = topology
         self.backend = backend
         self.device = device
-        self.layout: Layout | None = None
         self.handle: GroupHandle | None = None
 
     @classmethod
@@ -105,7 +104,6 @@ class World:
     def apply(self, layout: Layout) -> GroupHandle | None:
         """Collective over the world: drop the old groups, split into the new ones."""
         self._release()
-        self.layout = layout
         if self.rank == CONTROLLER:
             mine = None
             self.comm.Split(MPI.UNDEFINED, self.rank)
