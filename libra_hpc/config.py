@@ -366,14 +366,22 @@ def _valid_keys(loc: list[str]) -> list[str]:
 
 
 def check_shape(cfg: ExperimentConfig) -> list[str]:
-    """Whether the parallel layout fits the cluster. One message per impossible field."""
+    """Whether the experiment can run: one message per impossible field, each naming it."""
+    return [*_check_cluster(cfg), *_check_parallelism(cfg), *_check_scheduler(cfg), *_check_planner(cfg)]
+
+
+def _check_cluster(cfg: ExperimentConfig) -> list[str]:
+    limit = cfg.cluster.time_limit
+    if (isinstance(limit, int) and limit < 1) or not _SLURM_TIME.match(str(limit)):
+        return [f"cluster.time_limit: {limit!r} is not a Slurm time; use MM, MM:SS, HH:MM:SS or D-HH:MM:SS"]
+    return []
+
+
+def _check_parallelism(cfg: ExperimentConfig) -> list[str]:
+    """Training and rollout shapes against the nodes and GPUs."""
     c, t, r, p = cfg.cluster, cfg.training, cfg.rollout, cfg.planner
     g = c.gpus_per_node
     problems: list[str] = []
-    if isinstance(c.time_limit, int) and c.time_limit < 1 or not _SLURM_TIME.match(str(c.time_limit)):
-        problems.append(
-            f"cluster.time_limit: {c.time_limit!r} is not a Slurm time; use MM, MM:SS, HH:MM:SS or D-HH:MM:SS"
-        )
     if t.tensor_parallel > g or g % t.tensor_parallel:
         problems.append(
             f"training.tensor_parallel: {t.tensor_parallel} must divide cluster.gpus_per_node={g} "
@@ -394,10 +402,22 @@ def check_shape(cfg: ExperimentConfig) -> list[str]:
                 f"rollout.tp_per_node: {pattern} sums to {sum(pattern)} GPUs, "
                 f"but a node has cluster.gpus_per_node={g}"
             )
+    rollout_slots = c.total_gpus - cfg.training_slots
+    if rollout_slots < p.min_rollout_gpus:
+        problems.append(
+            f"training: TP×PP×DP = {cfg.training_slots} GPU slots leaves {rollout_slots} of the "
+            f"{c.total_gpus} ({c.nodes} nodes × {g}) for rollout; planner.min_rollout_gpus is {p.min_rollout_gpus}"
+        )
+    return problems
+
+
+def _check_scheduler(cfg: ExperimentConfig) -> list[str]:
+    """Settings the C-MLFQ router could not use."""
     sc = cfg.scheduler
-    if (sorted(sc.size_thresholds) != sc.size_thresholds or len(set(sc.size_thresholds)) != len(sc.size_thresholds)
-            or len(sc.size_thresholds) > 4 or any(t < 1 for t in sc.size_thresholds)):
-        problems.append(f"scheduler.size_thresholds: {sc.size_thresholds} must be at most 4 strictly increasing "
+    problems: list[str] = []
+    thresholds = sc.size_thresholds
+    if sorted(set(thresholds)) != thresholds or len(thresholds) > 4 or any(t < 1 for t in thresholds):
+        problems.append(f"scheduler.size_thresholds: {thresholds} must be at most 4 strictly increasing "
                         "positive character counts")
     if sc.min_samples > sc.tree_window:
         problems.append(f"scheduler.min_samples: {sc.min_samples} can never be reached with "
@@ -406,24 +426,24 @@ def check_shape(cfg: ExperimentConfig) -> list[str]:
     if len(set(limits)) != len(limits) or min(limits, default=1) < 1:
         problems.append(f"scheduler.bucket_token_limits: {sc.bucket_token_limits} must give each TP size its own "
                         "positive limit (the limits order the MLFQ levels)")
-    rollout_tps = {tp for pattern in r.node_patterns for tp in pattern}
-    missing = sorted(rollout_tps - set(sc.bucket_token_limits))
+    missing = sorted({tp for pattern in cfg.rollout.node_patterns for tp in pattern} - set(sc.bucket_token_limits))
     if missing:
         problems.append(
             f"scheduler.bucket_token_limits: no limit for rollout TP {missing} (used by rollout.tp_per_node); "
             f"given for {sorted(sc.bucket_token_limits)}"
         )
+    return problems
+
+
+def _check_planner(cfg: ExperimentConfig) -> list[str]:
+    """The hybrid pool and the scripted borrow/return steps."""
+    c, t, p = cfg.cluster, cfg.training, cfg.planner
+    g = c.gpus_per_node
+    problems: list[str] = []
     rollout_slots = c.total_gpus - cfg.training_slots
-    if rollout_slots < p.min_rollout_gpus:
-        problems.append(
-            f"training: TP×PP×DP = {cfg.training_slots} GPU slots leaves {rollout_slots} of the "
-            f"{c.total_gpus} ({c.nodes} nodes × {g}) for rollout; planner.min_rollout_gpus is {p.min_rollout_gpus}"
-        )
-    rollout_nodes = c.nodes - -(-cfg.training_slots // g)
-    if p.hybrid_nodes > max(rollout_nodes, 0):
-        problems.append(
-            f"planner.hybrid_nodes: {p.hybrid_nodes} but only {max(rollout_nodes, 0)} node(s) are wholly rollout"
-        )
+    rollout_nodes = max(c.nodes - -(-cfg.training_slots // g), 0)
+    if p.hybrid_nodes > rollout_nodes:
+        problems.append(f"planner.hybrid_nodes: {p.hybrid_nodes} but only {rollout_nodes} node(s) are wholly rollout")
     elif p.hybrid_nodes:
         replica = t.tensor_parallel * t.pipeline_parallel
         if (p.hybrid_nodes * g) % replica:
@@ -431,11 +451,11 @@ def check_shape(cfg: ExperimentConfig) -> list[str]:
                 f"planner.hybrid_nodes: {p.hybrid_nodes} node(s) × {g} GPUs do not form whole training "
                 f"replicas of TP×PP = {replica} GPUs"
             )
-        if rollout_slots - p.hybrid_nodes * g < p.min_rollout_gpus:
+        left = rollout_slots - p.hybrid_nodes * g
+        if left < p.min_rollout_gpus:
             problems.append(
-                f"planner.hybrid_nodes: lending {p.hybrid_nodes} node(s) leaves "
-                f"{rollout_slots - p.hybrid_nodes * g} rollout GPU slots, below planner.min_rollout_gpus="
-                f"{p.min_rollout_gpus}"
+                f"planner.hybrid_nodes: lending {p.hybrid_nodes} node(s) leaves {left} rollout GPU slots, "
+                f"below planner.min_rollout_gpus={p.min_rollout_gpus}"
             )
     for name in ("borrow_at_step", "return_at_step"):
         step = getattr(p, name)
