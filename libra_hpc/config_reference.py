@@ -28,6 +28,8 @@ submitted, naming the field.
 
 - `default.yaml`: the embedded default, runs anywhere (`python launch.py --nodes 6`).
 - `a800-6node.yaml`: the Libra paper's 48-GPU setup (6 × 8 A800-80G, Qwen3-14B).
+- `hardware/*.yaml`, `models/*.yaml`: GPU and model profiles for the planner's cost
+  models (`libra_hpc.planner.profiles`; every number names its source in a comment).
 
 Override any field from the command line: `python launch.py --set rl.steps=8 --set
 cluster.partition=gpu` (values are YAML: `--set rollout.tp_per_node=[1,1,2,4]`);

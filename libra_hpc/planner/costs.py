@@ -1,0 +1,545 @@
+"""Cost models of the two sides the planner splits GPUs between (pure: no torch, no MPI).
+
+Rollout (vLLM instances of tensor-parallel size TP):
+- KV capacity per instance: memory left on each rank after its 1/TP of the weights and a
+  reserve, divided by that rank's share of the KV bytes per token;
+- a decode step is a roofline: each rank reads its 1/TP of the weights and of the KV cache
+  at its own bandwidth (so time falls like 1/TP, never 1/TP²), plus two all-reduces per
+  layer over NVLink, plus a fixed per-step overhead; prefill is FLOP-bound;
+- rollout time is the makespan of the batch's length distribution over heterogeneous pools
+  of instances (:func:`rollout_makespan`), never below the serial time of the longest
+  trajectory (its decode steps one after another, plus its tool time).
+
+Training (Megatron-Core TP×PP×DP with the distributed optimizer):
+- step time = 3 × forward FLOPs over GPUs × MFU, with the 1F1B bubble (pp-1)/m, plus TP,
+  PP and DP communication; never below FLOPs at peak;
+- memory: bf16 weights, fp32 gradients, Adam states sharded over DP, activations, reserve.
+
+Every efficiency and overhead is a :class:`Calibration` field; :func:`fit_calibration` fits
+them from measured timings, each record holding the *ideal* components (seconds at 100%
+efficiency, counts) that the cost model predicted for the measured operation.
+Units: seconds, bytes, FLOP, tokens.
+"""
+
+from __future__ import annotations
+
+import heapq
+import logging
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
+from typing import Literal, NamedTuple
+
+from libra_hpc.planner.profiles import HardwareProfile, ModelProfile
+
+log = logging.getLogger(__name__)
+Kind = Literal["decode", "prefill", "train"]
+
+
+# ------------------------------------------------------------------------ calibration
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """Efficiencies and overheads of the cost models. Defaults are typical published or
+    folklore values for vLLM and Megatron on NVLink nodes, meant to be replaced by
+    :func:`fit_calibration` once the run has measured timings."""
+
+    bandwidth_eff: float = 0.7
+    """Fraction of peak HBM bandwidth a decode step achieves (vLLM decode: 0.6–0.8)."""
+    prefill_mfu: float = 0.5
+    """Fraction of peak BF16 FLOP/s achieved by prefill (and by decode when compute-bound)."""
+    train_mfu: float = 0.4
+    """Fraction of peak BF16 FLOP/s achieved by training matmuls (Megatron: 0.35–0.55)."""
+    rollout_comm_eff: float = 0.7
+    """Fraction of link bandwidth achieved by the rollout TP all-reduces."""
+    train_comm_eff: float = 0.7
+    """Fraction of link bandwidth achieved by training collectives (TP, PP, DP)."""
+    decode_step_overhead_s: float = 0.002
+    """Fixed cost of one decode step, s (scheduler, sampling, kernel launches)."""
+    collective_latency_s: float = 10e-6
+    """Fixed cost of one collective call, s."""
+    train_step_overhead_s: float = 0.2
+    """Fixed cost of one optimizer step, s (optimizer kernels, bookkeeping)."""
+    kv_memory_fraction: float = 0.9
+    """Fraction of GPU memory a rollout engine may use (vLLM ``gpu_memory_utilization``)."""
+    rollout_reserve_gb: float = 2.0
+    """GB per rollout GPU not available to the KV cache besides weights (activations,
+    CUDA graphs, communication buffers)."""
+    train_reserve_gb: float = 4.0
+    """GB per training GPU for the CUDA context, NCCL buffers and fragmentation."""
+    max_num_seqs: int = 256
+    """Most sequences one rollout instance runs at once (vLLM ``max_num_seqs``)."""
+    note: str = "defaults"
+    """Where these values come from (logged with every plan)."""
+
+    def __post_init__(self) -> None:
+        for name in ("bandwidth_eff", "prefill_mfu", "train_mfu", "rollout_comm_eff", "train_comm_eff",
+                     "kv_memory_fraction"):
+            value = getattr(self, name)
+            if not 0 < value <= 1:
+                raise ValueError(f"Calibration.{name} must lie in (0, 1], got {value}")
+        for name in ("decode_step_overhead_s", "collective_latency_s", "train_step_overhead_s",
+                     "rollout_reserve_gb", "train_reserve_gb"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"Calibration.{name} must be >= 0, got {getattr(self, name)}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"Calibration.max_num_seqs must be >= 1, got {self.max_num_seqs}")
+
+    def time(self, kind: Kind, c: Mapping[str, float]) -> float:
+        """Predicted seconds of an operation from its ideal components ``c``."""
+        g = c.get
+        fixed = g("collectives", 0.0) * self.collective_latency_s
+        if kind == "decode":
+            return (g("steps", 1.0) * self.decode_step_overhead_s + g("comm_s", 0.0) / self.rollout_comm_eff + fixed
+                    + max(g("mem_s", 0.0) / self.bandwidth_eff, g("compute_s", 0.0) / self.prefill_mfu))
+        if kind == "prefill":
+            return (g("comm_s", 0.0) / self.rollout_comm_eff + fixed
+                    + max(g("compute_s", 0.0) / self.prefill_mfu, g("mem_s", 0.0) / self.bandwidth_eff))
+        if kind == "train":
+            return (g("compute_s", 0.0) / self.train_mfu + g("comm_s", 0.0) / self.train_comm_eff + fixed
+                    + g("steps", 1.0) * self.train_step_overhead_s)
+        raise ValueError(f"unknown timing kind {kind!r}; valid: decode, prefill, train")
+
+
+DEFAULT = Calibration()
+
+
+class TimingRecord(NamedTuple):
+    """One measurement: what the cost model predicted (ideal components) and what it took."""
+
+    kind: Kind
+    components: Mapping[str, float]
+    measured_s: float
+
+
+# Linear terms fitted per kind: component -> (Calibration field, True when the field is an
+# efficiency, i.e. the fitted coefficient is its inverse). Decode is fitted as bandwidth
+# bound and prefill as compute bound (the other side of the roofline max() is left out of
+# the fit: ``_OFF_ROOFLINE``); components not listed are held at the current values.
+_TERMS: dict[str, dict[str, tuple[str, bool]]] = {
+    "decode": {"mem_s": ("bandwidth_eff", True), "comm_s": ("rollout_comm_eff", True),
+               "steps": ("decode_step_overhead_s", False), "collectives": ("collective_latency_s", False)},
+    "prefill": {"compute_s": ("prefill_mfu", True)},
+    "train": {"compute_s": ("train_mfu", True), "comm_s": ("train_comm_eff", True),
+              "steps": ("train_step_overhead_s", False)},
+}
+_OFF_ROOFLINE = {"decode": "compute_s", "prefill": "mem_s", "train": ""}
+_EFFICIENCIES = {field for terms in _TERMS.values() for field, eff in terms.values() if eff}
+
+
+def fit_calibration(history: Sequence[TimingRecord], base: Calibration = DEFAULT) -> Calibration:
+    """Least-squares fit of the calibration from measured timings: decode first, then
+    prefill and training, each with the other kinds' fields held. A term whose column is
+    all zero or dependent, or whose coefficient comes out non-positive, keeps its current
+    value (and the rest is refitted without it); efficiencies are clipped to (0, 1]. The
+    result's ``note`` says what was fitted from how many records with which relative RMS
+    error; it is also logged."""
+    cal, lines = base, []
+    for kind in ("decode", "prefill", "train"):
+        records = [r for r in history if r.kind == kind and r.measured_s > 0]
+        if records:
+            cal, line = _fit_kind(cal, kind, records)  # type: ignore[arg-type]
+            lines.append(line)
+    note = "fit: " + "; ".join(lines) if lines else base.note
+    cal = replace(cal, note=note)
+    log.info("calibration %s", note)
+    return cal
+
+
+def _fit_kind(cal: Calibration, kind: Kind, records: Sequence[TimingRecord]) -> tuple[Calibration, str]:
+    terms = dict(_TERMS[kind])
+    values: dict[str, float] = {}
+    while terms:
+        names = list(terms)
+        rows = [[float(r.components.get(n, 1.0 if n == "steps" else 0.0)) for n in names] for r in records]
+        off = {n: 0.0 for n in names} | ({_OFF_ROOFLINE[kind]: 0.0} if _OFF_ROOFLINE[kind] else {})
+        rhs = [r.measured_s - cal.time(kind, {**r.components, **off}) for r in records]
+        coef = _least_squares(rows, rhs)
+        bad = next((n for n, x in zip(names, coef) if x is None), None)  # zero or dependent column first
+        bad = bad or next((n for n, x in zip(names, coef) if x <= 0), None)  # type: ignore[operator]
+        if bad is None:
+            values = {terms[n][0]: (1.0 / x if terms[n][1] else x) for n, x in zip(names, coef)}  # type: ignore[operator]
+            break
+        del terms[bad]
+    values = {f: (min(1.0, v) if f in _EFFICIENCIES else v) for f, v in values.items()}
+    fitted = replace(cal, **values)
+    errs = [(fitted.time(kind, r.components) - r.measured_s) / r.measured_s for r in records]
+    rms = math.sqrt(sum(e * e for e in errs) / len(errs))
+    changed = ", ".join(f"{f} {getattr(cal, f):.4g}->{getattr(fitted, f):.4g}" for f in values) or "nothing fitted"
+    return fitted, f"{kind} n={len(records)}: {changed} (rms rel err {rms:.1%})"
+
+
+def _least_squares(rows: list[list[float]], rhs: list[float]) -> list[float | None]:
+    """Solve min ||A x - b|| by the normal equations (a handful of unknowns, columns
+    scaled to unit norm). An unknown whose column is zero or dependent comes back None."""
+    n = len(rows[0])
+    ata = [[sum(r[i] * r[j] for r in rows) for j in range(n)] for i in range(n)]
+    atb = [sum(r[i] * b for r, b in zip(rows, rhs)) for i in range(n)]
+    scale = [math.sqrt(ata[i][i]) or 1.0 for i in range(n)]
+    m = [[ata[i][j] / (scale[i] * scale[j]) for j in range(n)] + [atb[i] / scale[i]] for i in range(n)]
+    for col in range(n):
+        piv = max(range(col, n), key=lambda r: abs(m[r][col]))
+        if abs(m[piv][col]) < 1e-9:
+            return [None if i == col else math.nan for i in range(n)]
+        m[col], m[piv] = m[piv], m[col]
+        for r in range(n):
+            if r != col:
+                f = m[r][col] / m[col][col]
+                m[r] = [a - f * b for a, b in zip(m[r], m[col])]
+    return [m[i][n] / m[i][i] / scale[i] for i in range(n)]
+
+
+# ---------------------------------------------------------------------------- rollout
+
+
+def _allreduce_factor(n: int) -> float:
+    """Bytes each rank sends per byte of buffer in a ring all-reduce of ``n`` ranks."""
+    return 2.0 * (n - 1) / n if n > 1 else 0.0
+
+
+class RolloutCost:
+    """One rollout instance shape: ``model`` served with tensor parallelism ``tp`` on
+    ``hw`` (the TP group stays on one node's NVLink). Everything per instance."""
+
+    def __init__(self, model: ModelProfile, hw: HardwareProfile, tp: int, cal: Calibration = DEFAULT,
+                 dtype_bytes: int = 2):
+        if tp < 1:
+            raise ValueError(f"tp must be >= 1, got {tp}")
+        self.model, self.hw, self.tp, self.cal = model, hw, tp, cal
+        m, b = model, dtype_bytes
+        self.weight_bytes_per_rank = m.weight_bytes(b) / tp
+        expert_bytes = m.num_layers * m.num_experts * m.expert_params * b
+        self._dense_read = (m.matmul_params(active=False) * b - expert_bytes) / tp  # read every step
+        self._expert_read = expert_bytes / tp  # read in the fraction of experts the batch touches
+        kv_share = math.ceil(m.num_kv_heads / tp) / m.num_kv_heads  # KV heads replicate when TP > KV heads
+        self.kv_bytes_per_token_rank = m.kv_bytes_per_token(b) * kv_share
+        free = hw.memory_bytes * cal.kv_memory_fraction - self.weight_bytes_per_rank - cal.rollout_reserve_gb * 1e9
+        self.kv_capacity_tokens = max(0, int(free // self.kv_bytes_per_token_rank))
+        self._flops_tok = 2.0 * m.matmul_params(active=True) / tp
+        self._attn_coef = m.attention_flops_per_token(1.0) / tp
+        self._ar_bytes_tok = _allreduce_factor(tp) * m.hidden_size * b  # per token per all-reduce
+        self._collectives = 2 * m.num_layers if tp > 1 else 0
+        self._link = hw.link_bps(inter_node=False)
+        self.infeasible = self._check(free)
+
+    def _check(self, free: float) -> str | None:
+        m, hw, tp = self.model, self.hw, self.tp
+        where = f"{m.name} TP{tp} on {hw.name}"
+        if tp > hw.gpus_per_node:
+            return f"{where}: a TP group must stay on one node ({hw.gpus_per_node} GPUs)"
+        if m.num_heads % tp:
+            return f"{where}: TP must divide the {m.num_heads} attention heads"
+        if free <= 0 or self.kv_capacity_tokens < 1:
+            return (f"{where}: no memory left for the KV cache (weights {self.weight_bytes_per_rank / 1e9:.1f} GB "
+                    f"per GPU + reserve {self.cal.rollout_reserve_gb} GB > "
+                    f"{self.cal.kv_memory_fraction:.0%} of {hw.memory_gb} GB)")
+        return None
+
+    def decode_components(self, batch: float, context_tokens: float) -> dict[str, float]:
+        """Ideal components of one decode step for ``batch`` running sequences holding
+        ``context_tokens`` KV tokens in all (for the fit and the logs)."""
+        m = self.model
+        touched = 1.0 - (1.0 - m.experts_per_token / m.num_experts) ** batch if m.is_moe else 0.0
+        read = self._dense_read + self._expert_read * touched + context_tokens * self.kv_bytes_per_token_rank
+        return {"mem_s": read / self.hw.bandwidth_bps,
+                "compute_s": (batch * self._flops_tok + context_tokens * self._attn_coef) / self.hw.peak_flops,
+                "comm_s": self._collectives * batch * self._ar_bytes_tok / self._link,
+                "collectives": float(self._collectives), "steps": 1.0}
+
+    def decode_step_s(self, batch: float, context_tokens: float) -> float:
+        """Seconds of one decode step (``batch`` sequences, ``context_tokens`` KV tokens)."""
+        return self.cal.time("decode", self.decode_components(batch, context_tokens))
+
+    def prefill_components(self, tokens: float) -> dict[str, float]:
+        """Ideal components of prefilling ``tokens`` new tokens of one sequence."""
+        return {"compute_s": tokens * (self._flops_tok + self._attn_coef * tokens / 2) / self.hw.peak_flops,
+                "mem_s": self._dense_read / self.hw.bandwidth_bps,
+                "comm_s": self._collectives * tokens * self._ar_bytes_tok / self._link,
+                "collectives": float(self._collectives)}
+
+    def prefill_s(self, tokens: float) -> float:
+        return self.cal.time("prefill", self.prefill_components(tokens))
+
+    def concurrency(self, mean_seq_tokens: float) -> int:
+        """Sequences one instance runs at once: KV capacity over the mean sequence length,
+        at most ``max_num_seqs``."""
+        return max(0, min(self.cal.max_num_seqs, int(self.kv_capacity_tokens // max(1.0, mean_seq_tokens))))
+
+    def serial_s(self, prompt_len: float, gen_len: float, tool_time_s: float) -> float:
+        """One trajectory alone on this instance: prefill, then its decode steps one after
+        another (batch 1, its own mean context), then its tool time."""
+        return self.prefill_s(prompt_len) + gen_len * self.decode_step_s(1, prompt_len + gen_len / 2) + tool_time_s
+
+
+class LengthSample(NamedTuple):
+    """One observed trajectory: prompt and generated tokens (all turns), turns, tool seconds."""
+
+    prompt_len: float
+    gen_len: float
+    turns: int
+    tool_time_s: float
+
+
+@dataclass(frozen=True)
+class LengthProfile:
+    """A window of observed trajectories scaled to an RL batch and cut into buckets, so a
+    makespan costs O(buckets × pools), not O(trajectories). Buckets are quantiles of the
+    generated length, longest first; the longest trajectory is a bucket of its own, so the
+    tail is never averaged away. ``extremes`` (the samples no other sample beats in both
+    generated length and tool time) give the exact serial bound."""
+
+    prompt: tuple[float, ...]
+    gen: tuple[float, ...]
+    tool_s: tuple[float, ...]
+    count: tuple[int, ...]
+    extremes: tuple[LengthSample, ...]
+    mean_seq_tokens: float
+    mean_context: float
+    max_seq_tokens: float
+
+    @classmethod
+    def from_samples(cls, samples: Sequence[LengthSample], batch_size: int, buckets: int = 32) -> LengthProfile:
+        if not samples or batch_size < 1 or buckets < 2:
+            raise ValueError(f"need samples, batch_size >= 1, buckets >= 2 (got {len(samples)}, {batch_size}, {buckets})")
+        s = sorted(samples, key=lambda x: (x.gen_len, x.tool_time_s), reverse=True)
+        n_rest = max(0, batch_size - 1)
+        groups = [[s[0]]] + [g for g in _split(s[1:] or s[:1], buckets - 1) if g]
+        counts = [1] + _apportion([len(g) for g in groups[1:]], n_rest)
+        keep = [(g, c) for g, c in zip(groups, counts) if c > 0]
+        mean = lambda g, f: sum(getattr(x, f) for x in g) / len(g)
+        extremes, best_tool = [], -1.0
+        for x in s:  # descending gen: keep those with more tool time than every longer one
+            if x.tool_time_s > best_tool:
+                extremes.append(x)
+                best_tool = x.tool_time_s
+        return cls(prompt=tuple(mean(g, "prompt_len") for g, _ in keep), gen=tuple(mean(g, "gen_len") for g, _ in keep),
+                   tool_s=tuple(mean(g, "tool_time_s") for g, _ in keep), count=tuple(c for _, c in keep),
+                   extremes=tuple(extremes),
+                   mean_seq_tokens=sum(x.prompt_len + x.gen_len for x in s) / len(s),
+                   mean_context=sum(x.prompt_len + x.gen_len / 2 for x in s) / len(s),
+                   max_seq_tokens=max(x.prompt_len + x.gen_len for x in s))
+
+    @property
+    def batch_size(self) -> int:
+        return sum(self.count)
+
+
+def _split(items: list, parts: int) -> list[list]:
+    k, r = divmod(len(items), parts)
+    out, i = [], 0
+    for p in range(parts):
+        j = i + k + (1 if p < r else 0)
+        out.append(items[i:j])
+        i = j
+    return out
+
+
+def _apportion(weights: list[int], total: int) -> list[int]:
+    """Integers proportional to ``weights`` summing to ``total`` (largest remainders)."""
+    w = sum(weights)
+    if not w:
+        return [0] * len(weights)
+    raw = [total * x / w for x in weights]
+    out = [int(x) for x in raw]
+    for i in sorted(range(len(raw)), key=lambda i: out[i] - raw[i])[: total - sum(out)]:
+        out[i] += 1
+    return out
+
+
+@dataclass(frozen=True)
+class RolloutEstimate:
+    """Predicted rollout time of one batch over a set of instance pools."""
+
+    makespan_s: float
+    """Seconds until the last trajectory finishes (inf when infeasible)."""
+    serial_bound_s: float
+    """Serial time of the longest trajectory on the fastest pool: a floor of the makespan."""
+    reason: str | None = None
+    """Why the plan cannot run, or None."""
+    pools: tuple[tuple[int, int, int, float, int], ...] = ()
+    """Per pool: (tp, instances, concurrency per instance, decode step s, trajectories)."""
+
+    @property
+    def feasible(self) -> bool:
+        return self.reason is None
+
+
+def rollout_makespan(pools: Sequence[tuple[RolloutCost, int]], lengths: LengthProfile) -> RolloutEstimate:
+    """Makespan of the batch over pools of identical instances ``(cost, instances)``.
+
+    Each instance runs a fixed batch of ``b`` sequences: its share of the RL batch in
+    proportion to KV concurrency, at most its concurrency (KV capacity over the mean
+    sequence, capped by ``max_num_seqs``). A pool is then ``instances × b`` lanes, and
+    every trajectory on it decodes at the step time of batch ``b`` — the batch it is
+    costed at is the batch it can actually run in. Buckets go longest first, each
+    trajectory to the lane where it would finish first (earliest free time + its
+    duration there; at time 0 that sends the long tail to the fast large-TP pools);
+    lanes of a pool that free together form one group, so a bucket is placed in a few
+    chunks. A trajectory lasts its prefill, gen_len decode steps and its tool time (the
+    lane is held during tools). The result is never below the serial time of the
+    longest trajectory on its best pool (checked exactly on ``lengths.extremes``).
+    Cost: O(buckets × pools × chunks) arithmetic, ~0.3 ms for 32 buckets and 4 pools
+    on a shared 2-core CPU.
+    """
+    live, reasons = [], []
+    for cost, n in pools:
+        if n <= 0:
+            continue
+        conc = cost.concurrency(lengths.mean_seq_tokens)
+        if cost.infeasible:
+            reasons.append(cost.infeasible)
+        elif lengths.max_seq_tokens > cost.kv_capacity_tokens or conc < 1:
+            reasons.append(f"{cost.model.name} TP{cost.tp} on {cost.hw.name}: KV capacity {cost.kv_capacity_tokens} "
+                           f"tokens < longest sequence {lengths.max_seq_tokens:.0f} (or mean {lengths.mean_seq_tokens:.0f})")
+        else:
+            live.append((cost, n, conc))
+    if not live:
+        why = "; ".join(reasons) or "no rollout instances"
+        return RolloutEstimate(math.inf, math.inf, why)
+    bound = max(min(c.serial_s(x.prompt_len, x.gen_len, x.tool_time_s) for c, _, _ in live) for x in lengths.extremes)
+    total_lanes = sum(n * conc for _, n, conc in live)
+    per_pool = []
+    for cost, n, conc in live:
+        batch = max(1, min(conc, math.ceil(lengths.batch_size * conc / total_lanes)))
+        base = (batch - 1) * lengths.mean_context
+        durations = [cost.prefill_s(p) + g * cost.decode_step_s(batch, base + p + g / 2) + t
+                     for p, g, t in zip(lengths.prompt, lengths.gen, lengths.tool_s)]
+        per_pool.append((cost, n, conc, batch, durations))
+    makespan, assigned = _assign(lengths.count, [(n * batch, d) for _, n, _, batch, d in per_pool])
+    info = tuple((c.tp, n, conc, c.decode_step_s(b, b * lengths.mean_context), a)
+                 for (c, n, conc, b, _), a in zip(per_pool, assigned))
+    return RolloutEstimate(max(makespan, bound), bound, None, info)
+
+
+def _assign(counts: Sequence[int], pools: Sequence[tuple[int, Sequence[float]]]) -> tuple[float, list[int]]:
+    """Greedy earliest-finish placement of bucketed trajectories (longest bucket first) on
+    pools of lanes; returns the makespan and trajectories per pool."""
+    heaps = [[(0.0, lanes)] for lanes, _ in pools]
+    assigned = [0] * len(pools)
+    makespan = 0.0
+    for k, m in enumerate(counts):
+        while m > 0:
+            best, finish = 0, math.inf
+            for p, (_, dur) in enumerate(pools):
+                f = heaps[p][0][0] + dur[k]
+                if f < finish:
+                    best, finish = p, f
+            free_at, lanes = heapq.heappop(heaps[best])
+            take = min(m, lanes)
+            if lanes > take:
+                heapq.heappush(heaps[best], (free_at, lanes - take))
+            heapq.heappush(heaps[best], (finish, take))
+            assigned[best] += take
+            makespan = max(makespan, finish)
+            m -= take
+    return makespan, assigned
+
+
+# --------------------------------------------------------------------------- training
+
+
+@dataclass(frozen=True)
+class TrainShape:
+    """Megatron-Core parallel layout and batch of one training step."""
+
+    tp: int
+    pp: int
+    dp: int
+    micro_batch: int
+    """Sequences per micro-batch per DP replica."""
+    global_batch: int
+    """Sequences per optimizer step across all replicas."""
+    seq_len: int
+    """Tokens per sequence (prompt + response, padded or packed)."""
+    recompute: bool = False
+    """Full activation recomputation (one more forward, activations kept only at layer inputs)."""
+
+    def __post_init__(self) -> None:
+        for name in ("tp", "pp", "dp", "micro_batch", "global_batch", "seq_len"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"TrainShape.{name} must be >= 1, got {getattr(self, name)}")
+
+    @property
+    def gpus(self) -> int:
+        return self.tp * self.pp * self.dp
+
+
+class TrainingCost:
+    """Step time and per-GPU memory of ``model`` trained with ``shape`` on ``hw``, with
+    the distributed optimizer (Adam states sharded over DP), bf16 weights and fp32
+    gradients. Expert parallelism is not modelled (MoE experts shard over TP)."""
+
+    def __init__(self, model: ModelProfile, hw: HardwareProfile, shape: TrainShape, cal: Calibration = DEFAULT):
+        self.model, self.hw, self.shape, self.cal = model, hw, shape, cal
+        s = shape
+        self.microbatches = s.global_batch // (s.dp * s.micro_batch)
+        self.tokens = s.global_batch * s.seq_len
+        passes = 4 if s.recompute else 3  # forward + backward (2×) [+ recomputed forward]
+        self.model_flops = 3.0 * self.tokens * model.flops_per_token(s.seq_len / 2)
+        self.hardware_flops = self.model_flops * passes / 3
+        self.memory = self._memory()
+        self.infeasible = self._check()
+
+    @property
+    def peak_bound_s(self) -> float:
+        """Model FLOPs at peak on all GPUs: no step is faster."""
+        return self.model_flops / (self.shape.gpus * self.hw.peak_flops)
+
+    def _check(self) -> str | None:
+        s, m, hw = self.shape, self.model, self.hw
+        where = f"training {m.name} TP{s.tp} PP{s.pp} DP{s.dp} mbs{s.micro_batch} on {hw.name}"
+        if s.tp > hw.gpus_per_node:
+            return f"{where}: a TP group must stay on one node ({hw.gpus_per_node} GPUs)"
+        if m.num_heads % s.tp or m.num_kv_heads % s.tp:
+            return f"{where}: TP must divide {m.num_heads} heads and {m.num_kv_heads} KV heads"
+        if m.num_layers % s.pp:
+            return f"{where}: PP must divide the {m.num_layers} layers"
+        if s.global_batch % (s.dp * s.micro_batch):
+            return f"{where}: global batch {s.global_batch} is not a multiple of DP × micro-batch"
+        total = sum(self.memory.values())
+        if total > hw.memory_bytes:
+            parts = ", ".join(f"{k} {v / 1e9:.1f}" for k, v in self.memory.items())
+            return f"{where}: needs {total / 1e9:.1f} GB per GPU ({parts}) > {hw.memory_gb} GB"
+        return None
+
+    def _memory(self) -> dict[str, float]:
+        """Bytes per GPU on the fullest pipeline stage."""
+        m, s = self.model, self.shape
+        layers = m.num_layers // s.pp
+        embed = m.embedding_params if s.pp == 1 else m.vocab_size * m.hidden_size
+        params = (layers * m.layer_params() + embed) / s.tp
+        sbh = s.seq_len * s.micro_batch * m.hidden_size
+        if s.recompute:  # layer inputs kept, one layer recomputed at a time
+            act_layer, act_full = 2.0 * sbh, sbh * (10 + 24 / s.tp)
+            acts = act_layer * layers * min(s.pp, max(1, self.microbatches)) + act_full
+        else:  # Korthikanti et al. 2022, flash attention (no s² term), no sequence parallelism
+            acts = sbh * (10 + 24 / s.tp) * layers * min(s.pp, max(1, self.microbatches))
+        logits = 4.0 * s.seq_len * s.micro_batch * m.vocab_size / s.tp  # fp32 logits on the last stage
+        return {"weights": 2.0 * params, "grads": 4.0 * params, "optimizer": 12.0 * params / s.dp,
+                "activations": acts + logits, "reserve": self.cal.train_reserve_gb * 1e9}
+
+    def components(self) -> dict[str, float]:
+        """Ideal components of one step: compute (with the 1F1B bubble), TP + PP + DP
+        communication, collective count."""
+        m, s, hw = self.model, self.shape, self.hw
+        mb = max(1, self.microbatches)
+        bubble = 1.0 + (s.pp - 1) / mb
+        compute = self.hardware_flops / (s.gpus * hw.peak_flops) * bubble
+        act_bytes = 2.0 * s.micro_batch * s.seq_len * m.hidden_size
+        layers = m.num_layers // s.pp
+        tp_calls = (6 if s.recompute else 4) * layers * mb if s.tp > 1 else 0
+        tp_s = tp_calls * _allreduce_factor(s.tp) * act_bytes / hw.link_bps(False)
+        # Megatron rank order (TP fastest, then DP, then PP): stages sit on different nodes
+        # as soon as the whole group spans more than one node; DP peers as soon as TP×DP does.
+        pp_s = 2 * mb * act_bytes / hw.link_bps(s.gpus > hw.gpus_per_node) if s.pp > 1 else 0.0
+        params = m.param_count() / (s.tp * s.pp)
+        dp_bytes = (s.dp - 1) / s.dp * params * (4 + 2)  # reduce-scatter fp32 grads, all-gather bf16 params
+        dp_s = dp_bytes / hw.link_bps(s.tp * s.dp > hw.gpus_per_node)
+        return {"compute_s": compute, "comm_s": tp_s + pp_s + dp_s,
+                "collectives": float(tp_calls + (2 * mb if s.pp > 1 else 0) + (2 if s.dp > 1 else 0)), "steps": 1.0}
+
+    @property
+    def step_s(self) -> float:
+        """Predicted seconds per optimizer step; inf when the layout cannot run."""
+        return math.inf if self.infeasible else self.cal.time("train", self.components())
