@@ -1,0 +1,151 @@
+"""Replanning gate: when to look at a new plan, and when one is worth applying (pure).
+
+A check runs every ``every_steps`` steps, or earlier on a pressure event: the rollout
+queue deeper than ``queue_depth_threshold``, or the rollout / training time ratio outside
+``ratio_band`` (one side waits on the other). At a check the candidate is applied only when
+
+    (current objective − candidate objective) × every_steps − reconfiguration cost > margin_s
+
+i.e. the time it saves until the next check pays for the move with room to spare, and
+with hysteresis, so that a workload alternating between two shapes does not flap:
+- the improvement must persist for ``confirm_checks`` checks in a row, in the same
+  direction: GPUs toward rollout, or toward training (when the caller passes the current
+  plan), else the very same candidate (training shape and rollout instance counts).
+  A check without a worthwhile gain, or one pointing the other way, restarts the count;
+  under steady drift the candidate changes from check to check but the direction holds,
+  so the latest candidate is applied;
+- no change within ``min_dwell_steps`` steps of the last applied one.
+Every :class:`Decision` says why, for ``events.jsonl``. Units: seconds, steps.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from libra_hpc.planner.search import Plan, PlanResult
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class GateOptions:
+    """Knobs of the replanning gate. Candidates for ``PlannerConfig`` fields (see the report)."""
+
+    every_steps: int = 10
+    """Periodic check interval K, steps; also the horizon the gain is counted over."""
+    queue_depth_threshold: int = 256
+    """Trajectories waiting for a rollout instance above which a check runs at once."""
+    ratio_band: tuple[float, float] = (0.8, 1.25)
+    """Rollout / training time ratio outside [low, high] triggers a check (async: one side idles)."""
+    margin_s: float = 10.0
+    """Net saving (s, over the horizon, after the reconfiguration cost) a change must exceed."""
+    confirm_checks: int = 2
+    """Consecutive checks the same candidate must win before it is applied (1: at once)."""
+    min_dwell_steps: int = 20
+    """Steps after an applied change during which no other change is applied."""
+
+    def __post_init__(self) -> None:
+        lo, hi = self.ratio_band
+        if self.every_steps < 1 or self.confirm_checks < 1 or self.min_dwell_steps < 0 or self.margin_s < 0:
+            raise ValueError(f"GateOptions: every_steps, confirm_checks >= 1, min_dwell_steps, margin_s >= 0: {self}")
+        if not 0 < lo <= 1 <= hi:
+            raise ValueError(f"GateOptions.ratio_band must satisfy 0 < low <= 1 <= high, got {self.ratio_band}")
+        if self.queue_depth_threshold < 1:
+            raise ValueError(f"GateOptions.queue_depth_threshold must be >= 1, got {self.queue_depth_threshold}")
+
+
+@dataclass(frozen=True)
+class Decision:
+    apply: bool
+    reason: str
+    checked: bool = False
+    """A check ran at this step (periodic or pressure)."""
+    trigger: str = ""
+    """What started the check: ``periodic``, ``pressure: ...`` or empty."""
+    net_gain_s: float = 0.0
+    """Predicted saving over the horizon minus the reconfiguration cost, s."""
+
+
+def direction(p: Plan, current: Plan) -> tuple:
+    """Which way ``p`` moves GPUs relative to ``current`` (same split: the same candidate)."""
+    delta = p.rollout_gpus - current.rollout_gpus
+    if delta > 0:
+        return ("toward rollout",)
+    if delta < 0:
+        return ("toward training",)
+    return signature(p)
+
+
+def signature(p: Plan) -> tuple:
+    """What makes two plans the same change: training shape and rollout instance counts."""
+    s = p.train
+    return (s.tp, s.pp, s.dp, s.micro_batch, s.recompute, tuple(sorted(p.rollout_counts.items())))
+
+
+class ReplanGate:
+    """Stateful gate; call :meth:`consider` once per step (cheap when no check is due)."""
+
+    def __init__(self, options: GateOptions = GateOptions()):
+        self.opt = options
+        self.last_check: int | None = None
+        self.last_apply: int | None = None
+        self.pending: tuple | None = None
+        self.streak = 0
+
+    def due(self, step: int, pressure: Mapping[str, float]) -> str:
+        """The trigger of a check at ``step``, or '' when none is due. ``pressure`` keys:
+        ``queue_depth`` (trajectories waiting), ``rollout_train_ratio`` (T_rollout / T_train
+        measured over the last steps); missing keys are no pressure."""
+        o = self.opt
+        depth = pressure.get("queue_depth")
+        if depth is not None and depth > o.queue_depth_threshold:
+            return f"pressure: queue depth {depth:g} > {o.queue_depth_threshold}"
+        ratio = pressure.get("rollout_train_ratio")
+        if ratio is not None and not o.ratio_band[0] <= ratio <= o.ratio_band[1]:
+            return f"pressure: rollout/training time ratio {ratio:.2f} outside [{o.ratio_band[0]}, {o.ratio_band[1]}]"
+        if self.last_check is None or step - self.last_check >= o.every_steps:
+            return "periodic"
+        return ""
+
+    def consider(self, step: int, current_objective_s: float, candidate: PlanResult, reconfig_cost_s: float,
+                 pressure: Mapping[str, float] | None = None, current: Plan | None = None) -> Decision:
+        """Whether to apply ``candidate`` now instead of the current plan, whose objective
+        re-costed on today's observations is ``current_objective_s``. ``current`` (optional)
+        lets the hysteresis count checks by direction instead of by identical candidate."""
+        o = self.opt
+        trigger = self.due(step, pressure or {})
+        if not trigger:
+            return Decision(False, f"no check due: next periodic check at step {self.last_check + o.every_steps}, "
+                                   "no pressure")
+        self.last_check = step
+        new = candidate.plan
+        gain = current_objective_s - new.objective
+        net = gain * o.every_steps - reconfig_cost_s
+        money = (f"gain {gain:.3g} s/step × {o.every_steps} steps − reconfiguration {reconfig_cost_s:.3g} s "
+                 f"= {net:.3g} s")
+        if net <= o.margin_s:
+            self.pending, self.streak = None, 0
+            return self._say(step, Decision(False, f"{trigger}; keep: {money} <= margin {o.margin_s:g} s",
+                                            True, trigger, net))
+        sig = direction(new, current) if current is not None else signature(new)
+        self.streak = self.streak + 1 if sig == self.pending else 1
+        self.pending = sig
+        if self.last_apply is not None and step - self.last_apply < o.min_dwell_steps:
+            return self._say(step, Decision(False, f"{trigger}; keep: {money} > margin, but dwell: last change at step "
+                                                   f"{self.last_apply}, none before step "
+                                                   f"{self.last_apply + o.min_dwell_steps}", True, trigger, net))
+        if self.streak < o.confirm_checks:
+            return self._say(step, Decision(False, f"{trigger}; wait: {money} > margin {o.margin_s:g} s for "
+                                                   f"{self.streak}/{o.confirm_checks} consecutive checks "
+                                                   f"({new.describe()})", True, trigger, net))
+        self.last_apply, self.pending, self.streak = step, None, 0
+        return self._say(step, Decision(True, f"{trigger}; apply {new.describe()}: {money} > margin "
+                                              f"{o.margin_s:g} s for {o.confirm_checks} consecutive checks",
+                                        True, trigger, net))
+
+    @staticmethod
+    def _say(step: int, d: Decision) -> Decision:
+        log.info("replan gate step %d: %s", step, d.reason)
+        return d

@@ -1,0 +1,542 @@
+"""Plan search: how many GPUs train (and with which TP×PP×DP and micro-batch), and how the
+rest split into rollout instances of TP in {1, 2, 4, 8} (pure: no torch, no MPI).
+
+Placement is fixed so that a plan is a set of counts, not of slots: training takes the
+first ``TP×PP×DP`` slots node-major from node 0 (whole nodes first; TP divides the node,
+so every TP group stays on one node); rollout instances fill the rest, the node training
+fills only partly first, each node largest TP first. With identical nodes the rollout
+time depends only on how many instances of each TP there are, so the search is over
+
+    training shapes (per GPU count, the fastest that fits in memory)
+  × rollout count vectors (n1, n2, n4, n8) that pack exactly into the free slots.
+
+Search (:func:`plan`):
+1. every training shape is costed (~8 µs each); memory-infeasible ones are dropped with
+   their reason, and per training GPU count only the fastest shape survives (the others are
+   dominated: same GPUs left for rollout, slower training);
+2. screen: per training GPU count, the rollout made of one TP only (plus the partial node)
+   — a few makespans, memoised per free-slot shape;
+3. refine, in order of screened objective: candidates whose training time alone (async) or
+   training time + the serial floor of rollout (sync) reaches the best objective are pruned;
+   the others get the full rollout search — every packable count vector when there are at
+   most ``exact_rollout_limit`` of them, else a hill climb over moves of GPUs between TP
+   sizes (step sizes halving) from the best screened start. At most ``refine_top``
+   candidates are refined; the rest keep their screened objective and lose as
+   "not refined".
+On clusters of up to 16 GPUs this is exact (checked against :func:`exhaustive`, which
+enumerates every training shape × every per-node partition without pruning).
+
+Objective: ``max(T_train, T_rollout)`` for asynchronous (pipelined, bounded-staleness)
+training, ``T_train + T_rollout`` for synchronous. Units: seconds.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import math
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Literal
+
+from libra_hpc.cluster.layout import Group, Layout, LayoutError, Slot, check_layout
+from libra_hpc.planner.costs import (
+    DEFAULT,
+    Calibration,
+    LengthProfile,
+    RolloutCost,
+    TrainingCost,
+    TrainShape,
+    rollout_makespan,
+)
+from libra_hpc.planner.profiles import HardwareProfile, ModelProfile
+
+log = logging.getLogger(__name__)
+Mode = Literal["async", "sync"]
+Counts = tuple[int, ...]  # instances per TP, in the order of PlannerOptions.rollout_tps (descending)
+
+
+@dataclass(frozen=True)
+class RLBatch:
+    """What one RL step trains on."""
+
+    global_batch: int
+    """Trajectories (sequences) per optimizer step."""
+    seq_len: int
+    """Tokens per training sequence (prompt + response, padded or packed)."""
+
+    def __post_init__(self) -> None:
+        if self.global_batch < 1 or self.seq_len < 1:
+            raise ValueError(f"RLBatch needs global_batch >= 1 and seq_len >= 1, got {self}")
+
+
+@dataclass(frozen=True)
+class PlannerOptions:
+    """Search space and budget. Candidates for ``PlannerConfig`` fields (see the report)."""
+
+    rollout_tps: tuple[int, ...] = (8, 4, 2, 1)
+    """TP sizes a rollout instance may have (each <= GPUs per node)."""
+    train_tps: tuple[int, ...] = (1, 2, 4, 8)
+    """Training TP sizes tried (each must divide the GPUs per node)."""
+    max_pp: int = 8
+    """Largest pipeline size tried (divisors of the layer count up to this)."""
+    micro_batches: tuple[int, ...] = (1, 2, 4)
+    """Micro-batch sizes (sequences per DP replica per micro-batch) tried."""
+    min_train_gpus: int = 1
+    """Training never gets fewer GPUs."""
+    min_rollout_gpus: int = 1
+    """Rollout never gets fewer GPUs (``planner.min_rollout_gpus``)."""
+    exact_rollout_limit: int = 64
+    """Enumerate every rollout count vector when there are at most this many; else hill-climb."""
+    climb_starts: int = 2
+    """Past ``exact_rollout_limit``: hill climbs from this many of the best single-TP rollouts."""
+    refine_top: int = 12
+    """Most training GPU counts that get the full rollout search (the rest are screened only)."""
+    runners_up: int = 8
+    """Losing candidates reported with the plan."""
+
+    def __post_init__(self) -> None:
+        bad = [t for t in (*self.rollout_tps, *self.train_tps) if t < 1 or t & (t - 1)]
+        if bad or not self.rollout_tps or not self.train_tps:
+            raise ValueError(f"PlannerOptions: TP sizes must be powers of two, got {bad or 'an empty list'}")
+        if min(self.min_train_gpus, self.min_rollout_gpus, self.max_pp, self.refine_top, self.exact_rollout_limit,
+               self.climb_starts) < 1:
+            raise ValueError(f"PlannerOptions: minimums, max_pp, refine_top, exact_rollout_limit, climb_starts must be >= 1: {self}")
+        object.__setattr__(self, "rollout_tps", tuple(sorted(set(self.rollout_tps), reverse=True)))
+
+
+@dataclass(frozen=True)
+class RolloutInstance:
+    tp: int
+    slots: tuple[Slot, ...]
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A whole-cluster assignment with its predicted step times (s)."""
+
+    train: TrainShape
+    train_slots: tuple[Slot, ...]
+    rollout: tuple[RolloutInstance, ...]
+    t_train: float
+    t_rollout: float
+    objective: float
+    mode: Mode
+
+    @property
+    def train_gpus(self) -> int:
+        return len(self.train_slots)
+
+    @property
+    def rollout_gpus(self) -> int:
+        return sum(i.tp for i in self.rollout)
+
+    @property
+    def rollout_counts(self) -> dict[int, int]:
+        """Instances per TP size."""
+        out: dict[int, int] = {}
+        for inst in self.rollout:
+            out[inst.tp] = out.get(inst.tp, 0) + 1
+        return dict(sorted(out.items()))
+
+    def describe(self) -> str:
+        s = self.train
+        roll = " ".join(f"{n}×TP{tp}" for tp, n in self.rollout_counts.items())
+        return (f"train TP{s.tp} PP{s.pp} DP{s.dp} mbs{s.micro_batch}{' recompute' if s.recompute else ''} "
+                f"({self.train_gpus} GPUs) | rollout {roll} ({self.rollout_gpus} GPUs)")
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A candidate that lost, and why."""
+
+    description: str
+    objective: float
+    """Its objective, s: exact when refined, the screened (single-TP rollout) value — an
+    upper bound — when pruned or not refined, inf when infeasible."""
+    reason: str
+
+
+@dataclass(frozen=True)
+class PlanResult:
+    plan: Plan
+    runners_up: tuple[Candidate, ...]
+    evaluated: int
+    """Rollout makespans computed."""
+    elapsed_s: float
+    stats: dict = field(default_factory=dict)
+    """Counts of shapes costed, infeasible, dominated, pruned, refined."""
+
+
+class PlanError(ValueError):
+    """No plan fits; the message lists why each kind of candidate failed."""
+
+
+def objective(t_train: float, t_rollout: float, mode: Mode) -> float:
+    if mode == "async":
+        return max(t_train, t_rollout)
+    if mode == "sync":
+        return t_train + t_rollout
+    raise ValueError(f"mode must be 'async' or 'sync', got {mode!r}")
+
+
+# ------------------------------------------------------------------------- geometry
+
+
+def _free_shape(train_gpus: int, nodes: int, g: int) -> tuple[int, int]:
+    """(whole free nodes, free slots on the node training fills partly) after training."""
+    full_train, part = divmod(train_gpus, g)
+    partial = g - part if part else 0
+    return nodes - full_train - (1 if part else 0), partial
+
+
+def _fill(size: int, counts: dict[int, int]) -> list[int] | None:
+    """Largest-first exact fill of one node's ``size`` free slots from ``counts`` (mutated);
+    exact for power-of-two sizes (a divisible system: greedy never strands a remainder)."""
+    out = []
+    for tp in sorted(counts, reverse=True):
+        take = min(counts[tp], size // tp)
+        out += [tp] * take
+        counts[tp] -= take
+        size -= take * tp
+    return out if size == 0 else None
+
+
+def _pack(counts: dict[int, int], whole: int, partial: int, g: int) -> list[list[int]] | None:
+    """Per node (partial node first), the TP sizes of its instances; None if they do not
+    fill the free slots exactly."""
+    left = dict(counts)
+    nodes = []
+    for size in ([partial] if partial else []) + [g] * whole:
+        pattern = _fill(size, left)
+        if pattern is None:
+            return None
+        nodes.append(pattern)
+    return nodes if not any(left.values()) else None
+
+
+def _vectors(total: int, tps: Sequence[int], limit: int) -> list[Counts] | None:
+    """Every count vector over ``tps`` with sum(tp × n) == total, or None past ``limit``."""
+    out: list[Counts] = []
+
+    def rec(i: int, left: int, acc: tuple[int, ...]) -> bool:
+        if i == len(tps) - 1:
+            if left % tps[i] == 0:
+                out.append(acc + (left // tps[i],))
+                return len(out) <= limit
+            return True
+        return all(rec(i + 1, left - n * tps[i], acc + (n,)) for n in range(left // tps[i], -1, -1))
+
+    return out if rec(0, total, ()) else None
+
+
+# --------------------------------------------------------------------------- search
+
+
+class _Search:
+    def __init__(self, model: ModelProfile, hw: HardwareProfile, nodes: int, g: int, lengths: LengthProfile,
+                 batch: RLBatch, mode: Mode, opt: PlannerOptions, cal: Calibration):
+        self.model, self.hw, self.nodes, self.g, self.lengths = model, hw, nodes, g, lengths
+        self.batch, self.mode, self.opt, self.cal = batch, mode, opt, cal
+        costs = {tp: RolloutCost(model, hw, tp, cal) for tp in opt.rollout_tps if tp <= g}
+        self.roll_reasons = {tp: c.infeasible for tp, c in costs.items() if c.infeasible}
+        for tp, c in costs.items():
+            if not c.infeasible and lengths.max_seq_tokens > c.kv_capacity_tokens:
+                self.roll_reasons[tp] = (f"{model.name} TP{tp}: KV capacity {c.kv_capacity_tokens} tokens < longest "
+                                         f"sequence {lengths.max_seq_tokens:.0f}")
+        self.costs = {tp: c for tp, c in costs.items() if tp not in self.roll_reasons}
+        self.tps = tuple(sorted(self.costs, reverse=True))
+        self.memo: dict[Counts, float] = {}
+        self.starts: dict[tuple[int, int], list[tuple[float, Counts]]] = {}
+        self.best_roll: dict[tuple[int, int], tuple[float, Counts | None]] = {}
+        self.evaluated = 0
+
+    # rollout -------------------------------------------------------------------------
+    def rollout_time(self, counts: Counts) -> float:
+        if counts not in self.memo:
+            pools = [(self.costs[tp], n) for tp, n in zip(self.tps, counts) if n]
+            self.memo[counts] = rollout_makespan(pools, self.lengths).makespan_s if pools else math.inf
+            self.evaluated += 1
+        return self.memo[counts]
+
+    def _packs(self, counts: Counts, whole: int, partial: int) -> bool:
+        return _pack(dict(zip(self.tps, counts)), whole, partial, self.g) is not None
+
+    def screen(self, whole: int, partial: int) -> tuple[float, Counts | None]:
+        """Best single-TP rollout (the partial node filled largest-first)."""
+        best: tuple[float, Counts | None] = (math.inf, None)
+        head = _fill(partial, {tp: partial // tp for tp in self.tps}) if partial else []
+        if head is None:
+            return best
+        starts: list[tuple[float, Counts]] = []
+        for tp in self.tps:
+            if tp > self.g or self.g % tp:
+                continue
+            c = {t: head.count(t) for t in self.tps}
+            c[tp] += whole * (self.g // tp)
+            counts = tuple(c[t] for t in self.tps)
+            if sum(counts):
+                starts.append((self.rollout_time(counts), counts))
+        self.starts[(whole, partial)] = sorted(starts)
+        return min(starts, default=best)
+
+    def refine(self, whole: int, partial: int, start: tuple[float, Counts | None]) -> tuple[float, Counts | None]:
+        key = (whole, partial)
+        if key in self.best_roll:
+            return self.best_roll[key]
+        total = whole * self.g + partial
+        vectors = _vectors(total, self.tps, self.opt.exact_rollout_limit) if self.tps else []
+        best = start
+        if vectors is not None:
+            for counts in vectors:
+                if sum(counts) and self._packs(counts, whole, partial):
+                    best = min(best, (self.rollout_time(counts), counts))
+        else:  # hill climbs from the best single-TP starts
+            for begin in self.starts.get(key, [])[: self.opt.climb_starts]:
+                best = min(best, self._climb(begin, whole, partial))
+        self.best_roll[key] = best
+        return best
+
+    def _climb(self, start: tuple[float, Counts], whole: int, partial: int) -> tuple[float, Counts]:
+        """Best-improvement hill climb: move ``m`` GPUs from TP a instances to TP b ones,
+        m a multiple of max(a, b), step sizes halving down to one instance."""
+        best = start
+        step = max(1, (whole * self.g + partial) // 4)
+        while True:
+            improved = False
+            for a, b in itertools.permutations(range(len(self.tps)), 2):
+                unit = max(self.tps[a], self.tps[b])
+                m = max(unit, step // unit * unit)
+                c = list(best[1])
+                if c[a] * self.tps[a] < m:
+                    continue
+                c[a] -= m // self.tps[a]
+                c[b] += m // self.tps[b]
+                counts = tuple(c)
+                if self._packs(counts, whole, partial):
+                    t = self.rollout_time(counts)
+                    if t < best[0] - 1e-12:
+                        best, improved = (t, counts), True
+            if not improved:
+                if step <= 1:
+                    return best
+                step //= 2
+
+    def serial_floor(self) -> float:
+        ext = self.lengths.extremes
+        return max(min(c.serial_s(x.prompt_len, x.gen_len, x.tool_time_s) for c in self.costs.values()) for x in ext)
+
+    # training ------------------------------------------------------------------------
+    def train_shapes(self) -> Iterator[TrainShape]:
+        m, o, b = self.model, self.opt, self.batch
+        cap = self.nodes * self.g - o.min_rollout_gpus
+        for tp in o.train_tps:
+            if self.g % tp:
+                continue
+            for pp in (p for p in range(1, o.max_pp + 1) if m.num_layers % p == 0):
+                for mb in o.micro_batches:
+                    if b.global_batch % mb:
+                        continue
+                    per = b.global_batch // mb
+                    for dp in (d for d in range(1, per + 1) if per % d == 0):
+                        gpus = tp * pp * dp
+                        if gpus > cap:
+                            break
+                        if gpus >= o.min_train_gpus:
+                            yield TrainShape(tp, pp, dp, mb, b.global_batch, b.seq_len)
+
+    def best_training(self) -> tuple[dict[int, TrainingCost], list[Candidate], dict]:
+        best: dict[int, TrainingCost] = {}
+        infeasible: dict[str, str] = {}
+        n = dominated = 0
+        for shape in self.train_shapes():
+            cost = TrainingCost(self.model, self.hw, shape, self.cal)
+            n += 1
+            if cost.infeasible and "GB per GPU" in cost.infeasible:
+                cost = TrainingCost(self.model, self.hw, replace(shape, recompute=True), self.cal)
+                n += 1
+            if cost.infeasible:
+                infeasible.setdefault(cost.infeasible.split(":")[0], cost.infeasible)
+                continue
+            prev = best.get(shape.gpus)
+            if prev is None or cost.step_s < prev.step_s:
+                best[shape.gpus] = cost
+            dominated += 1
+        dominated -= len(best)
+        losers = [Candidate(k, math.inf, f"infeasible: {v}") for k, v in infeasible.items()]
+        return best, losers, {"train_shapes": n, "train_infeasible": len(infeasible), "train_dominated": dominated}
+
+    # whole search --------------------------------------------------------------------
+    def run(self) -> PlanResult:
+        t0 = time.perf_counter()
+        if not self.costs:
+            raise PlanError("no rollout TP size fits: " + "; ".join(self.roll_reasons.values()))
+        trains, losers, stats = self.best_training()
+        if not trains:
+            raise PlanError("no training shape fits in memory with at least "
+                            f"{self.opt.min_rollout_gpus} GPUs left for rollout: "
+                            + "; ".join(c.reason for c in losers[:5]))
+        rows = []  # (screened objective, gpus, t_train, whole, partial, (t_roll, counts))
+        for gpus, cost in trains.items():
+            whole, partial = _free_shape(gpus, self.nodes, self.g)
+            scr = self.screen(whole, partial)
+            rows.append((objective(cost.step_s, scr[0], self.mode), gpus, cost.step_s, whole, partial, scr))
+        rows.sort()
+        floor = self.serial_floor() if self.mode == "sync" else 0.0
+        best_obj, best_key, best_row, refined, results = math.inf, (math.inf, math.inf), None, 0, []
+        for obj, gpus, tt, whole, partial, scr in rows:
+            if tt + floor >= best_obj:
+                what = "training alone" if self.mode == "async" else "training + rollout serial floor"
+                results.append((obj, gpus, f"pruned: {what} {tt + floor:.3g} s >= best {best_obj:.3g} s"))
+                continue
+            if refined >= self.opt.refine_top:
+                results.append((obj, gpus, f"not refined (refine_top={self.opt.refine_top}): screened objective {obj:.3g} s"))
+                continue
+            refined += 1
+            tr, counts = self.refine(whole, partial, scr)
+            o = objective(tt, tr, self.mode)
+            results.append((o, gpus, None))
+            if counts is not None and (o, tt + tr) < best_key:
+                best_key, best_row = (o, tt + tr), (gpus, tt, tr, whole, partial, counts)
+                best_obj = o
+        if best_row is None:
+            raise PlanError(f"no rollout split fits the free slots of any training size; rollout TP sizes "
+                            f"{self.tps}, skipped: {self.roll_reasons}")
+        plan = self.build(*best_row, trains[best_row[0]].shape)
+        for o, gpus, why in sorted(results, key=lambda r: r[0]):
+            if gpus == plan.train_gpus:
+                continue
+            s = trains[gpus].shape
+            desc = f"train TP{s.tp} PP{s.pp} DP{s.dp} mbs{s.micro_batch} ({gpus} GPUs) + best rollout of the rest"
+            losers.append(Candidate(desc, o, why or _lost(o, plan)))
+        ranked = sorted((c for c in losers if c.reason.startswith("objective")), key=lambda c: c.objective)
+        others = sorted((c for c in losers if not c.reason.startswith("objective")),
+                        key=lambda c: (c.reason.startswith("infeasible"), c.objective))
+        k = self.opt.runners_up
+        stats |= {"train_gpu_counts": len(trains), "refined": refined, "rollout_evaluations": self.evaluated}
+        elapsed = time.perf_counter() - t0
+        log.info("plan %s: objective %.3g s (%s), %d makespans, %.1f ms", plan.describe(), plan.objective,
+                 self.mode, self.evaluated, elapsed * 1e3)
+        return PlanResult(plan, tuple(ranked[: max(1, k // 2)] + others[: k - min(len(ranked), max(1, k // 2))]),
+                          self.evaluated, elapsed, stats)
+
+    def build(self, gpus: int, tt: float, tr: float, whole: int, partial: int, counts: Counts,
+              shape: TrainShape) -> Plan:
+        slots = [Slot(n, i) for n in range(self.nodes) for i in range(self.g)]
+        patterns = _pack(dict(zip(self.tps, counts)), whole, partial, self.g)
+        assert patterns is not None, "chosen rollout counts must pack"
+        free = slots[gpus:]
+        inst, pos = [], 0
+        for pattern in patterns:
+            for tp in pattern:
+                inst.append(RolloutInstance(tp, tuple(free[pos : pos + tp])))
+                pos += tp
+        return Plan(shape, tuple(slots[:gpus]), tuple(inst), tt, tr, objective(tt, tr, self.mode), self.mode)
+
+
+def _lost(o: float, best: Plan) -> str:
+    if o > best.objective * (1 + 1e-9):
+        return f"objective {o:.4g} s > best {best.objective:.4g} s"
+    return (f"objective {o:.4g} s ties the best; it loses on t_train + t_rollout "
+            f"(best {best.t_train + best.t_rollout:.4g} s)")
+
+
+def _check_args(nodes: int, gpus_per_node: int, mode: str, opt: PlannerOptions) -> None:
+    if nodes < 1 or gpus_per_node < 1:
+        raise PlanError(f"need nodes >= 1 and gpus_per_node >= 1, got {nodes} × {gpus_per_node}")
+    if mode not in ("async", "sync"):
+        raise PlanError(f"mode must be 'async' or 'sync', got {mode!r}")
+    if opt.min_train_gpus + opt.min_rollout_gpus > nodes * gpus_per_node:
+        raise PlanError(f"min_train_gpus {opt.min_train_gpus} + min_rollout_gpus {opt.min_rollout_gpus} exceed the "
+                        f"{nodes * gpus_per_node} GPUs of the cluster")
+
+
+def plan(model: ModelProfile, hardware: HardwareProfile, nodes: int, gpus_per_node: int, lengths: LengthProfile,
+         batch: RLBatch, *, mode: Mode = "async", options: PlannerOptions = PlannerOptions(),
+         calibration: Calibration = DEFAULT) -> PlanResult:
+    """The best plan for ``nodes`` × ``gpus_per_node`` GPUs of ``hardware`` (its own
+    ``gpus_per_node`` is overridden by the argument). Raises PlanError when nothing fits."""
+    _check_args(nodes, gpus_per_node, mode, options)
+    hw = hardware.model_copy(update={"gpus_per_node": gpus_per_node})
+    return _Search(model, hw, nodes, gpus_per_node, lengths, batch, mode, options, calibration).run()
+
+
+def reprice(p: Plan, model: ModelProfile, hardware: HardwareProfile, gpus_per_node: int, lengths: LengthProfile,
+            calibration: Calibration = DEFAULT) -> Plan:
+    """``p`` with its times predicted again on new observations (``lengths``), for the
+    replanning gate to compare the current plan with a fresh candidate."""
+    hw = hardware.model_copy(update={"gpus_per_node": gpus_per_node})
+    tt = TrainingCost(model, hw, p.train, calibration).step_s
+    pools = [(RolloutCost(model, hw, tp, calibration), n) for tp, n in p.rollout_counts.items()]
+    tr = rollout_makespan(pools, lengths).makespan_s
+    return replace(p, t_train=tt, t_rollout=tr, objective=objective(tt, tr, p.mode))
+
+
+# ---------------------------------------------------------------------- exhaustive
+
+
+def _partitions(size: int, parts: Sequence[int]) -> list[tuple[int, ...]]:
+    """Multisets of ``parts`` (descending) summing to ``size``."""
+    if size == 0:
+        return [()]
+    return [(p, *rest) for i, p in enumerate(parts) if p <= size
+            for rest in _partitions(size - p, parts[i:])]
+
+
+def exhaustive(model: ModelProfile, hardware: HardwareProfile, nodes: int, gpus_per_node: int,
+               lengths: LengthProfile, batch: RLBatch, *, mode: Mode = "async",
+               options: PlannerOptions = PlannerOptions(), calibration: Calibration = DEFAULT) -> tuple[float, str]:
+    """Reference optimum for small clusters (<= 16 GPUs): every training shape (with
+    recomputation when it does not fit otherwise) × every choice of per-node partitions of
+    the free slots into rollout instances, no pruning, no memo of best per size. Returns
+    (objective, description)."""
+    _check_args(nodes, gpus_per_node, mode, options)
+    if nodes * gpus_per_node > 16:
+        raise PlanError(f"exhaustive() is for <= 16 GPUs, got {nodes * gpus_per_node}")
+    hw = hardware.model_copy(update={"gpus_per_node": gpus_per_node})
+    s = _Search(model, hw, nodes, gpus_per_node, lengths, batch, mode, options, calibration)
+    best: tuple[float, str] = (math.inf, "nothing fits")
+    seen: dict[tuple[int, ...], float] = {}
+    for shape in s.train_shapes():
+        cost = TrainingCost(model, hw, shape, calibration)
+        if cost.infeasible and "GB per GPU" in cost.infeasible:
+            cost = TrainingCost(model, hw, replace(shape, recompute=True), calibration)
+        if cost.infeasible:
+            continue
+        whole, partial = _free_shape(shape.gpus, nodes, gpus_per_node)
+        sizes = ([partial] if partial else []) + [gpus_per_node] * whole
+        for choice in itertools.product(*(_partitions(z, s.tps) for z in sizes)):
+            flat = tuple(sorted((tp for part in choice for tp in part), reverse=True))
+            if not flat:
+                continue
+            if flat not in seen:  # the makespan depends on the multiset only; memo, not pruning
+                pools = [(s.costs[tp], flat.count(tp)) for tp in s.tps if tp in flat]
+                seen[flat] = rollout_makespan(pools, lengths).makespan_s
+            tr = seen[flat]
+            o = objective(cost.step_s, tr, mode)
+            if o < best[0]:
+                best = (o, f"{cost.shape} rollout {list(flat)}")
+    return best
+
+
+# ------------------------------------------------------------------------- layout
+
+
+def plan_to_layout(plan: Plan, nodes: int, gpus_per_node: int, hybrid_nodes: int = 0, version: int = 0,
+                   reason: str = "plan") -> Layout:
+    """The layout of ``plan``: group 0 training (Megatron rank order: the slots are
+    node-major, so TP chunks are consecutive and on one node), then one group per rollout
+    instance. The last ``hybrid_nodes`` nodes form the hybrid pool; they must hold rollout
+    instances only. Raises LayoutError on a broken invariant."""
+    s = plan.train
+    hybrid = frozenset(Slot(n, g) for n in range(nodes - hybrid_nodes, nodes) for g in range(gpus_per_node))
+    if hybrid & set(plan.train_slots):
+        raise LayoutError(f"hybrid_nodes={hybrid_nodes} reaches into the training slots "
+                          f"(training ends at {plan.train_slots[-1]})")
+    groups = [Group(0, "training", plan.train_slots, s.tp, s.pp, s.dp)]
+    for inst in plan.rollout:
+        groups.append(Group(len(groups), "rollout", inst.slots, inst.tp, hybrid=inst.slots[0] in hybrid))
+    layout = Layout(nodes, gpus_per_node, tuple(groups), hybrid, version, reason)
+    check_layout(layout)
+    return layout

@@ -1,0 +1,146 @@
+"""Replanning gate: periodic and pressure triggers, the margin, hysteresis (no flapping
+under alternating candidates), reasons; and the loop planner + gate following lengths
+that grow, then shrink."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from libra_hpc.cluster.layout import Slot
+from libra_hpc.planner.costs import LengthProfile, LengthSample, TrainShape
+from libra_hpc.planner.gate import GateOptions, ReplanGate
+from libra_hpc.planner.profiles import load_hardware, load_model
+from libra_hpc.planner.search import (
+    Plan,
+    PlanResult,
+    RLBatch,
+    RolloutInstance,
+    plan,
+    reprice,
+)
+
+
+def candidate(objective: float, train_gpus: int = 8) -> PlanResult:
+    """A 16-GPU plan with ``train_gpus`` GPUs training and TP-1 rollout instances."""
+    slots = [Slot(n, g) for n in range(2) for g in range(8)]
+    shape = TrainShape(tp=2, pp=1, dp=train_gpus // 2, micro_batch=1, global_batch=64, seq_len=4096)
+    p = Plan(shape, tuple(slots[:train_gpus]), tuple(RolloutInstance(1, (s,)) for s in slots[train_gpus:]),
+             objective, objective, objective, "async")
+    return PlanResult(p, (), 0, 0.0)
+
+
+OPT = GateOptions(every_steps=10, queue_depth_threshold=100, ratio_band=(0.8, 1.25), margin_s=10.0,
+                  confirm_checks=2, min_dwell_steps=20)
+
+
+def test_checks_run_every_k_steps_and_on_pressure():
+    gate = ReplanGate(OPT)
+    better = candidate(50.0)
+    d0 = gate.consider(0, 100.0, better, 0.0)
+    assert d0.checked and d0.trigger == "periodic" and not d0.apply and "1/2" in d0.reason
+    d5 = gate.consider(5, 100.0, better, 0.0)
+    assert not d5.checked and not d5.apply and "next periodic check at step 10" in d5.reason
+    d7 = gate.consider(7, 100.0, better, 0.0, {"queue_depth": 150})
+    assert d7.checked and d7.trigger.startswith("pressure: queue depth 150") and d7.apply
+    gate = ReplanGate(OPT)
+    gate.consider(0, 100.0, candidate(100.0), 0.0)
+    d3 = gate.consider(3, 100.0, candidate(100.0), 0.0, {"rollout_train_ratio": 2.0, "queue_depth": 3})
+    assert d3.checked and "ratio 2.00 outside [0.8, 1.25]" in d3.trigger
+    assert not gate.consider(4, 100.0, candidate(100.0), 0.0, {"rollout_train_ratio": 1.1}).checked
+
+
+def test_apply_only_when_gain_over_horizon_minus_cost_beats_the_margin():
+    gate = ReplanGate(GateOptions(confirm_checks=1, margin_s=10.0, every_steps=10, min_dwell_steps=0))
+    # gain 2 s/step × 10 steps − 15 s = 5 s <= 10 s margin
+    d = gate.consider(0, 100.0, candidate(98.0), 15.0)
+    assert not d.apply and d.net_gain_s == pytest.approx(5.0) and "<= margin 10 s" in d.reason
+    # gain 3 s/step × 10 − 15 = 15 s > 10 s
+    d = gate.consider(10, 100.0, candidate(97.0), 15.0)
+    assert d.apply and d.net_gain_s == pytest.approx(15.0) and d.reason.startswith("periodic; apply")
+    # a worse candidate is never applied
+    assert not gate.consider(20, 100.0, candidate(120.0), 0.0).apply
+
+
+def test_no_flapping_under_alternating_candidates():
+    gate = ReplanGate(OPT)
+    a, b = candidate(60.0, train_gpus=8), candidate(60.0, train_gpus=4)
+    applied = [gate.consider(step, 100.0, a if (step // 10) % 2 else b, 0.0).apply for step in range(0, 200, 10)]
+    assert not any(applied)  # a different winner each check restarts the confirmation count
+
+
+def test_dwell_after_a_change():
+    gate = ReplanGate(GateOptions(every_steps=10, confirm_checks=1, min_dwell_steps=25, margin_s=0.0))
+    assert gate.consider(0, 100.0, candidate(50.0, 8), 0.0).apply
+    d = gate.consider(10, 100.0, candidate(50.0, 4), 0.0)
+    assert not d.apply and "dwell: last change at step 0, none before step 25" in d.reason
+    assert not gate.consider(20, 100.0, candidate(50.0, 4), 0.0).apply
+    assert gate.consider(30, 100.0, candidate(50.0, 4), 0.0).apply
+
+
+def test_every_decision_has_a_reason():
+    gate = ReplanGate(OPT)
+    rng = random.Random(0)
+    for step in range(60):
+        d = gate.consider(step, 100.0, candidate(rng.uniform(50, 150), rng.choice([4, 8])), rng.uniform(0, 50),
+                          {"queue_depth": rng.randint(0, 200)})
+        assert d.reason
+
+
+def test_bad_options_fail_with_the_field():
+    with pytest.raises(ValueError, match="ratio_band"):
+        GateOptions(ratio_band=(1.5, 2.0))
+    with pytest.raises(ValueError, match="every_steps"):
+        GateOptions(every_steps=0)
+
+
+def test_replanner_follows_lengths_that_grow_then_shrink():
+    q14, a800 = load_model("qwen3-14b"), load_hardware("a800-80g")
+    batch = RLBatch(256, 8192)
+
+    def lengths(scale: float) -> LengthProfile:
+        rng = random.Random(0)
+        return LengthProfile.from_samples(
+            [LengthSample(rng.randint(200, 1500), max(1, int(scale * min(8000, rng.paretovariate(1.3) * 600))), 2,
+                          rng.uniform(0, 10)) for _ in range(256)], 256, buckets=16)
+
+    gate = ReplanGate(GateOptions(every_steps=5, confirm_checks=2, min_dwell_steps=10, margin_s=5.0))
+    current = plan(q14, a800, 6, 8, lengths(0.25), batch).plan
+    scales = [0.25 * 1.15 ** i for i in range(20)]
+    history = [current.rollout_gpus]
+    for step, scale in enumerate(scales + scales[::-1]):
+        lp = lengths(scale)
+        now = reprice(current, q14, a800, 8, lp)
+        d = gate.consider(step, now.objective, plan(q14, a800, 6, 8, lp, batch), 30.0, current=current)
+        if d.apply:
+            current = plan(q14, a800, 6, 8, lp, batch).plan
+            history.append(current.rollout_gpus)
+    peak = history.index(max(history))
+    assert max(history) > history[0] and history[-1] < max(history), history
+    assert history[: peak + 1] == sorted(history[: peak + 1]), history  # growing: only toward rollout
+    assert history[peak:] == sorted(history[peak:], reverse=True), history  # shrinking: back to training
+
+
+def test_alternating_workload_does_not_flap():
+    """Long and short batches every other check: the plan that suits one is never confirmed."""
+    q14, a800 = load_model("qwen3-14b"), load_hardware("a800-80g")
+    batch = RLBatch(256, 8192)
+
+    def lengths(scale: float) -> LengthProfile:
+        rng = random.Random(1)
+        return LengthProfile.from_samples(
+            [LengthSample(rng.randint(200, 1500), max(1, int(scale * min(8000, rng.paretovariate(1.3) * 600))), 2,
+                          rng.uniform(0, 10)) for _ in range(256)], 256, buckets=16)
+
+    short, long_ = lengths(0.3), lengths(2.0)
+    candidates = {0: plan(q14, a800, 6, 8, short, batch), 1: plan(q14, a800, 6, 8, long_, batch)}
+    current = candidates[0].plan
+    gate = ReplanGate(GateOptions(every_steps=1, confirm_checks=2, min_dwell_steps=0, margin_s=1.0))
+    decisions = []
+    for step in range(20):
+        lp = long_ if step % 2 else short
+        now = reprice(current, q14, a800, 8, lp)
+        decisions.append(gate.consider(step, now.objective, candidates[step % 2], 10.0, current=current))
+    assert not any(d.apply for d in decisions)
+    assert any("1/2 consecutive checks" in d.reason for d in decisions)

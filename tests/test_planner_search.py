@@ -1,0 +1,147 @@
+"""Plan search: slots used once, TP groups on one node, minimums per side, memory-infeasible
+shapes never chosen, the objective equals an exhaustive search on small clusters, async
+takes the max and sync the sum, a plan at every scale, and GPUs follow the lengths."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+
+from libra_hpc.cluster.layout import LayoutError, Slot, check_layout
+from libra_hpc.planner.costs import (
+    LengthProfile,
+    LengthSample,
+    RolloutCost,
+    TrainingCost,
+)
+from libra_hpc.planner.profiles import load_hardware, load_model
+from libra_hpc.planner.search import (
+    PlanError,
+    PlannerOptions,
+    RLBatch,
+    exhaustive,
+    objective,
+    plan,
+    plan_to_layout,
+)
+
+Q4, Q14, Q32 = (load_model(n) for n in ("qwen3-4b", "qwen3-14b", "qwen3-32b"))
+A800 = load_hardware("a800-80g")
+BATCH = RLBatch(global_batch=256, seq_len=8192)
+
+
+def lengths(scale: float = 1.0, seed: int = 0, batch: int = 256, tail: int = 16000) -> LengthProfile:
+    """A long-tailed (Pareto) profile; ``scale`` multiplies every generated length."""
+    rng = random.Random(seed)
+    samples = [LengthSample(rng.randint(200, 1500), max(1, int(scale * min(tail, rng.paretovariate(1.3) * 600))),
+                            rng.randint(1, 4), rng.uniform(0, 10)) for _ in range(256)]
+    return LengthProfile.from_samples(samples, batch, buckets=16)
+
+
+LP = lengths()
+
+
+DEFAULTS = PlannerOptions()
+
+
+def check_plan(p, nodes, g, opt=DEFAULTS):
+    slots = list(p.train_slots) + [s for inst in p.rollout for s in inst.slots]
+    assert sorted(slots) == [Slot(n, i) for n in range(nodes) for i in range(g)]  # every slot exactly once
+    assert len(p.train_slots) == p.train.gpus >= opt.min_train_gpus
+    assert p.rollout_gpus >= opt.min_rollout_gpus
+    for inst in p.rollout:
+        assert len(inst.slots) == inst.tp and len({s.node for s in inst.slots}) == 1
+    chunks = [p.train_slots[i : i + p.train.tp] for i in range(0, p.train.gpus, p.train.tp)]
+    assert all(len({s.node for s in c}) == 1 for c in chunks)
+    check_layout(plan_to_layout(p, nodes, g))
+    assert p.objective == objective(p.t_train, p.t_rollout, p.mode)
+
+
+@pytest.mark.parametrize("nodes,g", [(1, 8), (2, 8), (6, 8), (3, 4)])
+def test_plan_uses_every_slot_once_with_tp_groups_on_one_node(nodes, g):
+    r = plan(Q14, A800, nodes, g, LP, BATCH)
+    check_plan(r.plan, nodes, g)
+    assert r.runners_up and all(c.reason for c in r.runners_up)
+    assert TrainingCost(Q14, A800.model_copy(update={"gpus_per_node": g}), r.plan.train).infeasible is None
+
+
+def test_minimums_per_side_are_respected():
+    opt = PlannerOptions(min_train_gpus=24, min_rollout_gpus=16)
+    r = plan(Q14, A800, 6, 8, LP, BATCH, options=opt)
+    check_plan(r.plan, 6, 8, opt)
+    assert r.plan.train_gpus >= 24 and r.plan.rollout_gpus >= 16
+    with pytest.raises(PlanError, match="exceed the 16 GPUs"):
+        plan(Q14, A800, 2, 8, LP, BATCH, options=PlannerOptions(min_train_gpus=8, min_rollout_gpus=9))
+
+
+def test_memory_infeasible_candidates_are_never_chosen_and_say_why():
+    # Qwen3-32B: a TP1 rollout instance has ~17k KV tokens (< the 16k+prompt longest sequence
+    # at scale 1.2), training needs several GPUs per replica.
+    lp = lengths(scale=1.2)
+    r = plan(Q32, A800, 4, 8, lp, BATCH)
+    check_plan(r.plan, 4, 8)
+    assert RolloutCost(Q32, A800, 1).kv_capacity_tokens < lp.max_seq_tokens
+    assert all(inst.tp > 1 for inst in r.plan.rollout)
+    assert TrainingCost(Q32, A800, r.plan.train).infeasible is None
+    assert any(c.reason.startswith("infeasible:") and "GB per GPU" in c.reason for c in r.runners_up)
+
+
+def test_nothing_fits_raises_with_the_reason():
+    with pytest.raises(PlanError, match="training shape fits"):
+        plan(Q32, A800, 1, 2, LP, BATCH)
+
+
+SMALL = [(1, 4), (1, 8), (2, 2), (2, 4), (2, 8), (4, 4), (8, 2)]
+
+
+@pytest.mark.parametrize("mode", ["async", "sync"])
+@pytest.mark.parametrize("scale", [0.3, 2.0])
+def test_objective_matches_exhaustive_on_small_clusters(mode, scale):
+    lp = lengths(scale=scale, seed=3)
+    for nodes, g in SMALL:
+        want, desc = exhaustive(Q4, A800, nodes, g, lp, BATCH, mode=mode)
+        got = plan(Q4, A800, nodes, g, lp, BATCH, mode=mode).plan
+        check_plan(got, nodes, g)
+        assert got.objective == pytest.approx(want, rel=1e-9), (nodes, g, got.describe(), desc)
+
+
+def test_exhaustive_refuses_big_clusters():
+    with pytest.raises(PlanError, match="<= 16 GPUs"):
+        exhaustive(Q4, A800, 4, 8, LP, BATCH)
+
+
+def test_async_takes_the_max_and_sync_the_sum():
+    a = plan(Q14, A800, 2, 8, LP, BATCH, mode="async").plan
+    s = plan(Q14, A800, 2, 8, LP, BATCH, mode="sync").plan
+    assert a.objective == max(a.t_train, a.t_rollout)
+    assert s.objective == s.t_train + s.t_rollout
+    assert s.objective >= a.objective
+    with pytest.raises(PlanError, match="mode"):
+        plan(Q14, A800, 2, 8, LP, BATCH, mode="pipelined")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("gpus", [8, 48, 512, 8192])
+def test_a_plan_at_every_scale(gpus):
+    r = plan(Q14, A800, gpus // 8, 8, LP, BATCH)
+    assert math.isfinite(r.plan.objective) and r.plan.train_gpus + r.plan.rollout_gpus == gpus
+    if gpus <= 512:
+        check_plan(r.plan, gpus // 8, 8)
+
+
+def test_gpus_follow_the_lengths():
+    """Lengths growing step after step move GPUs to rollout; shrinking, back to training."""
+    scales = [0.25, 0.5, 1.0, 2.0, 4.0]
+    rollout = [plan(Q14, A800, 6, 8, lengths(scale=s, tail=8000), BATCH).plan.rollout_gpus for s in scales]
+    assert rollout == sorted(rollout) and rollout[-1] > rollout[0], rollout
+    back = [plan(Q14, A800, 6, 8, lengths(scale=s, tail=8000), BATCH).plan.rollout_gpus for s in reversed(scales)]
+    assert back == rollout[::-1]
+
+
+def test_layout_hybrid_nodes_hold_rollout_only():
+    p = plan(Q14, A800, 6, 8, LP, BATCH).plan
+    layout = plan_to_layout(p, 6, 8, hybrid_nodes=1)
+    assert layout.hybrid and all(g.role == "rollout" for g in layout.groups if g.hybrid)
+    with pytest.raises(LayoutError, match="hybrid_nodes"):
+        plan_to_layout(p, 6, 8, hybrid_nodes=6)
