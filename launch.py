@@ -4,6 +4,7 @@
     python launch.py --nodes 6                                  # the embedded default
     python launch.py --config configs/a800-6node.yaml --dry-run # what would be asked for
     python launch.py --nodes 4 --executor slurm --wait          # submit and follow
+    python launch.py --config configs/a800-6node.yaml --plan    # what the planner would choose
 """
 
 import sys
@@ -25,15 +26,22 @@ DEFAULT_CONFIG = Path(__file__).resolve().parent / "configs" / "default.yaml"
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help="Override any field, e.g. --set rl.steps=8 (repeatable).")
 @click.option("--executor", type=click.Choice(["auto", "slurm", "local"]), help="Override cluster.executor.")
 @click.option("--dry-run", is_flag=True, help="Validate, print the Slurm request and the initial layout, exit.")
+@click.option("--plan", "show_plan", is_flag=True, help="Print the planner's plan for this config (per node, predicted times), exit.")
 @click.option("--wait/--no-wait", default=None, help="Follow the job until it ends (default: yes locally, no on Slurm).")
-def main(config_path, nodes, gpus_per_node, overrides, executor, dry_run, wait):
+def main(config_path, nodes, gpus_per_node, overrides, executor, dry_run, show_plan, wait):
     try:
         cfg = load_config(config_path or DEFAULT_CONFIG, list(overrides), **{
             "cluster.nodes": nodes, "cluster.gpus_per_node": gpus_per_node, "cluster.executor": executor})
-        chosen, why = launcher.choose_executor(cfg.cluster.executor, strict=not dry_run)
+        chosen, why = launcher.choose_executor(cfg.cluster.executor, strict=not (dry_run or show_plan))
     except (ConfigError, RuntimeError) as exc:
         raise click.ClickException(str(exc)) from None
     cfg = launcher.with_absolute_log_dir(cfg)
+    if show_plan:
+        try:
+            click.echo(launcher.describe_plan(cfg))
+        except (ConfigError, ValueError) as exc:  # a missing profile, or no plan fits (PlanError)
+            raise click.ClickException(str(exc)) from None
+        return
     if dry_run:
         click.echo(launcher.describe(cfg, chosen, why))
         return

@@ -82,6 +82,9 @@ class ClusterConfig(_Section):
     checkpoint before it is killed."""
     requeue: bool = True
     """Let Slurm requeue the job after a node failure or preemption (``--requeue``)."""
+    hardware: str = Field("cpu", min_length=1)
+    """GPU profile for the planner's cost models: a name under ``configs/hardware``
+    (``a800-80g``, ``a100-80g``, ``h100-80g``, ``h200-141g``, ``cpu``) or a path."""
     torch_backend: Literal["auto", "gloo", "nccl"] = "auto"
     """Backend of the torch process groups: ``auto`` is NCCL when CUDA is present,
     gloo otherwise."""
@@ -128,6 +131,9 @@ class TrainingConfig(_Section):
     """Sequences per micro-batch per DP replica. *Validated; not used by the runtime until the engines land.*"""
     global_batch_size: int = Field(8, ge=1)
     """Sequences per optimizer step across all replicas. *Validated; not used by the runtime until the engines land.*"""
+    seq_len: int = Field(4096, ge=1)
+    """Tokens per training sequence (prompt + response, packed or padded); the planner's
+    training cost and memory model use it."""
     lr: float = Field(1e-5, gt=0)
     """Adam learning rate. *Validated; not used by the runtime until the engines land.*"""
 
@@ -154,8 +160,27 @@ class RolloutConfig(_Section):
     """Sampling temperature. *Validated; not used by the runtime until the engines land.*"""
 
 
+class LengthPrior(_Section):
+    """The trajectory lengths the planner assumes before it has observed any."""
+
+    prompt_tokens: int = Field(1024, ge=1)
+    """Prompt tokens per trajectory."""
+    gen_tokens_median: int = Field(2048, ge=1)
+    """Median generated tokens per trajectory (all turns)."""
+    tail_shape: float = Field(1.2, gt=0)
+    """Pareto shape of generated lengths: smaller is a heavier tail (agentic rollouts are
+    long-tailed); lengths are capped at ``training.seq_len``."""
+    turns: int = Field(4, ge=1)
+    """Tool-using turns per trajectory."""
+    tool_s_per_turn: float = Field(2.0, ge=0)
+    """Seconds of tool time per turn."""
+
+
 class PlannerConfig(_Section):
-    """Global resource planner and the elastic hybrid pool."""
+    """Global resource planner and the elastic hybrid pool. ``python launch.py --plan``
+    prints the plan the cost models choose for this config."""
+
+    prior: LengthPrior = LengthPrior()
 
     hybrid_nodes: int = Field(1, ge=0)
     """Rollout nodes (the last ones) that form the hybrid pool: they can be lent to

@@ -50,11 +50,23 @@ def render() -> str:
         section: type[BaseModel] = field.annotation  # type: ignore[assignment]
         parts.append(f"## `{name}`\n\n{_doc(section)}\n")
         parts.append("| key | type | default | meaning |\n|---|---|---|---|")
-        for key, sub in section.model_fields.items():
-            meaning = " ".join((sub.description or "").split())
-            parts.append(f"| `{name}.{key}` | {_type(sub.annotation)} | `{_default(sub.get_default(call_default_factory=True))}` | {meaning} |")
+        parts.extend(_rows(name, section))
         parts.append("")
     return "\n".join(parts)
+
+
+def _rows(prefix: str, model: type[BaseModel]) -> list[str]:
+    """One table row per field; nested sections (e.g. ``planner.prior``) expand in place."""
+    rows = []
+    for key, sub in model.model_fields.items():
+        if isinstance(sub.annotation, type) and issubclass(sub.annotation, BaseModel):
+            rows.append(f"| `{prefix}.{key}` | section | | {_doc(sub.annotation)} |")
+            rows.extend(_rows(f"{prefix}.{key}", sub.annotation))
+            continue
+        meaning = " ".join((sub.description or "").split())
+        default = _default(sub.get_default(call_default_factory=True))
+        rows.append(f"| `{prefix}.{key}` | {_type(sub.annotation)} | `{default}` | {meaning} |")
+    return rows
 
 
 def _doc(model: type[BaseModel]) -> str:

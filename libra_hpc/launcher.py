@@ -10,7 +10,7 @@ from typing import TextIO
 from libra_hpc.cluster import follow as follow_mod
 from libra_hpc.cluster import local, slurm
 from libra_hpc.cluster.layout import layout_from_config
-from libra_hpc.config import ExperimentConfig, dump_config
+from libra_hpc.config import ConfigError, ExperimentConfig, dump_config
 
 
 def choose_executor(requested: str, strict: bool = True) -> tuple[str, str]:
@@ -55,6 +55,51 @@ def describe(cfg: ExperimentConfig, executor: str, why: str) -> str:
         layout.table(),
     ]
     return "\n".join(lines)
+
+
+def describe_plan(cfg: ExperimentConfig) -> str:
+    """The plan the cost models choose for this config (``launch.py --plan``): training
+    shape, rollout instance mix, predicted times, the per-node grid and the runners-up.
+    Lengths come from ``planner.prior`` (nothing has been observed before a run)."""
+    from libra_hpc.planner import PlannerOptions, RLBatch, load_hardware, load_model, plan, plan_to_layout
+    from libra_hpc.planner.prior import prior_lengths
+
+    c, prior = cfg.cluster, cfg.planner.prior
+    model = _profile(load_model, cfg.model.name, "model.name")
+    hardware = _profile(load_hardware, c.hardware, "cluster.hardware")
+    batch = RLBatch(cfg.training.global_batch_size, cfg.training.seq_len)
+    lengths = prior_lengths(prompt_tokens=prior.prompt_tokens, gen_tokens_median=prior.gen_tokens_median,
+                            tail_shape=prior.tail_shape, turns=prior.turns, tool_s_per_turn=prior.tool_s_per_turn,
+                            seq_len=batch.seq_len, batch_size=batch.global_batch, seed=cfg.rl.seed)
+    mode = "sync" if cfg.rl.max_staleness == 0 else "async"
+    result = plan(model, hardware, c.nodes, c.gpus_per_node, lengths, batch, mode=mode,
+                  options=PlannerOptions(min_rollout_gpus=cfg.planner.min_rollout_gpus))
+    chosen = result.plan
+    objective = "max(T_train, T_rollout): rollout and training pipelined" if mode == "async" else "T_train + T_rollout"
+    lines = [
+        f"plan for {model.name} on {c.nodes} nodes × {c.gpus_per_node} {hardware.name} "
+        f"({mode}, rl.max_staleness={cfg.rl.max_staleness}; objective {objective})",
+        f"  {chosen.describe()}",
+        f"  predicted per RL step: T_train {chosen.t_train:.1f} s, T_rollout {chosen.t_rollout:.1f} s, "
+        f"objective {chosen.objective:.1f} s",
+        f"  batch {batch.global_batch} × {batch.seq_len} tokens; lengths from planner.prior (median "
+        f"{prior.gen_tokens_median} generated tokens, Pareto tail {prior.tail_shape}, {prior.turns} turns)",
+        f"  searched in {result.elapsed_s * 1e3:.0f} ms ({result.evaluated} rollout makespans)",
+        "",
+        plan_to_layout(chosen, c.nodes, c.gpus_per_node, reason="planner").table(),
+        "",
+        "runners-up:",
+        *(f"  {r.description}: {r.reason}" for r in result.runners_up),
+    ]
+    return "\n".join(lines)
+
+
+def _profile(load, name: str, field: str):
+    """Load a planner profile; a failure names the config field that chose it."""
+    try:
+        return load(name)
+    except ConfigError as exc:
+        raise ConfigError(field, [f"{field}={name!r}: {p}" for p in exc.problems]) from None
 
 
 def launch_local(cfg: ExperimentConfig, wait: bool, out: TextIO) -> int:

@@ -176,3 +176,22 @@ def test_world_that_does_not_match_the_config_is_refused(tmp_path):
     failure = [e for e in read_jsonl(tmp_path / "run" / "events.jsonl") if e["kind"] == "failure"]
     assert failure and "TopologyError" in failure[0]["error"]
     assert "3 ranks" in failure[0]["error"] and "cluster.nodes" in failure[0]["error"]
+
+
+def test_plan_prints_the_planners_choice_per_node_with_predicted_times():
+    done = launch("--config", "configs/a800-6node.yaml", "--plan")
+    assert done.returncode == 0, done.stderr
+    out = done.stdout
+    assert "plan for Qwen3-14B on 6 nodes × 8 A800-80G" in out and "predicted per RL step: T_train" in out
+    rows = [line.split() for line in out.splitlines() if line[:1].isdigit()]
+    assert [int(r[0]) for r in rows] == list(range(6)) and all(len(r) == 9 for r in rows)
+    cells = [cell for r in rows for cell in r[1:]]
+    assert any(c.startswith("T(") for c in cells) and any(c.startswith("R") for c in cells)
+    assert "runners-up:" in out and "GB per GPU" in out  # memory-infeasible shapes say why they lost
+
+
+@pytest.mark.parametrize("override, field", [("cluster.hardware=b200", "cluster.hardware"),
+                                             ("model.name=llama-405b", "model.name")])
+def test_plan_with_an_unknown_profile_names_the_field(override, field):
+    done = launch("--set", override, "--plan")
+    assert done.returncode != 0 and field in done.stderr and "Available:" in done.stderr

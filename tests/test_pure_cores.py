@@ -11,7 +11,8 @@ import pytest
 PURE = ["libra_hpc.config", "libra_hpc.cluster.layout", "libra_hpc.cluster.topology", "libra_hpc.cluster.slurm",
         "libra_hpc.scheduler", "libra_hpc.scheduler.service", "libra_hpc.scheduler.routers",
         "libra_hpc.scheduler.synthetic", "libra_hpc.planner", "libra_hpc.planner.costs", "libra_hpc.planner.profiles",
-        "libra_hpc.planner.hybrid", "libra_hpc.planner.search", "libra_hpc.planner.gate"]
+        "libra_hpc.planner.hybrid", "libra_hpc.planner.search", "libra_hpc.planner.gate",
+        "libra_hpc.planner.prior"]
 
 
 @pytest.mark.parametrize("module", PURE)

@@ -364,7 +364,8 @@ class _Search:
                 best[shape.gpus] = cost
             dominated += 1
         dominated -= len(best)
-        losers = [Candidate(k, math.inf, f"infeasible: {v}") for k, v in infeasible.items()]
+        # The reason starts with the shape it is about (the key): say it once.
+        losers = [Candidate(k, math.inf, f"infeasible: {v.removeprefix(k).lstrip(': ')}") for k, v in infeasible.items()]
         return best, losers, {"train_shapes": n, "train_infeasible": len(infeasible), "train_dominated": dominated}
 
     # whole search --------------------------------------------------------------------
