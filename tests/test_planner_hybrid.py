@@ -182,7 +182,7 @@ def test_borrow_takes_the_lowest_id_rollout_replica():
 def test_release_gives_back_the_last_activated_first():
     pool = make_pool(3, min_rollout=0)
     for rid, t in ((0, 1.0), (1, 2.0), (2, 3.0)):
-        one(pool.borrow(t, "x"))
+        assert one(pool.borrow(t, "x")).replica == rid  # borrowing takes the lowest id first
     for rid, t in ((2, 4.0), (0, 5.0), (1, 6.0)):  # activation order 2, 0, 1
         for _ in JOINING:
             pool.progress(rid, t)
