@@ -338,7 +338,7 @@ def validate_config(raw: dict[str, Any], source: str = "<dict>") -> ExperimentCo
     try:
         cfg = ExperimentConfig.model_validate(raw)
     except ValidationError as exc:
-        raise ConfigError(source, [_describe(err) for err in exc.errors()]) from None
+        raise ConfigError(source, [describe_error(err) for err in exc.errors()]) from None
     problems = check_shape(cfg)
     if problems:
         raise ConfigError(source, problems)
@@ -361,24 +361,27 @@ def _set_path(raw: dict[str, Any], dotted: str, value: Any) -> None:
     node[parts[-1]] = value
 
 
-def _describe(err: dict[str, Any]) -> str:
-    """One readable line for a pydantic error: path, what was given, what is allowed."""
+def describe_error(err: dict[str, Any], root: type[BaseModel] | None = None) -> str:
+    """One readable line for a pydantic error of ``root`` (default: ExperimentConfig):
+    the dotted path, what was given, what is allowed, and "did you mean" for unknown keys.
+    Shared by every YAML schema of the project (experiments, planner profiles)."""
     loc = [str(p) for p in err["loc"]]
     path = ".".join(loc) or "<top level>"
     given = err.get("input")
     if err["type"] == "extra_forbidden":
-        valid = _valid_keys(loc[:-1])
+        valid = _valid_keys(root or ExperimentConfig, loc[:-1])
         hint = difflib.get_close_matches(loc[-1], valid, n=1, cutoff=0.6)
         where = ".".join(loc[:-1]) or "the top level"
         did_you_mean = f"; did you mean '{hint[0]}'?" if hint else ""
         return f"{path}: unknown key in {where}{did_you_mean} Valid keys are: {', '.join(valid)}"
+    if err["type"] == "missing":
+        return f"{path}: required, missing"
     if err["type"] == "literal_error":
         return f"{path}: got {given!r}; allowed: {err['ctx']['expected']}"
     return f"{path}: {err['msg'].lower()} (got {given!r})"
 
 
-def _valid_keys(loc: list[str]) -> list[str]:
-    model: type[BaseModel] = ExperimentConfig
+def _valid_keys(model: type[BaseModel], loc: list[str]) -> list[str]:
     for part in loc:
         field = model.model_fields.get(part)
         if field is None or not (isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel)):

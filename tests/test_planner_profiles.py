@@ -101,7 +101,7 @@ def test_unknown_key_names_file_field_and_valid_keys(tmp_path):
     with pytest.raises(ConfigError) as err:
         load_model(path)
     text = str(err.value)
-    assert str(path) in text and "num_layer: unknown key; did you mean 'num_layers'?" in text
+    assert str(path) in text and "num_layer: unknown key in the top level; did you mean 'num_layers'?" in text
     assert "Valid keys are: name, num_layers" in text
 
 

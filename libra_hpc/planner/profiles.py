@@ -14,12 +14,12 @@ from __future__ import annotations
 
 import difflib
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from libra_hpc.config import ConfigError, parse_yaml
+from libra_hpc.config import ConfigError, describe_error, parse_yaml
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 HARDWARE_DIR = REPO_ROOT / "configs" / "hardware"
@@ -232,17 +232,4 @@ def _load(schema: type[P], name_or_path: str | Path, directory: Path) -> P:
     try:
         return schema.model_validate(raw)
     except ValidationError as exc:
-        raise ConfigError(source, [_describe(schema, err) for err in exc.errors()]) from None
-
-
-def _describe(schema: type[BaseModel], err: Any) -> str:
-    """One line per pydantic error: field, what was given, what is allowed."""
-    field = ".".join(str(p) for p in err["loc"]) or "<whole profile>"
-    if err["type"] == "extra_forbidden":
-        valid = list(schema.model_fields)
-        hint = difflib.get_close_matches(field, valid, n=1, cutoff=0.6)
-        did_you_mean = f"; did you mean '{hint[0]}'?" if hint else ""
-        return f"{field}: unknown key{did_you_mean} Valid keys are: {', '.join(valid)}"
-    if err["type"] == "missing":
-        return f"{field}: required, missing"
-    return f"{field}: {err['msg'].lower()} (got {err.get('input')!r})"
+        raise ConfigError(source, [describe_error(err, schema) for err in exc.errors()]) from None
