@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -20,7 +19,6 @@ HERE = Path(__file__).resolve().parent
 
 
 @pytest.mark.mpi
-@pytest.mark.skipif(shutil.which("mpiexec") is None, reason="mpiexec is not on PATH (scripts/install.sh --test)")
 def test_three_rank_queue_completes_every_trajectory_exactly_once():
     started = time.time()
     process = subprocess.Popen(["mpiexec", "-n", "3", sys.executable, "-m", "mpi4py", str(HERE / "sched_mpi_world.py")],

@@ -13,6 +13,7 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, invariant, precondition, rule
 
+from libra_hpc.scheduler.routers import make_router
 from libra_hpc.scheduler.service import QueueService, RouterError
 from libra_hpc.scheduler.types import BucketSpec, FinishedTrajectory, Placement, ToolState, TrajectoryView
 
@@ -440,8 +441,7 @@ test_queue_machine = QueueMachine.TestCase
 # ------------------------------------------------------------------- real router
 
 def test_with_the_real_cmlfq_router():
-    routers = pytest.importorskip("libra_hpc.scheduler.routers", reason="routing core not written yet")
-    router = routers.make_router("cmlfq", BUCKETS, window=32, min_samples=2, rebuild_every=10)
+    router = make_router("cmlfq", BUCKETS, window=32, min_samples=2, rebuild_every=10)
     service, _ = make_service(router)
     now = 0.0
     for wave in range(4):  # waves: later ones are routed by what earlier ones taught the tree
