@@ -12,6 +12,7 @@ overrides given on the command line.
 from __future__ import annotations
 
 import difflib
+import math
 import re
 from pathlib import Path
 from typing import Any, Literal
@@ -129,7 +130,7 @@ class TrainingConfig(_Section):
     """Data-parallel replicas in the core training group (hybrid replicas come on top)."""
     micro_batch_size: int = Field(1, ge=1)
     """Sequences per micro-batch per DP replica. *Validated; not used by the runtime until the engines land.*"""
-    global_batch_size: int = Field(8, ge=1)
+    global_batch_size: int = Field(12, ge=1)
     """Sequences per optimizer step across all replicas. *Validated; not used by the runtime until the engines land.*"""
     seq_len: int = Field(4096, ge=1)
     """Tokens per training sequence (prompt + response, packed or padded); the planner's
@@ -463,6 +464,13 @@ def _check_scheduler(cfg: ExperimentConfig) -> list[str]:
     return problems
 
 
+def _lcm_all(values: list[int]) -> int:
+    result = 1
+    for value in values:
+        result = result * value // math.gcd(result, value)
+    return result
+
+
 def _check_planner(cfg: ExperimentConfig) -> list[str]:
     """The hybrid pool and the scripted borrow/return steps."""
     c, t, p = cfg.cluster, cfg.training, cfg.planner
@@ -479,6 +487,17 @@ def _check_planner(cfg: ExperimentConfig) -> list[str]:
                 f"planner.hybrid_nodes: {p.hybrid_nodes} node(s) × {g} GPUs do not form whole training "
                 f"replicas of TP×PP = {replica} GPUs"
             )
+        else:
+            # The pool lends one replica at a time: DP can be any of dp+1 .. dp+K.
+            pool = p.hybrid_nodes * g // replica
+            bad = [t.data_parallel + k for k in range(1, pool + 1)
+                   if t.global_batch_size % (t.micro_batch_size * (t.data_parallel + k))]
+            if bad:
+                problems.append(
+                    f"training.global_batch_size: {t.global_batch_size} does not split over DP {bad}, which "
+                    f"lending the hybrid pool reaches (micro_batch_size {t.micro_batch_size}); use a multiple of "
+                    f"{_lcm_all([t.micro_batch_size * (t.data_parallel + k) for k in range(pool + 1)])}"
+                )
         left = rollout_slots - p.hybrid_nodes * g
         if left < p.min_rollout_gpus:
             problems.append(

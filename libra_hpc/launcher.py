@@ -86,12 +86,26 @@ def describe_plan(cfg: ExperimentConfig) -> str:
         f"{prior.gen_tokens_median} generated tokens, Pareto tail {prior.tail_shape}, {prior.turns} turns)",
         f"  searched in {result.elapsed_s * 1e3:.0f} ms ({result.evaluated} rollout makespans)",
         "",
-        plan_to_layout(chosen, c.nodes, c.gpus_per_node, reason="planner").table(),
+        *_plan_grid(chosen, cfg),
         "",
         "runners-up:",
         *(f"  {r.description}: {r.reason}" for r in result.runners_up),
     ]
     return "\n".join(lines)
+
+
+def _plan_grid(chosen, cfg: ExperimentConfig) -> list[str]:
+    """The plan's node × GPU grid, hybrid pool marked (*), or a warning when the plan
+    leaves no whole rollout nodes for ``planner.hybrid_nodes`` to take."""
+    from libra_hpc.cluster.layout import LayoutError
+    from libra_hpc.planner import plan_to_layout
+
+    c, hybrid = cfg.cluster, cfg.planner.hybrid_nodes
+    try:
+        return [plan_to_layout(chosen, c.nodes, c.gpus_per_node, hybrid_nodes=hybrid, reason="planner").table()]
+    except LayoutError as exc:
+        grid = plan_to_layout(chosen, c.nodes, c.gpus_per_node, reason="planner").table()
+        return [f"WARNING planner.hybrid_nodes={hybrid} does not fit this plan ({exc}); shown without it", grid]
 
 
 def _profile(load, name: str, field: str):

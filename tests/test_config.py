@@ -152,7 +152,8 @@ def test_steps_outside_run():
 
 def test_set_overrides_parse_yaml_values():
     cfg = load_config(A800, ["cluster.nodes=7", "rollout.tp_per_node=[[1,1,2,4],[4,4]]",
-                             "planner.hybrid_nodes=2", "cluster.partition=gpu", "cluster.requeue=false"])
+                             "planner.hybrid_nodes=2", "cluster.partition=gpu", "cluster.requeue=false",
+                             "training.global_batch_size=120"])  # splits over DP 4, 5 and 6
     assert cfg.cluster.nodes == 7
     assert cfg.planner.hybrid_nodes == 2
     assert cfg.rollout.node_patterns == [[1, 1, 2, 4], [4, 4]]
@@ -310,3 +311,10 @@ def test_scheduler_settings_the_router_cannot_use_are_refused(scheduler, field):
     with pytest.raises(ConfigError) as info:
         validate_config({"scheduler": scheduler})
     assert field in str(info.value)
+
+
+def test_global_batch_must_split_over_every_dp_the_hybrid_pool_reaches():
+    with pytest.raises(ConfigError) as info:
+        load_config(A800, ["training.global_batch_size=256"])  # DP 4 fine, DP 5 (node 5 lent) not
+    assert "training.global_batch_size: 256 does not split over DP [5]" in str(info.value)
+    assert "multiple of 20" in str(info.value)

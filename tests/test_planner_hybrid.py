@@ -368,3 +368,27 @@ def test_invariants_hold_under_random_inputs(steps, min_rollout):
             assert limit is None or now < r.since + limit
     assert replay_states(log, {i: "rollout" for i in range(4)}) == states(pool)
     REACHED.update((e.from_state, e.to_state) for e in log)
+
+
+def test_decide_holds_releasing_while_a_release_is_in_flight():
+    pool = make_pool(3, min_rollout=0)
+    for _ in range(2):
+        to_active(pool)
+    first = one(pool.decide(1, t_train=10.0, t_rollout=20.0))
+    assert first.to_state == "releasing"
+    assert pool.decide(2, t_train=10.0, t_rollout=20.0) == []  # not measured yet: no second release
+    assert len(pool.training_replicas()) == 1
+
+
+def test_pool_replicas_are_the_dp_replicas_the_layout_lends_with_pipeline_parallelism():
+    from libra_hpc.cluster.layout import lend_hybrid_to_training
+
+    base = initial_layout(3, 2, 1, 2, 1, [[1, 1]], hybrid_nodes=2)  # TP1 PP2: replicas of 2 slots
+    pool = HybridPool.from_layout(base, min_rollout_gpus=0)
+    lent = lend_hybrid_to_training(base, "borrow").training
+    tp, pp, dp = lent.tp, lent.pp, lent.dp
+
+    def replica(d: int) -> set[Slot]:  # Megatron order: rank = pp·(TP·DP) + dp·TP + tp
+        return {lent.slots[p * tp * dp + d * tp + t] for p in range(pp) for t in range(tp)}
+
+    assert [set(r.slots) for r in pool.all_replicas()] == [replica(1), replica(2)]

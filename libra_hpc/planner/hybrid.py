@@ -202,7 +202,12 @@ class HybridPool:
         lent = sorted(s for g in hybrid_groups for s in g.slots)
         if len(lent) % size:
             raise HybridPoolError(f"layout v{layout.version}: {len(lent)} hybrid rollout slots do not form whole replicas of TP×PP = {size}")
-        replicas = [HybridReplica(i, tuple(lent[i * size:(i + 1) * size])) for i in range(len(lent) // size)]
+        # The DP replicas lend_hybrid_to_training builds: per pipeline stage j, the lent
+        # block lent[j·TP·E : (j+1)·TP·E] holds the stage-j TP chunk of each of the E replicas.
+        tp, count = train.tp, len(lent) // size
+        replicas = [HybridReplica(r, tuple(s for j in range(train.pp)
+                                           for s in lent[j * tp * count + r * tp: j * tp * count + (r + 1) * tp]))
+                    for r in range(count)]
         for g in hybrid_groups:
             owners = {r.rid for r in replicas if set(g.slots) & set(r.slots)}
             if len(owners) > 1:
@@ -347,8 +352,11 @@ class HybridPool:
             return events + self.borrow(now, f"training is the bottleneck: t_train={t_train:.3g} s > "
                                              f"t_rollout={t_rollout:.3g} s × (1 + {margin})")
         if t_rollout > t_train * (1 + margin):
-            return self.release(now, f"rollout is the bottleneck: t_rollout={t_rollout:.3g} s > "
-                                     f"t_train={t_train:.3g} s × (1 + {margin})")
+            events = self.tick(now)
+            if self.in_state("releasing"):  # its effect is not measured yet: do not overshoot
+                return events
+            return events + self.release(now, f"rollout is the bottleneck: t_rollout={t_rollout:.3g} s > "
+                                              f"t_train={t_train:.3g} s × (1 + {margin})")
         return self.tick(now)
 
     # ------------------------------------------------------------------ internals
