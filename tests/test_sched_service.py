@@ -234,7 +234,7 @@ def test_unknown_lease_and_unknown_instance():
     ({"op": "ask", "instance": 0, "max": 0}, "ask: field 'max' must be an int >= 1, got 0"),
     ({"op": "ask", "instance": True, "max": 1}, "ask: field 'instance' must be an int, got True (bool)"),
     ({"op": "heartbeat", "instance": "0"}, "heartbeat: field 'instance' must be an int, got '0' (str)"),
-    ({"op": "finish", "lease": 1, "tokens": -1}, "finish: field 'tokens' must be an int >= 0, got -1"),
+    ({"op": "finish", "lease": 1, "tokens": -1}, "finish: field 'tokens' must be an int >= 0 and <= 16777216, got -1"),
     ({"op": "finish", "tokens": 3}, "finish: field 'lease' must be an int, missing"),
     ({**tool_return(1), "output": b"bytes"}, "tool_return: field 'output' must be a str, got bytes"),
     ({**tool_return(1), "exit_code": "0"}, "tool_return: field 'exit_code' must be an int or None"),
@@ -462,3 +462,31 @@ def test_with_the_real_cmlfq_router():
     assert router.outstanding == {0: 0, 1: 0, 2: 0}
     json.dumps(router.state_dict())
     assert service.stats()["migrations"] > 0  # learned: long prompts' later turns moved to tp4
+
+
+# ------------------------------------------------------------------- review fixes
+
+def test_an_absurd_token_count_is_refused_before_it_reaches_the_tree():
+    service, router = make_service()
+    service.submit("t0", "p0")
+    [turn] = ask(service, 0)
+    reply = service.handle({"op": "finish", "lease": turn["lease"], "tokens": 10**400}, 0.0)
+    assert reply["ok"] is False and reply["reason"] == "malformed" and "<=" in reply["error"]
+    assert router.observed == []  # nothing learned from it
+    assert service.handle({"op": "finish", "lease": turn["lease"], "tokens": 5}, 0.0)["ok"]  # the lease still works
+
+
+def test_turns_expiring_together_come_back_in_their_order_and_keep_their_migration():
+    service, router = make_service()
+    for tid in ("a", "b", "c"):
+        service.submit(tid, "p")
+    # Move each to tp4 (one tool return: the stub's level 1), where instance 2 takes them all.
+    for turn in ask(service, 0) + ask(service, 1):
+        assert service.handle(tool_return(turn["lease"]), 0.0)["migrated"] is True
+    held = ask(service, 2, now=1.0)
+    order = [t["tid"] for t in held]
+    assert sorted(order) == ["a", "b", "c"] and all(t["migrated"] for t in held)
+    assert service.expire(1.0 + LEASE_S) == 3
+    again = ask(service, 2, now=20.0)
+    assert [t["tid"] for t in again] == order  # oldest lease first, as they were held
+    assert all(t["migrated"] for t in again)  # the KV cache was never built on tp4

@@ -247,3 +247,12 @@ def test_beyond_conditions_the_window_on_tokens_already_generated(values, alread
     else:
         mean, p90 = brute(lasted)
         assert got[0] == pytest.approx(mean) and got[1] == p90
+
+
+def test_a_saved_trajectory_with_an_unusable_tool_name_is_refused_on_load(tmp_path):
+    index = CausalIndex(window=4, min_samples=1, retain=8)
+    index.observe(FinishedTrajectory("p", (ToolState("python", "S", "success"),), (10, 5)))
+    data = index.to_json()
+    data["recent"][0]["states"][0][0] = "a|b"  # would become a broken tree key at the next rebuild
+    with pytest.raises(CausalTreeFormatError, match="a|b"):
+        CausalIndex.from_json(data)

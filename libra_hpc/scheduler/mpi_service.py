@@ -102,9 +102,9 @@ def _save(save: Callable[[], None], counters: dict, clock: Callable[[], float]) 
     try:
         save()
         counters["saves"] += 1
-    except OSError as exc:
+    except Exception:  # noqa: BLE001 - a failed save must not stop serving; logged with its traceback, retried
         counters["save_failures"] += 1
-        log.error("queue service: saving the routing state failed (%s); retrying in the next period", exc)
+        log.exception("queue service: saving the routing state failed; retrying in the next period")
     return clock()
 
 

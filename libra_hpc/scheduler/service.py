@@ -81,6 +81,10 @@ log = logging.getLogger(__name__)
 QUEUED, LEASED = "queued", "leased"
 OPS = ("ask", "tool_return", "finish", "heartbeat", "stats", "batch")
 MAX_BATCH_REQUESTS = 1024
+MAX_TURN_TOKENS = 1 << 24
+"""Most output tokens one turn may report. A larger value is refused as malformed: it would
+enter the causal tree's statistics (and its saved file) and overflow float arithmetic at
+the next placement."""
 REASONS = ("malformed", "unknown_instance", "unknown_lease", "late_report", "duplicate_report")
 
 
@@ -234,7 +238,7 @@ class QueueService:
 
     def expire(self, now: float) -> int:
         """Re-place and re-queue every turn whose lease expired by ``now``; returns how many."""
-        heap, expired = self._expiry, 0
+        heap, lost = self._expiry, []
         while heap and heap[0][0] <= now:
             _, lid = heapq.heappop(heap)
             lease = self._leases.get(lid)
@@ -251,9 +255,12 @@ class QueueService:
             self._counts["requeued_on_expiry"] += 1
             log.info("lease %d of trajectory %s on instance %d expired at t=%.3f: turn re-queued", lid, traj.tid,
                      lease.instance, now)
+            lost.append(traj)
+        for traj in reversed(lost):  # to the queue fronts, oldest lease first
+            moved = traj.migrated  # its KV cache was never built where the turn now goes
             self._place(traj, front=True)
-            expired += 1
-        return expired
+            traj.migrated = traj.migrated or moved
+        return len(lost)
 
     def maintain(self, now: float, *, busy: bool = False) -> bool:
         """Work kept off the request path: expire leases, and let the router run its
@@ -338,7 +345,7 @@ class QueueService:
         timed_out = message.get("timed_out", False)
         if type(timed_out) is not bool:
             raise _Reject("malformed", f"{op}: field 'timed_out' must be a bool, got {timed_out!r}")
-        tokens = _int(message, "tokens", op, minimum=0)
+        tokens = _int(message, "tokens", op, minimum=0, maximum=MAX_TURN_TOKENS)
         lid = _int(message, "lease", op)
         try:
             state = self._classify(tool, output, exit_code, timed_out, self._thresholds, self._markers)
@@ -354,7 +361,7 @@ class QueueService:
                 "migrated": placement.migrated, "reason": placement.reason}
 
     def _finish(self, message: dict, now: float) -> dict:
-        tokens = _int(message, "tokens", "finish", minimum=0)
+        tokens = _int(message, "tokens", "finish", minimum=0, maximum=MAX_TURN_TOKENS)
         lease = self._claim(_int(message, "lease", "finish"), "finish")
         traj = lease.traj
         self._record_turn(traj, tokens)
@@ -470,10 +477,11 @@ class QueueService:
         return {"ok": False, "reason": reason, "error": error}
 
 
-def _int(message: dict, name: str, op: str, minimum: int | None = None) -> int:
+def _int(message: dict, name: str, op: str, minimum: int | None = None, maximum: int | None = None) -> int:
     value = message.get(name)
-    if type(value) is not int or (minimum is not None and value < minimum):
-        bound = f" >= {minimum}" if minimum is not None else ""
+    if (type(value) is not int or (minimum is not None and value < minimum)
+            or (maximum is not None and value > maximum)):
+        bound = (f" >= {minimum}" if minimum is not None else "") + (f" and <= {maximum}" if maximum is not None else "")
         missing = "missing" if name not in message else f"got {value!r} ({type(value).__name__})"
         raise _Reject("malformed", f"{op}: field {name!r} must be an int{bound}, {missing}")
     return value

@@ -408,7 +408,9 @@ def _finished_from_json(data: object, where: str) -> FinishedTrajectory:
         if len(item) != 3 or not all(isinstance(x, str) for x in item) or item[2] not in STATUSES:
             raise CausalTreeFormatError(f"{where}.states[{i}]: expected [tool, size, status] strings "
                                         f"with status one of {STATUSES}, found {item!r}")
-        states.append(ToolState(*item))
+        state = ToolState(*item)
+        _check_key(state.key(), f"{where}.states[{i}]")  # a rebuild turns these into tree keys
+        states.append(state)
     remaining = tuple(_int(x, f"{where}.remaining_after[{i}]")
                       for i, x in enumerate(_expect(data.get("remaining_after"), list, f"{where}.remaining_after")))
     finished = FinishedTrajectory(prompt_id, tuple(states), remaining)
