@@ -61,7 +61,7 @@ def describe_plan(cfg: ExperimentConfig) -> str:
     """The plan the cost models choose for this config (``launch.py --plan``): training
     shape, rollout instance mix, predicted times, the per-node grid and the runners-up.
     Lengths come from ``planner.prior`` (nothing has been observed before a run)."""
-    from libra_hpc.planner import PlannerOptions, RLBatch, load_hardware, load_model, plan, plan_to_layout
+    from libra_hpc.planner import PlannerOptions, RLBatch, load_hardware, load_model, plan
     from libra_hpc.planner.prior import prior_lengths
 
     c, prior = cfg.cluster, cfg.planner.prior
