@@ -54,6 +54,13 @@ class Group:
     def tp_groups(self) -> list[tuple[Slot, ...]]:
         return [self.slots[i : i + self.tp] for i in range(0, len(self.slots), self.tp)]
 
+    def replica_slots(self, d: int) -> tuple[Slot, ...]:
+        """The slots of DP replica ``d`` (all its pipeline stages), by Megatron order:
+        rank = pp·(TP·DP) + dp·TP + tp."""
+        if not 0 <= d < self.dp:
+            raise IndexError(f"{self.name} has DP replicas 0..{self.dp - 1}, not {d}")
+        return tuple(self.slots[p * self.tp * self.dp + d * self.tp + t] for p in range(self.pp) for t in range(self.tp))
+
 
 @dataclass(frozen=True)
 class Layout:

@@ -156,10 +156,6 @@ class World:
         self._release()
         dist.destroy_process_group()
 
-    def abort(self, code: int = 1) -> None:
-        """Bring the whole world down (after a failure on one rank)."""
-        self.comm.Abort(code)
-
     def _release(self) -> None:
         if self.handle is not None:
             dist.destroy_process_group(self.handle.torch_group)

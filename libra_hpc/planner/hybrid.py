@@ -60,7 +60,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, replace
 from typing import Literal
 
-from libra_hpc.cluster.layout import Layout, Slot
+from libra_hpc.cluster.layout import Layout, Slot, lend_hybrid_to_training
 
 State = Literal["rollout", "requested", "fetching_state", "zero_grad_sync", "active", "releasing"]
 STATES: tuple[State, ...] = ("rollout", "requested", "fetching_state", "zero_grad_sync", "active", "releasing")
@@ -191,8 +191,8 @@ class HybridPool:
     @classmethod
     def from_layout(cls, layout: Layout, *, min_rollout_gpus: int, timeouts: PhaseTimeouts | None = None,
                     now: float = 0.0) -> HybridPool:
-        """Cut the layout's hybrid rollout slots into replicas of the training TP×PP, in
-        node-major order (the order :func:`lend_hybrid_to_training` uses); every replica
+        """The replicas are the DP replicas :func:`lend_hybrid_to_training` makes of the
+        layout's hybrid slots (one source of truth for their Megatron order); every replica
         must be a union of whole rollout instances, so lending one stops no other."""
         train = layout.training
         if train is None:
@@ -202,12 +202,8 @@ class HybridPool:
         lent = sorted(s for g in hybrid_groups for s in g.slots)
         if len(lent) % size:
             raise HybridPoolError(f"layout v{layout.version}: {len(lent)} hybrid rollout slots do not form whole replicas of TP×PP = {size}")
-        # The DP replicas lend_hybrid_to_training builds: per pipeline stage j, the lent
-        # block lent[j·TP·E : (j+1)·TP·E] holds the stage-j TP chunk of each of the E replicas.
-        tp, count = train.tp, len(lent) // size
-        replicas = [HybridReplica(r, tuple(s for j in range(train.pp)
-                                           for s in lent[j * tp * count + r * tp: j * tp * count + (r + 1) * tp]))
-                    for r in range(count)]
+        grown = lend_hybrid_to_training(layout, reason="hybrid replica shapes").training
+        replicas = [HybridReplica(r, grown.replica_slots(train.dp + r)) for r in range(grown.dp - train.dp)]
         for g in hybrid_groups:
             owners = {r.rid for r in replicas if set(g.slots) & set(r.slots)}
             if len(owners) > 1:
