@@ -69,7 +69,9 @@ def new_service(router):
 
 def bench_route_us(train, test, buckets) -> float:
     router = trained_router(buckets, train)
-    views = [TrajectoryView(t.tid, t.prompt_id, t.states[:d], sum(t.turns[:d]), "tp1")
+    # Per-turn tokens as the service passes them, so the timing includes conditioning a
+    # shallower node on the tokens generated since it.
+    views = [TrajectoryView(t.tid, t.prompt_id, t.states[:d], sum(t.turns[:d]), "tp1", None, tuple(t.turns[:d]))
              for t in test for d in range(1, len(t.turns))]
     start = time.perf_counter()
     for view in views:
