@@ -11,6 +11,7 @@ from libra_hpc.cluster import follow as follow_mod
 from libra_hpc.cluster import local, slurm
 from libra_hpc.cluster.layout import layout_from_config
 from libra_hpc.config import ConfigError, ExperimentConfig, dump_config
+from libra_hpc.metrics.runlog import run_folder
 
 
 def choose_executor(requested: str, strict: bool = True) -> tuple[str, str]:
@@ -118,7 +119,7 @@ def _profile(load, name: str, field: str):
 
 def launch_local(cfg: ExperimentConfig, wait: bool, out: TextIO) -> int:
     job_id = "local-" + time.strftime("%Y%m%d-%H%M%S")
-    log_dir = Path(cfg.logging.dir) / f"{cfg.cluster.job_name}-{job_id}"
+    log_dir = run_folder(cfg.logging.dir, cfg.cluster.job_name, job_id)
     log_dir.mkdir(parents=True, exist_ok=True)
     config_path = log_dir / "config.yaml"
     config_path.write_text(dump_config(cfg))
@@ -147,7 +148,7 @@ def launch_slurm(cfg: ExperimentConfig, wait: bool, out: TextIO) -> int:
     config_path = staging / f"{cfg.cluster.job_name}-{time.strftime('%Y%m%d-%H%M%S')}-{time.monotonic_ns() % 10**6}.yaml"
     config_path.write_text(dump_config(cfg))
     job_id = slurm.submit(request, config_path, staging)
-    log_dir = Path(cfg.logging.dir) / f"{cfg.cluster.job_name}-{job_id}"
+    log_dir = run_folder(cfg.logging.dir, cfg.cluster.job_name, job_id)
     print(f"job {job_id} submitted to Slurm: {request.nodes} nodes × {request.gpus_per_node} GPUs", file=out)
     print(f"log folder: {log_dir} (batch output: {staging}/{job_id}_0_log.out)", file=out, flush=True)
     if not wait:

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from libra_hpc.cluster.env import ProcessEnv
 from libra_hpc.config import ConfigError, ExperimentConfig, dump_config, load_config
+from libra_hpc.metrics.runlog import run_folder
 
 log = logging.getLogger("libra_hpc.run")
 ABORT_GRACE_S = 2.0
@@ -20,8 +21,7 @@ def log_folder(cfg: ExperimentConfig, env: ProcessEnv, given: str | None) -> Pat
     """``<logging.dir>/<job name>-<job id>``, the same folder sbatch's ``%x-%j`` names."""
     if given:
         return Path(given)
-    name = env.job_name or cfg.cluster.job_name
-    return Path(cfg.logging.dir) / f"{name}-{env.job_id or 'nojob'}"
+    return run_folder(cfg.logging.dir, env.job_name or cfg.cluster.job_name, env.job_id or "nojob")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -19,6 +19,11 @@ from pathlib import Path
 from typing import Any, TextIO
 
 
+def run_folder(root: str | Path, job_name: str, job_id: str) -> Path:
+    """``<root>/<job name>-<job id>``: the same folder sbatch's ``logs/%x-%j`` names."""
+    return Path(root) / f"{job_name}-{job_id}"
+
+
 class JsonlWriter:
     """Append-only JSON-lines file, flushed after every record."""
 
