@@ -48,8 +48,7 @@ def test_bad_architecture_is_refused():
 
 
 def test_concurrent_builds_of_one_path_publish_one_copy(tmp_path):
-    code = f"from libra_hpc.config import ModelConfig
-from libra_hpc.engines.tiny import build_tiny_model; build_tiny_model({str(tmp_path / 'm')!r}, seed=3)"
+    code = f"from libra_hpc.engines.tiny import build_tiny_model; build_tiny_model({str(tmp_path / 'm')!r}, seed=3)"
     procs = [subprocess.Popen([sys.executable, "-c", code]) for _ in range(2)]
     assert [p.wait(timeout=120) for p in procs] == [0, 0]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m"]  # no staging folder left behind
