@@ -130,17 +130,20 @@ class RouterBase:
     # --- load accounting ---
     def turn_started(self, instance: int, expected_tokens: int) -> None:
         """A turn of ``expected_tokens`` was handed to ``instance``."""
-        self._check(instance, expected_tokens)
-        self.outstanding[instance] += expected_tokens
+        load = self.outstanding.get(instance)
+        if load is None or expected_tokens < 0:
+            self._check(instance, expected_tokens)
+        self.outstanding[instance] = load + expected_tokens
 
     def turn_ended(self, instance: int, expected_tokens: int) -> None:
         """That turn ended (done, failed or its lease expired); pass the same tokens."""
-        self._check(instance, expected_tokens)
-        left = self.outstanding[instance] - expected_tokens
-        if left < 0:
+        load = self.outstanding.get(instance)
+        if load is None or expected_tokens < 0:
+            self._check(instance, expected_tokens)
+        if load < expected_tokens:
             raise ValueError(f"instance {instance}: turn_ended({expected_tokens}) with only "
-                             f"{self.outstanding[instance]} outstanding tokens; was the turn ended twice?")
-        self.outstanding[instance] = left
+                             f"{load} outstanding tokens; was the turn ended twice?")
+        self.outstanding[instance] = load - expected_tokens
 
     def _check(self, instance: int, expected_tokens: int) -> None:
         if instance not in self.outstanding:
@@ -163,11 +166,11 @@ class RouterBase:
         """The instance of ``level`` with the least outstanding work (first listed on ties);
         None when the bucket is empty, or every instance is saturated."""
         bucket = self.buckets[level]
-        best, best_load = None, None
-        limit = bucket.max_outstanding_tokens if respect_saturation else math.inf
+        best, best_load = None, bucket.max_outstanding_tokens if respect_saturation else math.inf
+        outstanding = self.outstanding
         for instance in bucket.instances:
-            load = self.outstanding[instance]
-            if load < limit and (best_load is None or load < best_load):
+            load = outstanding[instance]
+            if load < best_load:
                 best, best_load = instance, load
         return best
 
@@ -184,7 +187,10 @@ class RouterBase:
 
     def placement(self, view: TrajectoryView, target: int, reason: str) -> Placement:
         """Place near ``target`` and count the decision, fallback and migration."""
-        level, instance = self.place_near(target)
+        instance = self.least_loaded(target)
+        level = target
+        if instance is None:
+            level, instance = self.place_near(target)
         if level != target:
             self.fallbacks += 1
             reason = f"{reason}; fell back from {self.buckets[target].name}"
@@ -195,7 +201,8 @@ class RouterBase:
         self.decisions += 1
         bucket = self.buckets[level].name
         migrated = view.bucket is not None and view.bucket != bucket
-        self.migrations += migrated
+        if migrated:
+            self.migrations += 1
         return Placement(bucket, instance, migrated, reason)
 
 
@@ -227,23 +234,26 @@ class CmlfqRouter(RouterBase):
         current = self.level_of.get(view.bucket) if view.bucket is not None else None
         if current is None:  # new, or its bucket left the layout: start at the top
             return self.placement(view, 0, "new" if view.bucket is None else f"bucket {view.bucket!r} gone")
-        if not view.states:
+        states = view.states
+        if not states:
             return self.placement(view, current, "no tool return")
-        found = self.index.match(view.prompt_id, view.states)
+        found = self.index.match(view.prompt_id, states)
         if found is None:
             return self.placement(view, current, "no trusted node")
+        stats, source, depth = found
         # A shallower node describes what remained back at its tool return; condition it
         # on the tokens generated since (samples that lasted longer, minus those tokens).
-        since = sum(view.turn_tokens[found.depth:]) if found.depth < len(view.states) else 0
-        estimate = found.stats.beyond(since)
+        estimate = stats.beyond(sum(view.turn_tokens[depth:]) if depth < len(states) else 0)
         if estimate is None:
-            return self.placement(view, current, f"outlived every sample ({found.source} depth {found.depth})")
-        by_mean, by_p90 = self.level_for(estimate[0]), self.level_for(estimate[1])
+            return self.placement(view, current, f"outlived every sample ({source} depth {depth})")
+        limits, last = self.limits, len(self.limits) - 1
+        by_mean, by_p90 = bisect_left(limits, estimate[0]), bisect_left(limits, estimate[1])  # as level_for()
+        by_mean, by_p90 = min(by_mean, last), min(by_p90, last)
         if by_mean != by_p90:
-            return self.placement(view, current, f"mean/p90 disagree ({found.source} depth {found.depth})")
+            return self.placement(view, current, f"mean/p90 disagree ({source} depth {depth})")
         if by_mean == current:
-            return self.placement(view, current, f"stay ({found.source} depth {found.depth})")
-        return self.placement(view, by_mean, f"move ({found.source} depth {found.depth})")
+            return self.placement(view, current, f"stay ({source} depth {depth})")
+        return self.placement(view, by_mean, f"move ({source} depth {depth})")
 
     def observe(self, finished: FinishedTrajectory) -> None:
         """Learn incrementally (O(depth)). A rebuild falls due every ``rebuild_every``

@@ -67,13 +67,11 @@ from __future__ import annotations
 
 import heapq
 import logging
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
-from libra_hpc.scheduler.state import classify as classify_tool_return
-from libra_hpc.scheduler.state import size_class_names
+from libra_hpc.scheduler.state import Classifier
 from libra_hpc.scheduler.types import BucketSpec, FinishedTrajectory, Placement, Router, ToolState, TrajectoryView
 
 log = logging.getLogger(__name__)
@@ -104,8 +102,7 @@ class _Reject(Exception):
         self.error = error
 
 
-@dataclass(frozen=True)
-class CompletedTrajectory:
+class CompletedTrajectory(NamedTuple):
     """A finished trajectory, for the trainer side. ``turn_tokens[d]``: output tokens of
     the turn generated after ``d`` tool returns (``len(states) + 1`` turns)."""
 
@@ -125,8 +122,8 @@ class _Trajectory:
         self.tid = tid
         self.prompt_id = prompt_id
         self.true_remaining = true_remaining  # output tokens in all, if known (oracle)
-        self.states: list[ToolState] = []
-        self.turn_tokens: list[int] = []
+        self.states: tuple[ToolState, ...] = ()  # tuples: handed to the router as they are
+        self.turn_tokens: tuple[int, ...] = ()
         self.generated = 0
         self.bucket: str | None = None  # of the current turn
         self.instance = -1  # queued on / leased to
@@ -151,26 +148,30 @@ class _Lease:
 class QueueService:
     """Owns trajectories, per-instance turn queues and leases; asks ``router`` where turns
     run. ``buckets`` defaults to ``router.buckets``; the instances of the buckets are the
-    only ones that may ask. ``remember_leases``: how many ended leases are remembered to
-    tell a late report from a duplicate one."""
+    only ones that may ask. ``remember_leases``: over how many of the latest lease ids a
+    late report is told from a duplicate one. ``classify``: replaces
+    :func:`~libra_hpc.scheduler.state.classify` (same arguments)."""
 
     def __init__(self, router: Router, *, lease_s: float, max_batch: int, size_thresholds: Sequence[int],
                  error_markers: Sequence[str], buckets: Sequence[BucketSpec] | None = None,
                  default_turn_tokens: int = 256, remember_leases: int = 1 << 16,
-                 classify: Callable[..., ToolState] = classify_tool_return):
+                 classify: Callable[..., ToolState] | None = None):
         if lease_s <= 0 or max_batch < 1 or default_turn_tokens < 1:
             raise ValueError(f"QueueService: lease_s={lease_s} must be > 0, max_batch={max_batch} >= 1, "
                              f"default_turn_tokens={default_turn_tokens} >= 1")
-        size_class_names(size_thresholds)  # refuses bad thresholds now, not on the first tool return
+        fast = Classifier(size_thresholds, error_markers)  # refuses bad thresholds now, not at the first tool return
         buckets = buckets if buckets is not None else getattr(router, "buckets", None)
         if not buckets:
             raise ValueError(f"QueueService: router {getattr(router, 'name', router)!r} has no .buckets; pass buckets=")
         self._router = router
         self._lease_s = float(lease_s)
         self._max_batch = int(max_batch)
-        self._thresholds = tuple(size_thresholds)
-        self._markers = tuple(error_markers)
-        self._classify = classify
+        if classify is None:
+            self._classify = fast
+        else:
+            thresholds, markers = tuple(size_thresholds), tuple(error_markers)
+            self._classify = lambda tool, output, code, timed_out: classify(tool, output, code, timed_out,
+                                                                            thresholds, markers)
         self._default_turn_tokens = int(default_turn_tokens)
         self._remember = int(remember_leases)
         self._bucket_of: dict[int, str] = {}
@@ -188,7 +189,8 @@ class QueueService:
         self._renewed: dict[int, float] = {}
         self._trajs: dict[str, _Trajectory] = {}
         self._leases: dict[int, _Lease] = {}
-        self._ended: OrderedDict[int, str] = OrderedDict()  # lease id → "used" | "expired"
+        self._expired: set[int] = set()  # lease ids that expired, within the remembered window
+        self._prune_expired_at = 1024
         self._expiry: list[tuple[float, int]] = []
         self._next_lease = 1
         self._finished: list[CompletedTrajectory] = []
@@ -224,10 +226,10 @@ class QueueService:
         return self._dispatch(message, now, self._ops)
 
     def _dispatch(self, message: Any, now: float, ops: dict) -> dict:
-        if not isinstance(message, dict):
+        if type(message) is not dict:
             return self._refuse("malformed", f"request must be a dict with an 'op' field, got {type(message).__name__}")
         op = message.get("op")
-        handler = ops.get(op) if isinstance(op, str) else None
+        handler = ops.get(op) if type(op) is str else None
         if handler is None:
             valid = ", ".join(o for o in OPS if o in ops)
             return self._refuse("malformed", f"request op {op!r} is unknown here; valid ops: {valid}")
@@ -336,25 +338,23 @@ class QueueService:
         return {"ok": True, "turns": turns, "active": len(self._trajs)}
 
     def _tool_return(self, message: dict, now: float) -> dict:
-        op = "tool_return"
-        tool = _str(message, "tool", op)
-        output = _str(message, "output", op)
-        exit_code = message.get("exit_code")
-        if exit_code is not None and (type(exit_code) is not int):
-            raise _Reject("malformed", f"{op}: field 'exit_code' must be an int or None, got {exit_code!r}")
-        timed_out = message.get("timed_out", False)
-        if type(timed_out) is not bool:
-            raise _Reject("malformed", f"{op}: field 'timed_out' must be a bool, got {timed_out!r}")
-        tokens = _int(message, "tokens", op, minimum=0, maximum=MAX_TURN_TOKENS)
-        lid = _int(message, "lease", op)
+        get = message.get
+        tool, output, exit_code, timed_out = get("tool"), get("output"), get("exit_code"), get("timed_out", False)
+        tokens, lid = get("tokens"), get("lease")
+        if (type(tool) is not str or type(output) is not str or (exit_code is not None and type(exit_code) is not int)
+                or type(timed_out) is not bool or type(tokens) is not int or not 0 <= tokens <= MAX_TURN_TOKENS
+                or type(lid) is not int):  # one test on the hot path; the slow path names the field
+            _check_tool_return(message)
         try:
-            state = self._classify(tool, output, exit_code, timed_out, self._thresholds, self._markers)
+            state = self._classify(tool, output, exit_code, timed_out)
         except ValueError as exc:
-            raise _Reject("malformed", f"{op} (lease {lid}): {exc}") from None
-        lease = self._claim(lid, op)
-        traj = lease.traj
-        traj.states.append(state)
-        self._record_turn(traj, tokens)
+            raise _Reject("malformed", f"tool_return (lease {lid}): {exc}") from None
+        traj = self._claim(lid, "tool_return").traj
+        traj.states += (state,)
+        traj.turn_tokens += (tokens,)  # as _record_turn(), inlined on the hot path
+        traj.generated += tokens
+        self._turn_tokens_total += tokens
+        self._turns_total += 1
         self._counts["decisions"] += 1
         placement = self._place(traj, front=False)
         return {"ok": True, "tid": traj.tid, "bucket": placement.bucket, "instance": placement.instance,
@@ -365,15 +365,14 @@ class QueueService:
         lease = self._claim(_int(message, "lease", "finish"), "finish")
         traj = lease.traj
         self._record_turn(traj, tokens)
-        remaining = [0] * len(traj.turn_tokens)
-        total = 0
-        for d in range(len(remaining) - 1, -1, -1):
-            total += traj.turn_tokens[d]
-            remaining[d] = total
-        states = tuple(traj.states)
-        self._router.observe(FinishedTrajectory(traj.prompt_id, states, tuple(remaining)))
+        turns = traj.turn_tokens
+        total, remaining = traj.generated, []
+        for tokens in turns:  # what remained after each tool return: a suffix sum
+            remaining.append(total)
+            total -= tokens
+        self._router.observe(FinishedTrajectory(traj.prompt_id, traj.states, tuple(remaining)))
         del self._trajs[traj.tid]
-        self._finished.append(CompletedTrajectory(traj.tid, traj.prompt_id, states, tuple(traj.turn_tokens),
+        self._finished.append(CompletedTrajectory(traj.tid, traj.prompt_id, traj.states, turns,
                                                   traj.migrations, traj.requeues))
         self._counts["completed"] += 1
         return {"ok": True, "tid": traj.tid, "turns": len(remaining)}
@@ -395,8 +394,8 @@ class QueueService:
 
     def _place(self, traj: _Trajectory, front: bool) -> Placement:
         remaining = None if traj.true_remaining is None else max(0, traj.true_remaining - traj.generated)
-        view = TrajectoryView(traj.tid, traj.prompt_id, tuple(traj.states), traj.generated, traj.bucket, remaining,
-                              tuple(traj.turn_tokens))
+        view = TrajectoryView(traj.tid, traj.prompt_id, traj.states, traj.generated, traj.bucket, remaining,
+                              traj.turn_tokens)
         placement = self._router.place(view)
         bucket = self._bucket_of.get(placement.instance)
         if bucket is None or bucket != placement.bucket:
@@ -442,24 +441,31 @@ class QueueService:
         if lease is None:
             if not 0 < lid < self._next_lease:
                 raise _Reject("unknown_lease", f"{op}: lease {lid} was never handed out")
-            if self._ended.get(lid) == "used":
+            if lid in self._expired:
+                raise _Reject("late_report", f"{op}: lease {lid} expired and its turn was re-queued; "
+                                             "this report is dropped")
+            if lid >= self._next_lease - self._remember:  # neither live nor expired: reported
                 raise _Reject("duplicate_report", f"{op}: lease {lid} was already reported; this report is dropped")
-            how = "expired and its turn was re-queued" if lid in self._ended else "ended too long ago to remember"
-            raise _Reject("late_report", f"{op}: lease {lid} {how}; this report is dropped")
-        self._end_lease(lease, "used")
+            raise _Reject("late_report", f"{op}: lease {lid} ended too long ago to remember; this report is dropped")
+        del self._leases[lid]  # as _end_lease(lease, "used"), inlined on the hot path
+        self._held[lease.instance] -= 1
+        self._router.turn_ended(lease.instance, lease.expected)
         lease.traj.prev_instance = lease.instance
         return lease
 
     def _end_lease(self, lease: _Lease, how: str) -> None:
         del self._leases[lease.lid]
-        self._ended[lease.lid] = how
-        if len(self._ended) > self._remember:
-            self._ended.popitem(last=False)
+        if how == "expired":
+            self._expired.add(lease.lid)
+            if len(self._expired) > self._prune_expired_at:  # forget ids that left the window (amortised O(1))
+                oldest = self._next_lease - self._remember
+                self._expired = {lid for lid in self._expired if lid >= oldest}
+                self._prune_expired_at = max(1024, 2 * len(self._expired))
         self._held[lease.instance] -= 1
         self._router.turn_ended(lease.instance, lease.expected)
 
     def _record_turn(self, traj: _Trajectory, tokens: int) -> None:
-        traj.turn_tokens.append(tokens)
+        traj.turn_tokens += (tokens,)
         traj.generated += tokens
         self._turn_tokens_total += tokens
         self._turns_total += 1
@@ -475,6 +481,22 @@ class QueueService:
         self._rejected[reason] += 1
         log.warning("queue request refused (%s): %s", reason, error)
         return {"ok": False, "reason": reason, "error": error}
+
+
+def _check_tool_return(message: dict) -> None:
+    """Raise the refusal that names the first ill-typed field of a tool_return."""
+    op = "tool_return"
+    _str(message, "tool", op)
+    _str(message, "output", op)
+    exit_code = message.get("exit_code")
+    if exit_code is not None and (type(exit_code) is not int):
+        raise _Reject("malformed", f"{op}: field 'exit_code' must be an int or None, got {exit_code!r}")
+    timed_out = message.get("timed_out", False)
+    if type(timed_out) is not bool:
+        raise _Reject("malformed", f"{op}: field 'timed_out' must be a bool, got {timed_out!r}")
+    _int(message, "tokens", op, minimum=0, maximum=MAX_TURN_TOKENS)
+    _int(message, "lease", op)
+    raise AssertionError(f"tool_return fields judged ill-typed, then passed every check: {message!r}")
 
 
 def _int(message: dict, name: str, op: str, minimum: int | None = None, maximum: int | None = None) -> int:

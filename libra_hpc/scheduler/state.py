@@ -91,8 +91,49 @@ def classify(tool: str, output: str, exit_code: int | None, timed_out: bool,
     :meth:`ToolState.key`. ``output``: what the tool returned to the model; its length in
     characters gives the size class. ``exit_code``: the process exit status, ``None`` for
     tools without a process. ``timed_out``: the sandbox hit the wall-time limit."""
+    _check_tool(tool)
+    return ToolState(tool=tool, size=size_class(len(output), size_thresholds),
+                     status=tool_status(output, exit_code, timed_out, error_markers))
+
+
+def _check_tool(tool: str) -> None:
     if not tool or "|" in tool:
         raise ValueError(f"tool name {tool!r} must be non-empty and must not contain '|' "
                          "(the separator of ToolState.key())")
-    return ToolState(tool=tool, size=size_class(len(output), size_thresholds),
-                     status=tool_status(output, exit_code, timed_out, error_markers))
+
+
+class Classifier:
+    """:func:`classify` with the thresholds and markers fixed, for the queue service's hot
+    path: the thresholds are checked once, here, and every distinct (tool, size class,
+    status) is one shared ToolState (its tree key computed once). The cache is cleared
+    when it holds :attr:`MAX_STATES` states (tool names come from the workers)."""
+
+    MAX_STATES = 4096
+    __slots__ = ("_markers", "_names", "_states", "_thresholds")
+
+    def __init__(self, size_thresholds: Sequence[int], error_markers: Sequence[str]):
+        self._names = size_class_names(size_thresholds)
+        self._thresholds = tuple(size_thresholds)
+        self._markers = tuple(marker for marker in error_markers if marker)
+        self._states: dict[tuple[str, int, str], ToolState] = {}
+
+    def __call__(self, tool: str, output: str, exit_code: int | None, timed_out: bool) -> ToolState:
+        """The ToolState of one tool return (arguments as :func:`classify`'s)."""
+        if timed_out:
+            status = "timeout"
+        elif exit_code is not None and exit_code != 0:
+            status = "failure"
+        else:
+            status = "success"
+            for marker in self._markers:
+                if marker in output:
+                    status = "failure"
+                    break
+        size = bisect_right(self._thresholds, len(output))
+        state = self._states.get((tool, size, status))
+        if state is None:
+            _check_tool(tool)
+            if len(self._states) >= self.MAX_STATES:
+                self._states.clear()
+            state = self._states[(tool, size, status)] = ToolState(tool, self._names[size], status)
+        return state

@@ -25,8 +25,8 @@ from bisect import bisect_left, bisect_right, insort
 from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 from libra_hpc.scheduler.types import FinishedTrajectory, ToolState
 
@@ -62,13 +62,15 @@ class NodeStats:
     def add(self, tokens: int) -> None:
         """Add one sample (remaining output tokens); the oldest leaves a full window."""
         self.count += 1
-        self._ages.append(tokens)
-        insort(self._sorted, tokens)
-        self._sum += tokens
-        if len(self._ages) > self.window:
-            oldest = self._ages.popleft()
-            del self._sorted[bisect_left(self._sorted, oldest)]
-            self._sum -= oldest
+        ages, ordered = self._ages, self._sorted
+        ages.append(tokens)
+        insort(ordered, tokens)
+        if len(ages) > self.window:
+            oldest = ages.popleft()
+            del ordered[bisect_left(ordered, oldest)]
+            self._sum += tokens - oldest
+        else:
+            self._sum += tokens
 
     @property
     def n(self) -> int:
@@ -99,11 +101,14 @@ class NodeStats:
         of the window lasted that long. O(log W) plus a C-level sum over the tail."""
         if already <= 0:
             return (self.mean, self.p90) if self._sorted else None
-        tail = self._sorted[bisect_right(self._sorted, already):]
-        if not tail:
+        ordered = self._sorted
+        first = bisect_right(ordered, already)
+        n = len(ordered) - first
+        if not n:
             return None
-        n = len(tail)
-        return sum(tail) / n - already, tail[(9 * n + 9) // 10 - 1] - already
+        # The sum of the tail from the shorter side of the cut (both copy a slice).
+        total = sum(ordered[first:]) if n <= first else self._sum - sum(ordered[:first])
+        return total / n - already, ordered[first + (9 * n + 9) // 10 - 1] - already
 
     def __repr__(self) -> str:
         return f"NodeStats(n={self.n}, count={self.count}, mean={self.mean:.1f}, p90={self.p90})"
@@ -155,12 +160,14 @@ class CausalTree:
     def deepest(self, keys: Sequence[str], min_samples: int) -> tuple[NodeStats, int] | None:
         """Like :meth:`lookup` on pre-computed keys, also returning the node's depth."""
         node = self.root
-        best = (node.stats, 0) if node.stats.n >= min_samples else None
-        for depth, key in enumerate(keys, start=1):
+        best = (node.stats, 0) if len(node.stats._ages) >= min_samples else None
+        depth = 0
+        for key in keys:
             node = node.children.get(key)
             if node is None:
                 break
-            if node.stats.n >= min_samples:
+            depth += 1
+            if len(node.stats._ages) >= min_samples:
                 best = (node.stats, depth)
         return best
 
@@ -183,8 +190,7 @@ class CausalTree:
         return tree
 
 
-@dataclass(frozen=True)
-class Match:
+class Match(NamedTuple):
     """A lookup's answer: the trusted node, which tree it came from and how deep it is."""
 
     stats: NodeStats
@@ -388,7 +394,7 @@ def _check_finished(finished: FinishedTrajectory) -> None:
         raise ValueError(f"finished trajectory of prompt {finished.prompt_id!r}: remaining_after has "
                          f"{len(finished.remaining_after)} entries for {len(finished.states)} tool returns; "
                          f"expected {len(finished.states) + 1}")
-    if any(tokens < 0 for tokens in finished.remaining_after):
+    if min(finished.remaining_after) < 0:
         raise ValueError(f"finished trajectory of prompt {finished.prompt_id!r}: negative remaining "
                          f"tokens in {finished.remaining_after}")
 

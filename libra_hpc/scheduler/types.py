@@ -7,9 +7,8 @@ a trajectory is generated, and learns from finished trajectories.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from functools import cached_property
-from typing import Literal, Protocol
+from dataclasses import dataclass
+from typing import Literal, NamedTuple, Protocol
 
 Status = Literal["success", "failure", "timeout"]
 
@@ -22,14 +21,14 @@ class ToolState:
     size: str  # a size class name, e.g. "S", "M", "L" (thresholds in SchedulerConfig)
     status: Status
 
-    def key(self) -> str:
-        """Compact, JSON-safe key used in the prefix tree (computed once per state: the
-        same states are looked up at every later decision of their trajectory)."""
-        return self._key
+    def __post_init__(self) -> None:
+        # The tree key, computed once: the same states are looked up at every later
+        # decision of their trajectory (a plain attribute read on the hot path).
+        object.__setattr__(self, "_key", f"{self.tool}|{self.size}|{self.status}")
 
-    @cached_property
-    def _key(self) -> str:
-        return f"{self.tool}|{self.size}|{self.status}"
+    def key(self) -> str:
+        """Compact, JSON-safe key used in the prefix tree: ``tool|size|status``."""
+        return self._key
 
 
 @dataclass(frozen=True)
@@ -44,9 +43,9 @@ class BucketSpec:
     max_outstanding_tokens: int = 1 << 30  # an instance above this is saturated
 
 
-@dataclass
-class TrajectoryView:
-    """What a router may know about a trajectory when placing its next turn."""
+class TrajectoryView(NamedTuple):
+    """What a router may know about a trajectory when placing its next turn. (A named
+    tuple: the service builds one per decision.)"""
 
     tid: str
     prompt_id: str
@@ -60,24 +59,23 @@ class TrajectoryView:
     trajectory has generated since that node."""
 
 
-@dataclass(frozen=True)
-class Placement:
+class Placement(NamedTuple):
+    """A router's decision. (A named tuple: one is built per decision on the hot path.)"""
+
     bucket: str
     instance: int
     migrated: bool = False  # the bucket changed: the KV cache is recomputed at the destination
     reason: str = ""
 
 
-@dataclass
-class FinishedTrajectory:
+class FinishedTrajectory(NamedTuple):
     """Input for learning: ``remaining_after[d]`` is the output tokens generated after the
     d-th tool return (``remaining_after[0]``: after the start, i.e. the whole output), so
-    ``len(remaining_after) == len(states) + 1``."""
+    ``len(remaining_after) == len(states) + 1``. (A named tuple: one per finish.)"""
 
     prompt_id: str
     states: tuple[ToolState, ...]
     remaining_after: tuple[int, ...]
-    extra: dict = field(default_factory=dict)
 
 
 class Router(Protocol):
