@@ -1,0 +1,244 @@
+"""The Megatron-Core training engine: log-probs, a policy-gradient step, HF export.
+
+One object per training rank; every method is collective over the training ranks (the
+torch default group, see :mod:`.parallel`). On a GPU node the same code runs with CUDA
+tensors and NCCL; without CUDA, megatron runs under :func:`.cpu_shims.megatron_on_cpu`.
+
+A step: the rank's :class:`~.loss.PolicyBatch` is cut into micro-batches and run through
+megatron's forward/backward schedule (1F1B when PP > 1); the loss of every micro-batch is
+a *sum* over its tokens and megatron divides the gradients by the token count of the
+whole global batch (all DP replicas); megatron DDP reduces the gradients over DP into
+``param.main_grad``; the Megatron optimizer (Adam, gradient clipping by global norm)
+applies them. A plain torch optimizer would see ``grad is None`` and silently do nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from libra_hpc.engines.train import convert, parallel
+from libra_hpc.engines.train.cpu_shims import megatron_on_cpu, seed_model_parallel
+from libra_hpc.engines.train.loss import PolicyBatch, policy_gradient_loss
+from libra_hpc.engines.train.model import build_gpt, transformer_config
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class StepStats:
+    """What one optimizer step did, identical on every training rank.
+
+    ``loss``: the surrogate loss per trained token over the global batch; ``grad_norm``:
+    global gradient norm before clipping; ``tokens``: trained tokens in the global batch;
+    ``seconds``: wall time of the step on this rank."""
+
+    loss: float
+    grad_norm: float
+    tokens: int
+    clipped_fraction: float
+    seconds: float
+
+
+class MegatronTrainEngine:
+    """A Megatron-Core GPTModel loaded from a Hugging Face Qwen2/Llama checkpoint.
+
+    ``model_path``: HF checkpoint directory (config.json + *.safetensors). ``tp``, ``pp``:
+    tensor/pipeline parallel sizes; DP is the rest of the torch world. ``lr``: Adam
+    learning rate; ``clip_grad``: max global gradient L2 norm; ``clip_eps``: the PPO ratio
+    clip; ``micro_batch_size``: sequences per forward/backward on this DP replica;
+    ``dtype``: parameter dtype (float32 for exact log-prob comparisons; bfloat16 keeps
+    fp32 main weights in the optimizer)."""
+
+    def __init__(self, model_path: str | Path, *, tp: int = 1, pp: int = 1, lr: float = 1e-5,
+                 clip_grad: float = 1.0, weight_decay: float = 0.0, clip_eps: float = 0.2, micro_batch_size: int = 1,
+                 seed: int = 0, dtype: torch.dtype = torch.float32):
+        self.model_path = Path(model_path)
+        config_file = self.model_path / "config.json"
+        if not config_file.is_file():
+            raise FileNotFoundError(f"MegatronTrainEngine: {config_file} not found; model_path must be a Hugging "
+                                    "Face checkpoint directory")
+        self.shape = convert.ModelShape.from_hf_config(json.loads(config_file.read_text()), str(config_file))
+        self.clip_eps = clip_eps
+        self.micro_batch_size = micro_batch_size
+        self.steps = 0
+        cuda = torch.cuda.is_available()
+        self.device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+        with megatron_on_cpu():
+            self.placement = parallel.init_model_parallel(tp, pp)
+            seed_model_parallel(seed)
+            self.config = transformer_config(self.shape, tp=tp, pp=pp, dtype=dtype, cpu_init=not cuda)
+            model = build_gpt(self.shape, self.config, pre_process=self.placement.first_stage,
+                              post_process=self.placement.last_stage).to(self.device)
+            self._load_hf(model)
+            self.model, self.optimizer = _wrap(model, self.config, lr=lr, clip_grad=clip_grad,
+                                               weight_decay=weight_decay, dtype=dtype)
+        log.info("megatron engine ready: %s, tp=%d pp=%d dp=%d, %s", self.model_path.name, tp, pp,
+                 self.placement.dp, self.device)
+
+    # ------------------------------------------------------------------ public verbs
+
+    def logprobs(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Per-token log-probs [B, S-1] of ``tokens`` [B, S] under the current weights
+        (position t: log p(token t+1 | tokens ≤ t)), in float32, on every rank of the
+        pipeline (computed on the last stage, broadcast to the others)."""
+        batch = PolicyBatch(tokens, torch.zeros(tokens.shape[0], tokens.shape[1] - 1),
+                            torch.zeros(tokens.shape[0], tokens.shape[1] - 1))
+        with megatron_on_cpu(), torch.no_grad():
+            self.model.eval()
+            outputs = self._schedule(batch, forward_only=True)
+            self.model.train()
+        if self.placement.last_stage:
+            result = torch.cat(outputs, dim=0).float()
+        else:
+            result = torch.empty(tokens.shape[0], tokens.shape[1] - 1, device=self.device)
+        if self.placement.pp > 1:
+            from megatron.core import parallel_state as ps
+
+            dist.broadcast(result, src=ps.get_pipeline_model_parallel_last_rank(),
+                           group=ps.get_pipeline_model_parallel_group())
+        return result
+
+    def train_step(self, batch: PolicyBatch) -> StepStats:
+        """One optimizer step on this DP replica's share of the global batch (collective)."""
+        start = time.perf_counter()
+        with megatron_on_cpu():
+            self.model.zero_grad_buffer()
+            self.optimizer.zero_grad()
+            reports = self._schedule(batch, forward_only=False)
+            ok, grad_norm, _ = self.optimizer.step()
+        if not ok:
+            raise FloatingPointError(f"training step {self.steps}: the optimizer skipped the update (inf/nan "
+                                     "gradients); lower training.lr or check the advantages")
+        totals = torch.zeros(3, dtype=torch.float64, device=self.device)
+        for report in reports:
+            totals += torch.stack([report["loss_sum"], report["tokens"], report["clipped"]]).to(totals)
+        from megatron.core import parallel_state as ps
+
+        if self.placement.pp > 1:
+            dist.broadcast(totals, src=ps.get_pipeline_model_parallel_last_rank(),
+                           group=ps.get_pipeline_model_parallel_group())
+        dist.all_reduce(totals, group=ps.get_data_parallel_group())
+        loss_sum, tokens, clipped = totals.tolist()
+        self.steps += 1
+        return StepStats(loss=loss_sum / max(tokens, 1), grad_norm=float(grad_norm), tokens=int(tokens),
+                         clipped_fraction=clipped / max(tokens, 1), seconds=time.perf_counter() - start)
+
+    def export_hf(self) -> dict[str, torch.Tensor] | None:
+        """Full Hugging Face weights of this rank's pipeline stage, gathered over TP, on
+        the stage's holder (TP rank 0 of DP replica 0, see ``placement.holds_export``);
+        None on every other rank. Collective over the TP group of DP replica 0."""
+        from megatron.core import parallel_state as ps
+
+        if self.placement.dp_rank != 0:
+            return None
+        local = {k: v.detach() for k, v in self._gpt().state_dict().items() if not k.endswith("_extra_state")}
+        group, tp = ps.get_tensor_model_parallel_group(), self.placement.tp
+        shards: list[dict[str, torch.Tensor]] = [dict() for _ in range(tp)]
+        for name in sorted(local):
+            tensor = local[name].contiguous()
+            if tp == 1:
+                shards[0][name] = tensor.clone()
+                continue
+            pieces = [torch.empty_like(tensor) for _ in range(tp)]
+            dist.all_gather(pieces, tensor, group=group)
+            for rank, piece in enumerate(pieces):
+                shards[rank][name] = piece
+        if not self.placement.holds_export:
+            return None
+        from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+        return convert.hf_from_shards(shards, self.shape, layer_offset=get_transformer_layer_offset(self.config),
+                                      first_stage=self.placement.first_stage, last_stage=self.placement.last_stage)
+
+    def shutdown(self) -> None:
+        """Drop the model and optimizer and free megatron's process groups (collective)."""
+        self.model = self.optimizer = None
+        parallel.destroy_model_parallel()
+
+    # -------------------------------------------------------------------- internals
+
+    def _gpt(self):
+        return self.model.module
+
+    def _load_hf(self, model) -> None:
+        from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+        from safetensors.torch import load_file
+
+        files = sorted(self.model_path.glob("*.safetensors"))
+        if not files:
+            raise FileNotFoundError(f"MegatronTrainEngine: no *.safetensors in {self.model_path}")
+        hf: dict[str, torch.Tensor] = {}
+        for file in files:
+            hf.update(load_file(str(file)))
+        place = self.placement
+        offset = get_transformer_layer_offset(self.config)
+        shard = convert.megatron_shard(hf, self.shape, tp_rank=place.tp_rank, tp=place.tp, layer_offset=offset,
+                                       num_layers=self.shape.num_layers // place.pp, first_stage=place.first_stage,
+                                       last_stage=place.last_stage)
+        result = model.load_state_dict(shard, strict=False)
+        missing = [k for k in result.missing_keys if not k.endswith("_extra_state")]
+        if missing or result.unexpected_keys:
+            raise RuntimeError(f"{self.model_path}: converted weights do not fit the Megatron model "
+                               f"(missing {missing[:4]}, unexpected {result.unexpected_keys[:4]})")
+
+    def _schedule(self, batch: PolicyBatch, *, forward_only: bool) -> list:
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        rows = batch.tokens.shape[0]
+        mbs = min(self.micro_batch_size, rows)
+        if rows % mbs:
+            raise ValueError(f"batch of {rows} sequences does not split into micro-batches of {mbs}; "
+                             "give a multiple of training.micro_batch_size")
+        micro = [self._micro(batch.slice(i, i + mbs)) for i in range(0, rows, mbs)]
+        return get_forward_backward_func()(
+            forward_step_func=self._forward_step, data_iterator=iter(micro), model=[self.model],
+            num_microbatches=len(micro), seq_length=batch.tokens.shape[1] - 1, micro_batch_size=mbs,
+            forward_only=forward_only, collect_non_loss_data=forward_only)
+
+    def _micro(self, batch: PolicyBatch) -> dict[str, torch.Tensor]:
+        tokens = batch.tokens.to(self.device, torch.long)
+        s = tokens.shape[1] - 1
+        out = {"input": tokens[:, :-1].contiguous(), "labels": tokens[:, 1:].contiguous(),
+               "position": torch.arange(s, device=self.device).expand(tokens.shape[0], s),
+               "mask": batch.loss_mask.to(self.device), "advantages": batch.advantages.to(self.device)}
+        if batch.old_logprobs is not None:
+            out["old"] = batch.old_logprobs.to(self.device)
+        return out
+
+    def _forward_step(self, data_iterator, model):
+        mb = next(data_iterator)
+        output = model(mb["input"], mb["position"], None, labels=mb["labels"])
+        return output, partial(self._loss, mb)
+
+    def _loss(self, mb: Mapping[str, torch.Tensor], output: torch.Tensor, non_loss_data: bool = False):
+        logprobs = -output.float()  # megatron returns the per-token cross-entropy [b, s]
+        if non_loss_data:
+            return logprobs.detach()
+        loss_sum, tokens, report = policy_gradient_loss(logprobs, mb["advantages"], mb["mask"], mb.get("old"),
+                                                        self.clip_eps)
+        return loss_sum, tokens, report
+
+
+def _wrap(model, config, *, lr: float, clip_grad: float, weight_decay: float, dtype: torch.dtype):
+    """Megatron DDP (gradients reduced over DP into ``main_grad``) + the Megatron optimizer."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    ddp = DistributedDataParallel(config, DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=False), model)
+    config.no_sync_func = ddp.no_sync
+    config.finalize_model_grads_func = finalize_model_grads
+    optimizer = get_megatron_optimizer(OptimizerConfig(
+        optimizer="adam", lr=lr, weight_decay=weight_decay, clip_grad=clip_grad, params_dtype=dtype,
+        bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16, use_distributed_optimizer=False,
+        adam_beta1=0.9, adam_beta2=0.999, adam_eps=1e-8), [ddp], use_gloo_process_groups=False)
+    return ddp, optimizer
