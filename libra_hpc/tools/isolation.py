@@ -1,0 +1,208 @@
+"""How a sandboxed command is started: the command line for each isolation mode.
+
+Two modes (``tools.isolation``):
+
+``bwrap`` (bubblewrap). Fresh mount, pid, network, IPC and UTS namespaces. The snippet sees
+a root made of: ``/usr`` (and the ``/bin``, ``/lib*``, ``/sbin`` links into it) read-only,
+the Python interpreter's own install tree read-only, a new ``/proc`` of its pid namespace,
+a minimal ``/dev``, its code at ``/sandbox`` read-only and a private, size-capped tmpfs at
+``/tmp`` as working directory. Nothing else: no ``/etc``, no home directories, no project
+files, no host network (only a loopback of its own). The pid namespace's init is bwrap's;
+when the command or bwrap dies, the kernel kills every process left in the namespace.
+
+- Run as root (CI, most containers): bwrap sets the namespaces up as root (it must, to bind
+  an interpreter that lives under a 0700 ``/root``), then ``setpriv`` drops to the slot's
+  dedicated uid with no capabilities and no-new-privs. A dedicated, unmapped uid makes
+  ``RLIMIT_NPROC`` bite (the kernel ignores it for uid 0) and lets :mod:`procs` find every
+  leftover by uid.
+- Run as another user: unprivileged bwrap with a user namespace as well (and no nested
+  ones); ``RLIMIT_NPROC`` then counts the processes of that user namespace only.
+
+``rlimit`` (the weaker fallback, logged as a warning at every sandbox start): no namespaces.
+Limits, a new session, a private host temporary directory as working directory and, when
+run as root, the slot's dedicated uid, so the snippet cannot read root-only files (0700
+home directories, ``/etc/shadow``) nor signal our processes. It *can* read world-readable
+files (``/etc/passwd``, a world-readable checkout) and reach the network: use it only where
+bwrap cannot run, and say so in the run's report. As non-root it runs under our own uid:
+``kill -9 -1`` in a snippet would kill all of our processes.
+
+In both modes ``prlimit`` (util-linux) applies the resource limits right before the
+interpreter starts; it needs no ``preexec_fn`` (unsafe in a threaded orchestrator).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import PurePosixPath
+
+log = logging.getLogger(__name__)
+
+SANDBOX_CODE_DIR = "/sandbox"
+"""Where the snippet's code is mounted read-only inside a bwrap sandbox."""
+SANDBOX_WORKDIR = "/tmp"
+"""The private, size-capped working directory inside a bwrap sandbox."""
+MARKER_VAR = "LIBRA_SANDBOX"
+"""Environment variable every sandboxed process inherits; its value names the run."""
+
+_SYSTEM_LINKS = ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
+
+
+@dataclass(frozen=True)
+class SandboxLimits:
+    """Resource limits of one tool call (``tools.*`` in the YAML; units in the names)."""
+
+    wall_time_s: float = 10.0
+    cpu_time_s: int = 10
+    memory_mb: int = 512
+    max_processes: int = 32
+    max_file_mb: int = 16
+    max_open_files: int = 64
+    workdir_mb: int = 64
+    output_limit_bytes: int = 65536
+
+    def __post_init__(self):
+        for name in ("wall_time_s", "cpu_time_s", "memory_mb", "max_processes", "max_file_mb",
+                     "max_open_files", "workdir_mb", "output_limit_bytes"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"tools.{name} must be > 0, got {getattr(self, name)!r}")
+
+
+def prlimit_argv(limits: SandboxLimits) -> list[str]:
+    """``prlimit`` prefix setting soft:hard limits. CPU: SIGXCPU at the soft limit, SIGKILL
+    one second later. No core dumps (a memory bomb would write hundreds of MB)."""
+    mib = 1 << 20
+    return ["prlimit", f"--cpu={limits.cpu_time_s}:{limits.cpu_time_s + 1}",
+            f"--as={limits.memory_mb * mib}:{limits.memory_mb * mib}",
+            f"--nproc={limits.max_processes}:{limits.max_processes}",
+            f"--fsize={limits.max_file_mb * mib}:{limits.max_file_mb * mib}",
+            f"--nofile={limits.max_open_files}:{limits.max_open_files}", "--core=0:0", "--"]
+
+
+def sandbox_env(marker: str, workdir: str) -> dict[str, str]:
+    """The whole environment a snippet starts with (nothing of ours leaks in)."""
+    return {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": workdir, "TMPDIR": workdir, "LANG": "C.UTF-8",
+            "PYTHONDONTWRITEBYTECODE": "1", "PYTHONUNBUFFERED": "1", MARKER_VAR: marker}
+
+
+def interpreter_trees(python: str) -> list[str]:
+    """Directories a bwrap sandbox must bind read-only so that ``python`` runs: its
+    install prefix (and the base prefix of a virtual environment), unless under /usr."""
+    trees = {os.path.realpath(sys.base_prefix), os.path.realpath(sys.prefix)} if python == sys.executable else set()
+    trees.add(os.path.dirname(os.path.dirname(os.path.realpath(python))))
+    keep = sorted(t for t in trees if t != "/" and not _under(t, "/usr"))
+    return [t for t in keep if not any(t != other and _under(t, other) for other in keep)]
+
+
+def _under(path: str, root: str) -> bool:
+    return path == root or path.startswith(root.rstrip("/") + "/")
+
+
+def _ancestors(path: str) -> list[str]:
+    parts = PurePosixPath(path).parents
+    return [str(p) for p in reversed(parts) if str(p) != "/"]
+
+
+def bwrap_argv(limits: SandboxLimits, code_dir: str, python: str, uid: int | None, marker: str) -> list[str]:
+    """The bwrap command line up to (and including) the limits prefix; append the command.
+
+    ``uid``: the slot's dedicated uid when run as root (privileged bwrap + setpriv), None
+    when run unprivileged (bwrap makes a user namespace)."""
+    argv = ["bwrap", "--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try",
+            "--die-with-parent", "--new-session", "--ro-bind", "/usr", "/usr"]
+    if uid is None:
+        argv[1:1] = ["--unshare-user", "--disable-userns"]
+    for link in _SYSTEM_LINKS:
+        if os.path.islink(link):
+            argv += ["--symlink", os.readlink(link), link]
+        elif os.path.isdir(link):
+            argv += ["--ro-bind", link, link]
+    made: set[str] = set()
+    for tree in interpreter_trees(python):
+        for parent in _ancestors(tree):
+            if parent not in made:  # bwrap would make missing parents 0700: unreadable after setpriv
+                argv += ["--perms", "0755", "--dir", parent]
+                made.add(parent)
+        argv += ["--ro-bind", tree, tree]
+    argv += ["--proc", "/proc", "--dev", "/dev", "--perms", "1777", "--size", str(limits.workdir_mb << 20),
+             "--tmpfs", SANDBOX_WORKDIR, "--perms", "1777", "--size", str(limits.workdir_mb << 20), "--tmpfs", "/dev/shm",
+             "--ro-bind", code_dir, SANDBOX_CODE_DIR, "--chdir", SANDBOX_WORKDIR, "--clearenv"]
+    for key, value in sandbox_env(marker, SANDBOX_WORKDIR).items():
+        argv += ["--setenv", key, value]
+    if uid is not None:
+        argv += ["--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID", "--cap-add", "CAP_SETPCAP", "--",
+                 "setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--inh-caps=-all",
+                 "--bounding-set=-all", "--no-new-privs"]
+    return argv + ["--"] + prlimit_argv(limits)
+
+
+LEFTOVER_EXIT = 125
+"""Exit status of a bwrap sandbox whose command exited but left processes running (they
+die with the pid namespace; the status makes the call a failure for C-MLFQ)."""
+
+# Runs inside a bwrap sandbox as the parent of the command: after the command exits, counts
+# the live processes of the pid namespace other than bwrap's init (1) and itself. Shell
+# builtins only: a forked helper would count itself.
+_LEFTOVER_CHECK = (
+    '"$@"; rc=$?; n=0; '
+    'for d in /proc/[0-9]*; do p=${d#/proc/}; [ "$p" = 1 ] || [ "$p" = $$ ] && continue; '
+    'while read -r k v _; do [ "$k" = State: ] && { [ "$v" = Z ] || n=$((n+1)); break; }; done < "$d/status" 2>/dev/null; '
+    'done; '
+    f'if [ $n -gt 0 ]; then echo "[libra_hpc sandbox: $n processes left behind]" >&2; exit {LEFTOVER_EXIT}; fi; '
+    'exit $rc')
+
+
+def leftover_check_argv() -> list[str]:
+    """Prefix for the command inside a bwrap sandbox (see _LEFTOVER_CHECK)."""
+    return ["/bin/sh", "-c", _LEFTOVER_CHECK, "sh"]
+
+
+def missing_tools(mode: str) -> list[str]:
+    """Executables ``mode`` needs that are not on PATH."""
+    need = ["prlimit"] + (["bwrap"] + (["setpriv"] if os.geteuid() == 0 else []) if mode == "bwrap" else [])
+    return [tool for tool in need if shutil.which(tool) is None]
+
+
+@functools.lru_cache(maxsize=4)
+def bwrap_problem(python: str, probe_uid: int | None) -> str | None:
+    """Why bwrap cannot run sandboxes here (None: it can). Probed once per interpreter and
+    uid by starting a real, trivial sandbox."""
+    missing = missing_tools("bwrap")
+    if missing:
+        return f"{', '.join(missing)} not found on PATH (Debian: apt-get install bubblewrap util-linux)"
+    code_dir = "/usr"  # any readable directory: the probe runs no code from it
+    argv = bwrap_argv(SandboxLimits(), code_dir, python, probe_uid, "probe") + [python, "-I", "-c", "pass"]
+    try:
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=30, env={"PATH": os.environ.get("PATH", "")})
+    except (OSError, subprocess.TimeoutExpired) as err:
+        return f"probe failed: {err}"
+    if done.returncode != 0:
+        return f"probe exited {done.returncode}: {done.stderr.strip()[-500:]}"
+    return None
+
+
+def choose_isolation(requested: str, python: str, probe_uid: int | None) -> str:
+    """The mode to use for ``tools.isolation = requested`` (``auto``, ``bwrap``, ``rlimit``).
+
+    Raises RuntimeError when ``bwrap`` is requested but cannot run, or a mode's tools are
+    missing; ``auto`` falls back to ``rlimit`` with a warning that says why."""
+    if requested not in ("auto", "bwrap", "rlimit"):
+        raise ValueError(f"tools.isolation must be auto, bwrap or rlimit, got {requested!r}")
+    if requested in ("auto", "bwrap"):
+        problem = bwrap_problem(python, probe_uid)
+        if problem is None:
+            return "bwrap"
+        if requested == "bwrap":
+            raise RuntimeError(f"tools.isolation=bwrap but bwrap cannot run here: {problem}. "
+                               "Install bubblewrap or set tools.isolation=rlimit (weaker, see libra_hpc/tools/isolation.py)")
+        log.warning("tool sandbox: bwrap unavailable (%s); falling back to tools.isolation=rlimit: snippets can "
+                    "read world-readable files and use the network", problem)
+    missing = missing_tools("rlimit")
+    if missing:
+        raise RuntimeError(f"tool sandbox needs {', '.join(missing)} on PATH (util-linux)")
+    return "rlimit"

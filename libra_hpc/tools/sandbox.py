@@ -1,0 +1,257 @@
+"""Run one untrusted snippet under limits and always reap everything it started.
+
+A :class:`Sandbox` is one *slot*: a dedicated uid (when run as root) that only one run uses
+at a time, so a run's processes are exactly the live processes of that uid. A slot runs
+one call at a time; the orchestrator gives every worker its own slot.
+
+What one call guarantees, whatever the snippet does (see isolation.py for the mounts):
+- it ends by ``limits.wall_time_s``: on expiry the whole tree is SIGKILLed (process group,
+  pid namespace, then a ``/proc`` scan by uid/marker) and the result says ``timed_out``;
+- its output is read incrementally and kept up to ``limits.output_limit_bytes`` (stdout
+  and stderr together); beyond that the tree is killed and the result says
+  ``output_truncated`` (like ``RLIMIT_FSIZE`` for pipes: a runaway printer cannot blow our
+  memory nor keep a worker busy until the wall-time limit);
+- when the main process exits, anything it left behind (daemons, double forks) is killed;
+  the call returns only once no process of the run is alive (RuntimeError otherwise).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import selectors
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from libra_hpc.scheduler.state import classify
+from libra_hpc.scheduler.types import ToolState
+from libra_hpc.tools.isolation import (LEFTOVER_EXIT, MARKER_VAR, SANDBOX_CODE_DIR, SandboxLimits, bwrap_argv,
+                                       choose_isolation, leftover_check_argv, prlimit_argv, sandbox_env)
+from libra_hpc.tools.procs import kill_owned
+
+log = logging.getLogger(__name__)
+
+_READ_CHUNK = 1 << 16
+_DRAIN_GRACE_S = 2.0  # after the tree is dead, how long to wait for the pipes' EOF
+
+
+def world_reachable(path: str) -> bool:
+    """Whether any uid may execute ``path``: every parent directory world-searchable and
+    the file world-executable."""
+    real = os.path.realpath(path)
+    try:
+        if not os.stat(real).st_mode & 0o001:
+            return False
+        parent = os.path.dirname(real)
+        while parent != "/":
+            if not os.stat(parent).st_mode & 0o001:
+                return False
+            parent = os.path.dirname(parent)
+    except OSError:
+        return False
+    return True
+
+
+@dataclass(frozen=True)
+class ToolResult:
+    """The outcome of one tool call, as the model and C-MLFQ see it."""
+
+    tool: str
+    stdout: str
+    stderr: str
+    exit_code: int | None
+    """Exit status; negative ``-N`` (rlimit mode) or ``128 + N`` (bwrap) when killed by signal N."""
+    timed_out: bool
+    output_truncated: bool
+    wall_s: float
+    """Seconds from start to the last process reaped."""
+    cpu_s: float
+    """User + system CPU seconds of the reaped tree."""
+    state: ToolState
+    isolation: str
+    leftovers_killed: int = 0
+    """Processes still alive after the main one ended (daemons) that the sandbox killed."""
+
+    @property
+    def output(self) -> str:
+        """What the model gets back: stdout then stderr."""
+        return self.stdout + self.stderr
+
+
+@dataclass(frozen=True)
+class ClassifyRules:
+    """How a return is turned into a C-MLFQ ToolState (``scheduler.size_thresholds`` and
+    ``scheduler.error_markers``)."""
+
+    size_thresholds: tuple[int, ...] = (256, 4096)
+    error_markers: tuple[str, ...] = ("Traceback (most recent call last)", "Error:", "error:", "Exception")
+
+
+class Sandbox:
+    """One sandbox slot. ``uid``: the slot's dedicated uid, used only when we run as root
+    (it must belong to nobody else on the host: every live process of it is killed after
+    each call). ``isolation``: ``auto``, ``bwrap`` or ``rlimit`` (isolation.py)."""
+
+    def __init__(self, limits: SandboxLimits = SandboxLimits(), *, uid: int = 200000, isolation: str = "auto",
+                 python: str = "", rules: ClassifyRules = ClassifyRules()):
+        self.limits = limits
+        self.python = python or sys.executable
+        self.uid = uid if os.geteuid() == 0 else None
+        self.rules = rules
+        self.isolation = choose_isolation(isolation, self.python, self.uid)
+        if self.isolation == "rlimit":
+            self.python = self._reachable_python()
+            log.warning("tool sandbox slot uid=%s runs WITHOUT namespaces (rlimit fallback): snippets can read "
+                        "world-readable host files and reach the network", self.uid)
+        if self.uid is not None:
+            kill_owned(self.uid, None)  # a slot starts empty, whatever an earlier process left
+
+    def _reachable_python(self) -> str:
+        """In rlimit mode as root the snippet runs as the slot uid on the host's files: the
+        interpreter must be world-executable (a pyenv under a 0700 /root is not)."""
+        if self.uid is None or world_reachable(self.python):
+            return self.python
+        if world_reachable("/usr/bin/python3"):
+            log.warning("tool sandbox: %s is not reachable by the slot uid %d; rlimit mode uses /usr/bin/python3",
+                        self.python, self.uid)
+            return "/usr/bin/python3"
+        raise RuntimeError(f"tools.python: {self.python} cannot be executed by the sandbox uid {self.uid} "
+                           "(a parent directory is not world-searchable); set tools.python to a world-executable interpreter")
+
+    def run_python(self, code: str, tool: str = "python") -> ToolResult:
+        """Run ``code`` with this sandbox's interpreter (``python -I``: no user site, no
+        PYTHON* variables, the working directory not on sys.path)."""
+        return self._run(code, lambda code_path: [self.python, "-I", code_path], tool)
+
+    def run_argv(self, argv: Sequence[str], tool: str = "shell") -> ToolResult:
+        """Run a command (e.g. ``["bash", "-c", "..."]``) under the same limits."""
+        if not argv:
+            raise ValueError("run_argv needs a non-empty command")
+        return self._run(None, lambda _code_path: list(argv), tool)
+
+    # ------------------------------------------------------------------ internals
+    def _run(self, code: str | None, command, tool: str) -> ToolResult:
+        marker = f"{MARKER_VAR}={uuid.uuid4().hex}"
+        host_dir = tempfile.mkdtemp(prefix="libra-sbx-")
+        try:
+            os.chmod(host_dir, 0o755)
+            code_name = "main.py"
+            with open(os.path.join(host_dir, code_name), "w", encoding="utf-8") as f:
+                f.write(code or "")
+            os.chmod(os.path.join(host_dir, code_name), 0o644)
+            if self.isolation == "bwrap":
+                argv = bwrap_argv(self.limits, host_dir, self.python, self.uid, marker.split("=", 1)[1])
+                argv += leftover_check_argv() + command(f"{SANDBOX_CODE_DIR}/{code_name}")
+                env, cwd, user = {"PATH": os.environ.get("PATH", "/usr/bin:/bin")}, None, None
+            else:
+                work = os.path.join(host_dir, "work")
+                os.mkdir(work, 0o700)
+                if self.uid is not None:
+                    os.chown(work, self.uid, self.uid)
+                argv = prlimit_argv(self.limits) + command(os.path.join(host_dir, code_name))
+                env, cwd, user = sandbox_env(marker.split("=", 1)[1], work), work, self.uid
+            return self._supervise(argv, env, cwd, user, marker, tool)
+        finally:
+            shutil.rmtree(host_dir, ignore_errors=True)
+
+    def _supervise(self, argv, env, cwd, user, marker, tool) -> ToolResult:
+        start = time.monotonic()
+        ids = {} if user is None else {"user": user, "group": user, "extra_groups": []}
+        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                env=env, cwd=cwd, start_new_session=True, close_fds=True, **ids)
+        out, err = bytearray(), bytearray()
+        timed_out = truncated = False
+        status = rusage = None
+        leftovers = 0
+        deadline = start + self.limits.wall_time_s
+        sel = selectors.DefaultSelector()
+        sel.register(proc.stdout, selectors.EVENT_READ, out)
+        sel.register(proc.stderr, selectors.EVENT_READ, err)
+        try:
+            while sel.get_map():
+                now = time.monotonic()
+                if status is None and now >= deadline:
+                    timed_out = True
+                    status, rusage = self._kill_tree(proc, marker)
+                    deadline = time.monotonic() + _DRAIN_GRACE_S
+                elif status is not None and now >= deadline:
+                    log.warning("sandbox pipes still open %.1f s after the tree died; closing them", _DRAIN_GRACE_S)
+                    break
+                for key, _ in sel.select(timeout=min(0.05, max(0.0, deadline - now))):
+                    chunk = os.read(key.fd, _READ_CHUNK)
+                    if not chunk:
+                        sel.unregister(key.fileobj)
+                        continue
+                    room = self.limits.output_limit_bytes - len(out) - len(err)
+                    key.data.extend(chunk[:max(room, 0)])
+                    if len(chunk) > room and not truncated:
+                        truncated = True
+                        if status is None:
+                            status, rusage = self._kill_tree(proc, marker)
+                            deadline = time.monotonic() + _DRAIN_GRACE_S
+                if status is None:
+                    pid, wstatus, ru = os.wait4(proc.pid, os.WNOHANG)
+                    if pid:  # main process ended: kill what it left, so the pipes reach EOF
+                        status, rusage = wstatus, ru
+                        leftovers = kill_owned(self.uid, marker)
+                        if leftovers:
+                            log.info("sandbox (%s): killed %d processes left behind", tool, leftovers)
+                        deadline = time.monotonic() + _DRAIN_GRACE_S
+        finally:
+            sel.close()
+            proc.stdout.close()
+            proc.stderr.close()
+        if status is None:  # pipes closed early (the snippet closed its stdout/stderr)
+            status, rusage = self._wait_or_kill(proc, marker, deadline)
+            timed_out = timed_out or status is None
+            if status is None:
+                status, rusage = self._kill_tree(proc, marker)
+        proc.returncode = os.waitstatus_to_exitcode(status)
+        leftovers += kill_owned(self.uid, marker)  # verify: nothing of this run is alive
+        wall = time.monotonic() - start
+        stdout, stderr = out.decode("utf-8", "replace"), err.decode("utf-8", "replace")
+        if truncated:
+            stderr += f"\n[libra_hpc sandbox: output exceeded {self.limits.output_limit_bytes} bytes; the tool was killed]\n"
+        if timed_out:
+            stderr += f"\n[libra_hpc sandbox: wall-time limit of {self.limits.wall_time_s} s reached; the tool was killed]\n"
+        exit_code = proc.returncode
+        if self.isolation == "bwrap" and exit_code == LEFTOVER_EXIT:
+            found = re.search(r"\[libra_hpc sandbox: (\d+) processes left behind\]\n$", stderr)
+            leftovers = max(leftovers, int(found.group(1)) if found else 0)  # our scan may have caught the same ones
+        if leftovers and exit_code == 0:
+            exit_code = LEFTOVER_EXIT  # left a daemon behind: a failure, even if the main process succeeded
+        # a run cut for its output is a failure even if its main process managed to exit 0
+        state_code = -signal.SIGKILL if truncated and exit_code == 0 else exit_code
+        state = classify(tool, stdout + stderr, state_code, timed_out, self.rules.size_thresholds, self.rules.error_markers)
+        return ToolResult(tool, stdout, stderr, exit_code, timed_out, truncated, wall,
+                          rusage.ru_utime + rusage.ru_stime if rusage else 0.0, state, self.isolation, leftovers)
+
+    def _wait_or_kill(self, proc, marker, deadline):
+        while time.monotonic() < deadline:
+            pid, wstatus, ru = os.wait4(proc.pid, os.WNOHANG)
+            if pid:
+                kill_owned(self.uid, marker)
+                return wstatus, ru
+            time.sleep(0.01)
+        return None, None
+
+    def _kill_tree(self, proc, marker):
+        """SIGKILL the process group (bwrap's monitor; its pid-namespace init follows by
+        PDEATHSIG and takes the namespace down), then every process of the run by uid or
+        marker; reap the main process. Returns its (wait status, rusage)."""
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        kill_owned(self.uid, marker)
+        _, wstatus, ru = os.wait4(proc.pid, 0)
+        kill_owned(self.uid, marker)
+        return wstatus, ru
