@@ -237,12 +237,51 @@ class SchedulerConfig(_Section):
 
 
 class ToolsConfig(_Section):
-    """Sandboxed tool execution."""
+    """Sandboxed tool execution (libra_hpc/tools/sandbox.py, isolation.py) and action-level
+    orchestration of tool resources (libra_hpc/tools/scheduling.py)."""
 
     wall_time_s: float = Field(10.0, gt=0)
-    """Wall-clock limit of one tool call, in seconds. *Validated; not used by the runtime until the tool sandbox and orchestrator land.*"""
+    """Wall-clock limit of one tool call, in seconds; the whole process tree is killed at it. *Used by libra_hpc.tools; the runtime does not drive tool calls yet.*"""
     max_workers: int = Field(4, ge=1)
-    """Upper bound of the sandbox worker pool. *Validated; not used by the runtime until the tool sandbox and orchestrator land.*"""
+    """Upper bound of the CPU sandbox pool (concurrent sandboxed calls). *Used by libra_hpc.tools; the runtime does not drive tool calls yet.*"""
+    min_workers: int = Field(0, ge=0)
+    """Sandbox units kept alive even when idle (the pool never shrinks below this). *Used by libra_hpc.tools; the runtime does not drive tool calls yet.*"""
+    idle_timeout_s: float = Field(30.0, ge=0)
+    """Seconds a unit stays idle before the pool shrinks by it. *Used by libra_hpc.tools; the runtime does not drive tool calls yet.*"""
+    isolation: Literal["auto", "bwrap", "rlimit"] = "auto"
+    """`bwrap`: mount/pid/net/IPC namespaces, only /usr and the interpreter visible, private tmpfs working directory (needs bubblewrap); `rlimit`: limits, new session and a private directory only (weaker: world-readable files and the network stay reachable); `auto`: bwrap when it works here, else rlimit with a warning. *Used by libra_hpc.tools; the runtime does not drive tool calls yet.*"""
+    python: str = ""
+    """Interpreter that runs Python snippets; empty: the one running libra_hpc. *Used by libra_hpc.tools; the runtime does not drive tool calls yet.*"""
+    uid_base: int = Field(200000, ge=1000)
+    """When run as root, sandbox unit i runs as uid `uid_base + i` (must belong to nobody: every process of it is killed after each call). *Used by libra_hpc.tools; the runtime does not drive tool calls yet.*"""
+    cpu_time_s: int = Field(10, ge=1)
+    """CPU-time limit of one call (RLIMIT_CPU), in seconds. *Used by libra_hpc.tools; the runtime does not drive tool calls yet.*"""
+    memory_mb: int = Field(512, ge=16)
+    """Address-space limit per process (RLIMIT_AS), in MiB. *Used by libra_hpc.tools; the runtime does not drive tool calls yet.*"""
+    max_processes: int = Field(32, ge=2)
+    """Processes one call may have at once (RLIMIT_NPROC, enforced through the dedicated uid or user namespace). *Used by libra_hpc.tools; the runtime does not drive tool calls yet.*"""
+    max_file_mb: int = Field(16, ge=1)
+    """Largest file a call may write (RLIMIT_FSIZE), in MiB. *Used by libra_hpc.tools; the runtime does not drive tool calls yet.*"""
+    max_open_files: int = Field(64, ge=8)
+    """Open file descriptors per process (RLIMIT_NOFILE). *Used by libra_hpc.tools; the runtime does not drive tool calls yet.*"""
+    workdir_mb: int = Field(64, ge=1)
+    """Size of the private tmpfs working directory (bwrap isolation), in MiB. *Used by libra_hpc.tools; the runtime does not drive tool calls yet.*"""
+    output_limit_bytes: int = Field(65536, ge=1)
+    """stdout + stderr kept per call; a call printing more is killed and reported as a truncated failure. *Used by libra_hpc.tools; the runtime does not drive tool calls yet.*"""
+    policy: Literal["tangram", "dedicated"] = "tangram"
+    """`tangram`: every call is an action on any free unit, shortest expected action first with aging; `dedicated`: the baseline, one unit bound to each trajectory for its life. *Used by libra_hpc.tools; the runtime does not drive tool calls yet.*"""
+    aging_rate: float = Field(1.0, gt=0)
+    """Expected seconds forgiven per second an action waits (tangram); larger is closer to FIFO, smaller to shortest-first. Any value > 0 rules out starvation. *Used by libra_hpc.tools; the runtime does not drive tool calls yet.*"""
+    expected_s: dict[str, float] = Field(default_factory=dict)
+    """Prior expected duration per tool name, in seconds, until observed durations take over (moving average). *Used by libra_hpc.tools; the runtime does not drive tool calls yet.*"""
+    default_expected_s: float = Field(1.0, ge=0)
+    """Prior expected duration of a tool not in `expected_s`, in seconds. *Used by libra_hpc.tools; the runtime does not drive tool calls yet.*"""
+    quotas: dict[str, int] = Field(default_factory=dict)
+    """Most concurrent actions per tool name (e.g. an API's limit); tools not listed are bounded by their resource only. *Used by libra_hpc.tools; the runtime does not drive tool calls yet.*"""
+    reward_endpoint: str = ""
+    """URL of a model-serving endpoint for reward-model calls (resource kind `reward`); empty: no such resource. *Used by libra_hpc.tools; the runtime does not drive tool calls yet.*"""
+    reward_concurrency: int = Field(4, ge=1)
+    """Concurrent requests the reward endpoint accepts (units of the `reward` resource). *Used by libra_hpc.tools; the runtime does not drive tool calls yet.*"""
 
 
 class RLConfig(_Section):
@@ -396,7 +435,8 @@ def _valid_keys(model: type[BaseModel], loc: list[str]) -> list[str]:
 
 def check_shape(cfg: ExperimentConfig) -> list[str]:
     """Whether the experiment can run: one message per impossible field, each naming it."""
-    return [*_check_cluster(cfg), *_check_parallelism(cfg), *_check_scheduler(cfg), *_check_planner(cfg)]
+    return [*_check_cluster(cfg), *_check_parallelism(cfg), *_check_scheduler(cfg), *_check_planner(cfg),
+            *_check_tools(cfg)]
 
 
 def _check_cluster(cfg: ExperimentConfig) -> list[str]:
@@ -461,6 +501,18 @@ def _check_scheduler(cfg: ExperimentConfig) -> list[str]:
             f"scheduler.bucket_token_limits: no limit for rollout TP {missing} (used by rollout.tp_per_node); "
             f"given for {sorted(sc.bucket_token_limits)}"
         )
+    return problems
+
+
+def _check_tools(cfg: ExperimentConfig) -> list[str]:
+    """Pool bounds, quotas and duration priors the tool orchestrator could not use."""
+    tc = cfg.tools
+    problems = [f"tools.quotas.{tool}: {n} must be >= 1 concurrent actions" for tool, n in tc.quotas.items() if n < 1]
+    problems += [f"tools.expected_s.{tool}: {s} must be >= 0 seconds" for tool, s in tc.expected_s.items() if s < 0]
+    if tc.min_workers > tc.max_workers:
+        problems.append(f"tools.min_workers: {tc.min_workers} exceeds tools.max_workers={tc.max_workers}")
+    if tc.reward_endpoint and not tc.reward_endpoint.startswith(("http://", "https://")):
+        problems.append(f"tools.reward_endpoint: {tc.reward_endpoint!r} must be an http:// or https:// URL")
     return problems
 
 

@@ -1,0 +1,163 @@
+"""The live side of action-level orchestration: real units run the scheduler's dispatches.
+
+:class:`ToolOrchestrator` wraps one pure :class:`~libra_hpc.tools.scheduling.ActionScheduler`
+(either policy) with a wall clock, a thread per running action and one *runner* per resource
+kind. Scheduling is event-driven: every submission, completion and unit start-up calls
+``dispatch`` under one lock; no polling loop.
+
+Runners (the pluggable resource kinds) implement ``run(unit, payload) -> result``:
+:class:`SandboxRunner` (CPU sandboxes; unit ``i`` is a :class:`Sandbox` slot with uid
+``uid_base + i``) and ``EndpointRunner`` in endpoint.py (a model-serving HTTP endpoint,
+e.g. a reward model; unit ``i`` is one concurrent request slot).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Mapping
+from concurrent.futures import Future
+from typing import Any, Protocol
+
+from libra_hpc.tools.isolation import SandboxLimits
+from libra_hpc.tools.sandbox import ClassifyRules, Sandbox
+from libra_hpc.tools.scheduling import ActionScheduler, Dispatch
+
+log = logging.getLogger(__name__)
+
+
+class Runner(Protocol):
+    def run(self, unit: int, payload: Any) -> Any:
+        """Execute one action on unit ``unit``; may raise (the action's future gets the error)."""
+
+
+class SandboxRunner:
+    """CPU sandboxes. ``payload``: Python source (str) or ``{"argv": [...]}`` / ``{"code": "..."}``
+    with an optional ``"tool"`` name (default ``python`` / ``shell``)."""
+
+    def __init__(self, limits: SandboxLimits = SandboxLimits(), *, uid_base: int = 200000, isolation: str = "auto",
+                 python: str = "", rules: ClassifyRules = ClassifyRules()):
+        self._make = lambda unit: Sandbox(limits, uid=uid_base + unit, isolation=isolation, python=python, rules=rules)
+        self._slots: dict[int, Sandbox] = {}
+        self._lock = threading.Lock()
+
+    def slot(self, unit: int) -> Sandbox:
+        with self._lock:
+            if unit not in self._slots:
+                self._slots[unit] = self._make(unit)
+            return self._slots[unit]
+
+    def run(self, unit: int, payload: Any):
+        sandbox = self.slot(unit)
+        if isinstance(payload, str):
+            return sandbox.run_python(payload)
+        if "argv" in payload:
+            return sandbox.run_argv(payload["argv"], tool=payload.get("tool", "shell"))
+        return sandbox.run_python(payload["code"], tool=payload.get("tool", "python"))
+
+
+class ToolOrchestrator:
+    """Submit tool calls; get futures. Thread-safe. ``clock``: monotonic seconds."""
+
+    def __init__(self, scheduler: ActionScheduler, runners: Mapping[str, Runner],
+                 clock: Callable[[], float] = time.monotonic):
+        missing = set(scheduler.pools) - set(runners)
+        if missing:
+            raise ValueError(f"no runner for resource kinds {sorted(missing)} (runners given: {sorted(runners)})")
+        self.scheduler = scheduler
+        self.runners = dict(runners)
+        self.clock = clock
+        self.t0 = clock()
+        self._lock = threading.Lock()
+        self._futures: dict[str, tuple[Future, Any]] = {}
+        self._threads: set[threading.Thread] = set()
+        self._timer: threading.Timer | None = None
+        self._closed = False
+        self.records: list[dict] = []  # one per completed action: times relative to t0
+
+    def _now(self) -> float:
+        return self.clock() - self.t0
+
+    def submit(self, trajectory: str, tool: str, resource: str, payload: Any,
+               expected_s: float | None = None) -> Future:
+        """Queue one tool call; the future resolves to the runner's result."""
+        future: Future = Future()
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("orchestrator is closed")
+            action = self.scheduler.new_action(trajectory, tool, resource, self._now(), expected_s)
+            self._futures[action.aid] = (future, payload)
+            self._dispatch_locked()
+        return future
+
+    def end_trajectory(self, trajectory: str) -> None:
+        with self._lock:
+            self.scheduler.end_trajectory(trajectory, self._now())
+            self._dispatch_locked()
+
+    def held_seconds(self) -> float:
+        with self._lock:
+            return self.scheduler.held_seconds(self._now())
+
+    def close(self, timeout_s: float = 60.0) -> None:
+        """Wait for running actions (queued ones still run), then stop accepting work."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            with self._lock:
+                busy = bool(self._futures)
+                threads = list(self._threads)
+            if not busy:
+                break
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"orchestrator close: {len(self._futures)} actions still pending after {timeout_s} s")
+            for thread in threads:
+                thread.join(timeout=0.05)
+            time.sleep(0.01)
+        with self._lock:
+            self._closed = True
+            if self._timer is not None:
+                self._timer.cancel()
+
+    # ------------------------------------------------------------------ internals
+    def _dispatch_locked(self) -> None:
+        now = self._now()
+        for dispatch in self.scheduler.dispatch(now):
+            thread = threading.Thread(target=self._execute, args=(dispatch,), daemon=True,
+                                      name=f"tool-{dispatch.action.resource}-{dispatch.unit}")
+            self._threads.add(thread)
+            thread.start()
+        wake = self.scheduler.next_wakeup(now)
+        if wake is not None and self._timer is None:
+            self._timer = threading.Timer(max(0.0, wake - now), self._wake)
+            self._timer.daemon = True
+            self._timer.start()
+
+    def _wake(self) -> None:
+        with self._lock:
+            self._timer = None
+            self._dispatch_locked()
+
+    def _execute(self, dispatch: Dispatch) -> None:
+        action = dispatch.action
+        future, payload = self._futures[action.aid]
+        result = error = None
+        try:
+            result = self.runners[action.resource].run(dispatch.unit, payload)
+        except Exception as err:  # handed to the caller through the future, not swallowed
+            log.warning("tool %s (action %s, %s unit %d) raised %s", action.tool, action.aid, action.resource,
+                        dispatch.unit, err)
+            error = err
+        with self._lock:
+            done = self._now()
+            self.scheduler.complete(action.aid, done)
+            self.records.append({"aid": action.aid, "trajectory": action.trajectory, "tool": action.tool,
+                                 "resource": action.resource, "unit": dispatch.unit, "submitted": action.submitted_at,
+                                 "started": dispatch.started_at, "done": done})
+            del self._futures[action.aid]
+            self._threads.discard(threading.current_thread())
+            self._dispatch_locked()
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)
