@@ -161,3 +161,32 @@ class ToolOrchestrator:
             future.set_exception(error)
         else:
             future.set_result(result)
+
+
+def limits_from_config(tools) -> SandboxLimits:
+    """SandboxLimits from a ``tools`` config section."""
+    return SandboxLimits(wall_time_s=tools.wall_time_s, cpu_time_s=tools.cpu_time_s, memory_mb=tools.memory_mb,
+                         max_processes=tools.max_processes, max_file_mb=tools.max_file_mb,
+                         max_open_files=tools.max_open_files, workdir_mb=tools.workdir_mb,
+                         output_limit_bytes=tools.output_limit_bytes)
+
+
+def orchestrator_from_config(tools, scheduler_cfg=None, clock: Callable[[], float] = time.monotonic) -> ToolOrchestrator:
+    """The orchestrator an experiment's ``tools`` section describes: a ``cpu`` sandbox pool
+    and, when ``tools.reward_endpoint`` is set, a ``reward`` endpoint resource.
+    ``scheduler_cfg`` (the ``scheduler`` section) gives the ToolState size classes and error markers."""
+    from libra_hpc.tools.endpoint import EndpointRunner
+    from libra_hpc.tools.pool import ResourceSpec
+    from libra_hpc.tools.scheduling import DurationEstimator, make_scheduler
+
+    rules = ClassifyRules() if scheduler_cfg is None else ClassifyRules(
+        tuple(scheduler_cfg.size_thresholds), tuple(scheduler_cfg.error_markers))
+    resources = [ResourceSpec("cpu", tools.max_workers, tools.min_workers, tools.idle_timeout_s)]
+    runners: dict[str, Runner] = {"cpu": SandboxRunner(limits_from_config(tools), uid_base=tools.uid_base,
+                                                       isolation=tools.isolation, python=tools.python, rules=rules)}
+    if tools.reward_endpoint:
+        resources.append(ResourceSpec("reward", tools.reward_concurrency, 0, tools.idle_timeout_s))
+        runners["reward"] = EndpointRunner(tools.reward_endpoint, timeout_s=tools.wall_time_s)
+    scheduler = make_scheduler(tools.policy, resources, quotas=tools.quotas, now=0.0, aging_rate=tools.aging_rate,
+                               estimator=DurationEstimator(tools.expected_s, tools.default_expected_s))
+    return ToolOrchestrator(scheduler, runners, clock)

@@ -1,0 +1,202 @@
+"""Hostile snippets against the real sandbox: each is contained, reported as a failure or
+timeout, leaves no process behind, and the next snippet runs normally.
+
+The bwrap tests need bubblewrap (scripts/install.sh --test installs it); without it they
+are skipped with the reason, except in CI (CI=true), where they fail.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import socket
+from pathlib import Path
+
+import pytest
+
+from libra_hpc.tools.isolation import SandboxLimits, bwrap_problem
+from libra_hpc.tools.procs import owned_pids
+from libra_hpc.tools.sandbox import Sandbox
+
+ROOT = Path(__file__).resolve().parents[1]
+PROJECT_FILE = ROOT / "README.md"
+LIMITS = SandboxLimits(wall_time_s=3.0, cpu_time_s=10, memory_mb=256, max_processes=16, output_limit_bytes=8192, workdir_mb=32,
+                       max_file_mb=8)
+UID = 210000  # tests' own slot uids, away from the default tools.uid_base
+
+
+def _live_children() -> list[int]:
+    """Our live (non-zombie) child processes: a sandbox must leave none."""
+    me, found = str(os.getpid()), []
+    for status in glob.glob("/proc/[0-9]*/status"):
+        try:
+            fields = dict(line.split(":", 1) for line in Path(status).read_text().splitlines() if ":" in line)
+        except OSError:
+            continue
+        if fields.get("PPid", "").strip() == me and not fields.get("State", "").strip().startswith("Z"):
+            found.append(int(status.split("/")[2]))
+    return found
+
+
+@pytest.fixture(scope="module")
+def bwrap_sandbox():
+    problem = bwrap_problem(os.sys.executable, UID if os.geteuid() == 0 else None)
+    if problem is not None:
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"bwrap sandbox unavailable in CI: {problem}")
+        pytest.skip(f"bwrap sandbox unavailable: {problem}")
+    return Sandbox(LIMITS, uid=UID, isolation="bwrap")
+
+
+@pytest.fixture(scope="module")
+def rlimit_sandbox():
+    return Sandbox(LIMITS, uid=UID + 1, isolation="rlimit")
+
+
+def assert_contained(sandbox: Sandbox, result, statuses=("failure", "timeout")):
+    assert result.state.status in statuses, (result.exit_code, result.stdout[-300:], result.stderr[-500:])
+    if sandbox.uid is not None:
+        assert owned_pids(uid=sandbox.uid) == []
+    assert _live_children() == []
+    after = sandbox.run_python("print(sum(range(10)))")
+    assert (after.stdout, after.exit_code, after.state.status) == ("45\n", 0, "success"), after.stderr
+
+
+def test_plain_snippet_returns_output_and_state(bwrap_sandbox):
+    result = bwrap_sandbox.run_python("import sys; print('out'); print('err', file=sys.stderr)")
+    assert (result.stdout, result.stderr, result.exit_code, result.timed_out) == ("out\n", "err\n", 0, False)
+    assert result.state.key() == "python|S|success" and result.isolation == "bwrap"
+    assert 0 < result.wall_s < LIMITS.wall_time_s
+
+
+def test_traceback_with_exit_zero_is_a_failure_state(bwrap_sandbox):
+    result = bwrap_sandbox.run_python("import traceback\ntry:\n    1/0\nexcept Exception:\n    traceback.print_exc()")
+    assert result.exit_code == 0 and result.state.status == "failure"
+
+
+def test_fork_bomb_is_bounded_by_max_processes(bwrap_sandbox):
+    counter = ("import os, time\nn = 0\ntry:\n    while True:\n        if os.fork() == 0:\n            time.sleep(30)\n"
+               "            os._exit(0)\n        n += 1\nexcept OSError:\n    print(n, flush=True)\n")
+    result = bwrap_sandbox.run_python(counter)
+    assert int(result.stdout) < LIMITS.max_processes  # the limit bites even though we run as root
+    assert result.leftovers_killed > 0
+    assert_contained(bwrap_sandbox, result)
+
+
+def test_shell_fork_bomb(bwrap_sandbox):
+    result = bwrap_sandbox.run_argv(["bash", "-c", "b() { b | b & }; b; wait"])
+    assert_contained(bwrap_sandbox, result)
+
+
+def test_memory_bomb(bwrap_sandbox):
+    result = bwrap_sandbox.run_python("x = []\nwhile True:\n    x.append(bytearray(16 << 20))")
+    assert "MemoryError" in result.stderr
+    assert_contained(bwrap_sandbox, result)
+
+
+def test_infinite_loop_times_out_at_wall_limit(bwrap_sandbox):
+    result = bwrap_sandbox.run_python("while True: pass")
+    assert result.timed_out and result.state.status == "timeout"
+    assert LIMITS.wall_time_s <= result.wall_s < LIMITS.wall_time_s + 2
+    assert_contained(bwrap_sandbox, result, statuses=("timeout",))
+
+
+def test_cpu_limit_kills_a_busy_snippet_before_the_wall_limit():
+    sandbox = Sandbox(SandboxLimits(wall_time_s=6.0, cpu_time_s=1), uid=UID + 2, isolation="auto")
+    result = sandbox.run_python("while True: pass")
+    assert not result.timed_out and result.wall_s < 4 and result.state.status == "failure"
+    assert_contained(sandbox, result, statuses=("failure",))
+
+
+def test_busy_double_forked_daemon_is_killed(bwrap_sandbox):
+    daemon = ("import os\nif os.fork() == 0:\n    os.setsid()\n    if os.fork() == 0:\n        while True: pass\n"
+              "    os._exit(0)\nprint('main done')")
+    result = bwrap_sandbox.run_python(daemon)
+    assert result.stdout == "main done\n" and result.leftovers_killed >= 1
+    assert_contained(bwrap_sandbox, result)
+
+
+def test_disk_filling_hits_file_size_and_workdir_caps(bwrap_sandbox):
+    before = set(glob.glob("/tmp/libra-sbx-*"))
+    one_file = bwrap_sandbox.run_python("f = open('big', 'wb')\nwhile True:\n    f.write(b'x' * (1 << 20))")
+    assert "File too large" in one_file.stderr
+    assert_contained(bwrap_sandbox, one_file)
+    many = bwrap_sandbox.run_python("i = 0\nwhile True:\n    open(f'f{i}', 'wb').write(b'x' * (4 << 20))\n    i += 1")
+    assert "No space left on device" in many.stderr
+    assert_contained(bwrap_sandbox, many)
+    assert set(glob.glob("/tmp/libra-sbx-*")) == before  # nothing written on the host's disk stays
+
+
+def test_huge_output_is_truncated_and_killed(bwrap_sandbox):
+    result = bwrap_sandbox.run_python("import sys\nwhile True:\n    sys.stdout.write('y' * 100000)")
+    assert result.output_truncated and len(result.stdout) + len(result.stderr) < LIMITS.output_limit_bytes + 200
+    assert result.state.size == "L" and result.wall_s < LIMITS.wall_time_s
+    assert_contained(bwrap_sandbox, result, statuses=("failure",))
+
+
+@pytest.mark.parametrize("path", [str(PROJECT_FILE), "/etc/passwd", "/etc/shadow", "/root/.bashrc",
+                                  f"/proc/1/root{PROJECT_FILE}", "../../../../etc/passwd"])
+def test_files_outside_the_sandbox_are_invisible(bwrap_sandbox, path):
+    result = bwrap_sandbox.run_python(f"print(open({path!r}).read())")
+    assert "FileNotFoundError" in result.stderr or "PermissionError" in result.stderr
+    assert "root:" not in result.stdout and "libra_hpc" not in result.stdout
+    assert_contained(bwrap_sandbox, result)
+
+
+def test_symlinks_and_parent_dirs_do_not_escape(bwrap_sandbox):
+    code = (f"import os\nos.symlink({str(PROJECT_FILE)!r}, 'link')\nos.symlink('/', 'root')\n"
+            "print(sorted(os.listdir('root')))\nfor _ in range(10): os.chdir('..')\nprint(os.getcwd(), sorted(os.listdir('.')))\n"
+            "print(open('/tmp/link').read())")
+    result = bwrap_sandbox.run_python(code)
+    assert "work" not in result.stdout and "etc" not in result.stdout and "FileNotFoundError" in result.stderr
+    assert_contained(bwrap_sandbox, result)
+
+
+def test_no_network_even_to_loopback(bwrap_sandbox):
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        listener.setblocking(False)
+        port = listener.getsockname()[1]
+        result = bwrap_sandbox.run_python(
+            f"import socket\nsocket.create_connection(('127.0.0.1', {port}), timeout=1).sendall(b'leak')")
+        with pytest.raises(BlockingIOError):
+            listener.accept()
+    assert "ConnectionRefusedError" in result.stderr or "OSError" in result.stderr
+    assert_contained(bwrap_sandbox, result)
+
+
+@pytest.mark.parametrize("code", ["import os, signal\nos.kill(os.getppid(), signal.SIGKILL)",
+                                  "import os, signal\nos.kill(1, signal.SIGKILL)\nos.kill({me}, signal.SIGKILL)",
+                                  "import os, signal\nos.kill(-1, signal.SIGKILL)\nimport time; time.sleep(0.2)"])
+def test_signals_cannot_reach_the_host(bwrap_sandbox, code):
+    result = bwrap_sandbox.run_python(code.format(me=os.getpid()))
+    assert_contained(bwrap_sandbox, result)  # and we are still alive to check
+
+
+def test_shell_kill_everything(bwrap_sandbox):
+    result = bwrap_sandbox.run_argv(["bash", "-c", "kill -9 -1; sleep 1; echo survived"])
+    assert "survived" not in result.stdout
+    assert_contained(bwrap_sandbox, result)
+
+
+# ---------------------------------------------------------------- the weaker fallback
+
+def test_rlimit_fallback_reaps_loops_daemons_and_bombs(rlimit_sandbox):
+    assert rlimit_sandbox.isolation == "rlimit"
+    loop = rlimit_sandbox.run_python("while True: pass")
+    assert loop.timed_out
+    assert_contained(rlimit_sandbox, loop, statuses=("timeout",))
+    daemon = rlimit_sandbox.run_python("import os\nif os.fork() == 0:\n    os.setsid()\n    while True: pass\nprint('x')")
+    assert daemon.leftovers_killed == 1
+    assert_contained(rlimit_sandbox, daemon)
+    bomb = rlimit_sandbox.run_python("import os\nwhile True: os.fork()")
+    assert_contained(rlimit_sandbox, bomb)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the fallback's dedicated uid needs root")
+def test_rlimit_fallback_as_root_drops_to_the_slot_uid(rlimit_sandbox):
+    result = rlimit_sandbox.run_python(
+        "import os\nprint(os.getuid())\nos.kill(1, 9)")
+    assert result.stdout == f"{rlimit_sandbox.uid}\n" and "PermissionError" in result.stderr
+    secret = rlimit_sandbox.run_python("print(open('/etc/shadow').read())")
+    assert "PermissionError" in secret.stderr
+    assert_contained(rlimit_sandbox, secret)
