@@ -13,7 +13,10 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
 
+import torch
 import torch.distributed as dist
 
 log = logging.getLogger(__name__)
@@ -43,6 +46,27 @@ class Placement:
     def holds_export(self) -> bool:
         """TP rank 0 of DP replica 0: gathers its stage's full weights on export."""
         return self.tp_rank == 0 and self.dp_rank == 0
+
+
+def start_torch_world(comm: Any, *, timeout_s: float = 300.0) -> str:
+    """Collective over the MPI communicator ``comm`` of the training ranks: start the torch
+    default group over exactly those ranks (NCCL with CUDA, else gloo), rank = rank in
+    ``comm``. The store listens on ``comm`` rank 0's host (loopback when every rank shares
+    one host: emulated node names do not resolve). Returns the backend."""
+    import socket
+
+    hosts = comm.allgather(socket.gethostname())
+    address = None
+    if comm.Get_rank() == 0:
+        with socket.socket() as sock:
+            sock.bind(("", 0))
+            port = sock.getsockname()[1]
+        address = ("127.0.0.1" if len(set(hosts)) == 1 else socket.gethostbyname(hosts[0]), port)
+    host, port = comm.bcast(address, root=0)
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    dist.init_process_group(backend, init_method=f"tcp://{host}:{port}", rank=comm.Get_rank(),
+                            world_size=comm.Get_size(), timeout=timedelta(seconds=timeout_s))
+    return backend
 
 
 def init_model_parallel(tp: int, pp: int = 1, *, timeout_s: float = 300.0) -> Placement:

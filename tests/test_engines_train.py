@@ -1,0 +1,349 @@
+"""The Megatron-Core training engine: exact HF⇄Megatron conversion, the CPU shims, the
+policy-gradient loss, and the real engine on the tiny model — in-process at TP=1 and in a
+2-rank MPI world at TP=2 (tests/train_world.py) — against a plain transformers forward."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from libra_hpc.engines.train import convert
+from libra_hpc.engines.train.convert import ModelShape
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+import train_world  # noqa: E402
+from train_world import STEPS, fixed_batch, hf_logprobs  # noqa: E402
+
+TOL = 1e-4  # fp32 log-prob agreement the acceptance asks for
+
+
+# ------------------------------------------------------------------ conversion (pure)
+
+def _shape(**kw) -> ModelShape:
+    base = dict(vocab_size=16, hidden_size=8, ffn_hidden_size=12, num_layers=4, num_heads=8, num_kv_heads=4,
+                head_dim=4, qkv_bias=True, tied_embeddings=False, norm_eps=1e-6, rope_theta=1e4, max_positions=64)
+    return ModelShape(**{**base, **kw})
+
+
+def _hf_weights(shape: ModelShape, seed: int = 0) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    h, f, d = shape.hidden_size, shape.ffn_hidden_size, shape.head_dim
+    q, kv = shape.num_heads * d, shape.num_kv_heads * d
+    shapes = {"model.embed_tokens.weight": (shape.vocab_size, h), "model.norm.weight": (h,)}
+    if not shape.tied_embeddings:
+        shapes["lm_head.weight"] = (shape.vocab_size, h)
+    for i in range(shape.num_layers):
+        p = f"model.layers.{i}."
+        shapes.update({p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
+                       p + "self_attn.q_proj.weight": (q, h), p + "self_attn.k_proj.weight": (kv, h),
+                       p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, q),
+                       p + "mlp.gate_proj.weight": (f, h), p + "mlp.up_proj.weight": (f, h),
+                       p + "mlp.down_proj.weight": (h, f)})
+        if shape.qkv_bias:
+            shapes.update({p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
+                           p + "self_attn.v_proj.bias": (kv,)})
+    return {name: torch.randn(s, generator=gen) for name, s in shapes.items()}
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+@pytest.mark.parametrize("pp", [1, 2])
+@pytest.mark.parametrize("tied,bias", [(False, True), (True, False)])
+def test_conversion_round_trip_is_bit_exact(tp, pp, tied, bias):
+    shape = _shape(tied_embeddings=tied, qkv_bias=bias)
+    hf = _hf_weights(shape)
+    per_stage = shape.num_layers // pp
+    back: dict[str, torch.Tensor] = {}
+    for stage in range(pp):
+        where = dict(layer_offset=stage * per_stage, first_stage=stage == 0, last_stage=stage == pp - 1)
+        shards = [convert.megatron_shard(hf, shape, tp_rank=r, tp=tp, num_layers=per_stage, **where)
+                  for r in range(tp)]
+        assert all(s.keys() == shards[0].keys() for s in shards)
+        back.update(convert.hf_from_shards(shards, shape, **where))
+    assert back.keys() == hf.keys()
+    assert all(torch.equal(back[k], hf[k]) for k in hf)
+
+
+def test_qkv_shard_holds_each_kv_group_after_its_query_heads():
+    shape = _shape()  # 8 query heads, 4 KV groups, head_dim 4
+    d, per = shape.head_dim, shape.num_heads // shape.num_kv_heads
+    rows = lambda heads, tag: torch.cat([torch.full((d, 1), tag + h, dtype=torch.float) for h in range(heads)])  # noqa: E731
+    q, k, v = rows(shape.num_heads, 0), rows(shape.num_kv_heads, 100), rows(shape.num_kv_heads, 200)
+    fused = convert.fuse_qkv(q, k, v, shape)
+    rank1 = fused.chunk(2)[1][::d, 0].tolist()  # TP=2, rank 1: groups 2 and 3, one value per head
+    assert rank1 == [4, 5, 102, 202, 6, 7, 103, 203]
+    assert all(torch.equal(a, b) for a, b in zip(convert.split_qkv(fused, shape), (q, k, v)))
+    assert per == 2
+
+
+def test_fc1_shard_is_the_ranks_gate_rows_then_its_up_rows():
+    shape = _shape(num_layers=1)
+    hf = _hf_weights(shape)
+    gate, up = hf["model.layers.0.mlp.gate_proj.weight"], hf["model.layers.0.mlp.up_proj.weight"]
+    fc1 = convert.megatron_shard(hf, shape, tp_rank=1, tp=2)["decoder.layers.0.mlp.linear_fc1.weight"]
+    assert torch.equal(fc1, torch.cat([gate[6:], up[6:]]))
+
+
+def test_shape_refuses_what_it_cannot_convert_and_says_which_field():
+    config = {
+        "model_type": "qwen2", "vocab_size": 1000, "hidden_size": 64, "intermediate_size": 96,
+        "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 2, "rms_norm_eps": 1e-6}
+    shape = ModelShape.from_hf_config(config)
+    assert shape.head_dim == 32 and shape.qkv_bias and shape.rope_theta == 10000.0
+    with pytest.raises(ValueError, match="vocab_size=1000"):
+        shape.check_tp(3)
+    with pytest.raises(ValueError, match=r"x\.json: model_type='gpt2'"):
+        ModelShape.from_hf_config({**config, "model_type": "gpt2"}, "x.json")
+    with pytest.raises(ValueError, match="rope_scaling"):
+        ModelShape.from_hf_config({**config, "rope_scaling": {"type": "yarn"}})
+    with pytest.raises(KeyError, match="model.embed_tokens.weight"):
+        convert.megatron_shard({}, shape)
+
+
+# ------------------------------------------------------------------------ CPU shims
+
+def test_shims_refuse_another_megatron_version(monkeypatch):
+    import megatron.core
+
+    from libra_hpc.engines.train import cpu_shims
+
+    monkeypatch.setattr(megatron.core, "__version__", "0.17.0")
+    with pytest.raises(cpu_shims.ShimVersionError, match=r"megatron-core==0\.16\.1 but 0\.17\.0"):
+        with cpu_shims.megatron_on_cpu():
+            pass
+    assert torch.zeros(1).type() == "torch.FloatTensor"
+
+
+def test_shims_rewrite_cuda_only_inside_their_scope():
+    from libra_hpc.engines.train.cpu_shims import megatron_on_cpu
+
+    current = torch.cuda.current_device
+    with megatron_on_cpu():
+        with megatron_on_cpu():  # re-entrant
+            x = torch.zeros(2, device="cuda")
+            y = torch.ones(1, device=torch.cuda.current_device()).cuda().to("cuda:0")
+        assert x.device.type == y.device.type == "cpu" and x.type() == "torch.cuda.FloatTensor"
+        torch.cuda.synchronize()
+    assert torch.cuda.current_device is current and torch.zeros(1).type() == "torch.FloatTensor"
+
+
+def test_cpu_rng_tracker_forks_named_streams_and_restores_the_outer_one():
+    from libra_hpc.engines.train.cpu_shims import CpuRNGStatesTracker
+
+    tracker = CpuRNGStatesTracker()
+    tracker.add("a", 1)
+    tracker.add("b", 2)
+    torch.manual_seed(5)
+    expected_outer = torch.rand(3)
+    torch.manual_seed(5)
+    with tracker.fork("a"):
+        a1 = torch.rand(3)
+    with tracker.fork("b"):
+        b1 = torch.rand(3)
+    with tracker.fork("a"):
+        a2 = torch.rand(3)
+    assert torch.equal(torch.rand(3), expected_outer)  # outer stream untouched
+    assert torch.equal(a1, torch.manual_seed(1) and torch.rand(3)) and not torch.equal(a1, b1)
+    assert not torch.equal(a1, a2)  # the named stream advances
+    with pytest.raises(ValueError):
+        tracker.add("c", 1)
+    with pytest.raises(KeyError, match="never added"):
+        with tracker.fork("zzz"):
+            pass
+
+
+# --------------------------------------------------------------------------- loss
+
+def test_policy_gradient_loss_is_reinforce_on_policy_and_clips_off_policy():
+    from libra_hpc.engines.train.loss import policy_gradient_loss
+
+    logp = torch.tensor([[-1.0, -2.0, -0.5]], requires_grad=True)
+    adv = torch.tensor([[2.0, -1.0, 3.0]])
+    mask = torch.tensor([[1.0, 1.0, 0.0]])
+    loss, tokens, _ = policy_gradient_loss(logp, adv, mask)
+    loss.backward()
+    assert tokens.item() == 2 and loss.item() == pytest.approx(-1.0)
+    assert logp.grad.tolist() == [[-2.0, 1.0, 0.0]]  # -A·∇logp on masked tokens only
+    # ratio e^0.5 > 1.2 with A > 0: clipped, no gradient; with A < 0 the unclipped term wins
+    logp = torch.tensor([[0.0, 0.0]], requires_grad=True)
+    old = torch.tensor([[-0.5, -0.5]])
+    loss, _, report = policy_gradient_loss(logp, torch.tensor([[1.0, -1.0]]), torch.ones(1, 2), old, clip_eps=0.2)
+    loss.backward()
+    assert loss.item() == pytest.approx(-1.2 + torch.e ** 0.5, rel=1e-6)
+    assert logp.grad[0, 0].item() == 0.0 and logp.grad[0, 1].item() == pytest.approx(torch.e ** 0.5, rel=1e-6)
+    assert report["clipped"].item() == 2
+
+
+def test_policy_batch_refuses_misaligned_per_token_arrays():
+    from libra_hpc.engines.train.loss import PolicyBatch
+
+    with pytest.raises(ValueError, match=r"advantages has shape \(2, 5\).*2×4"):
+        PolicyBatch(torch.zeros(2, 5, dtype=torch.long), torch.ones(2, 4), torch.ones(2, 5))
+
+
+# ------------------------------------------------------------- the engine, for real
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    from libra_hpc.engines.tiny import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("tiny") / "model", seed=0)
+
+
+@pytest.fixture(scope="module")
+def torch_world():
+    """A one-rank gloo world in this process (the training world of the TP=1 tests)."""
+    import torch.distributed as dist
+
+    assert not dist.is_initialized(), "another test left torch.distributed initialised"
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def tp2_world(tiny, tmp_path_factory):
+    """Run tests/train_world.py tp2 on 2 MPI ranks once; its result and checkpoint."""
+    from libra_hpc.cluster.local import remove_stale_shm
+
+    out = tmp_path_factory.mktemp("tp2")
+    started = time.time()
+    process = subprocess.Popen(["mpiexec", "-n", "2", sys.executable, "-m", "mpi4py", str(HERE / "train_world.py"),
+                                "tp2", str(tiny), str(out)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                               text=True, cwd=HERE.parent, start_new_session=True)
+    try:
+        log, _ = process.communicate(timeout=240)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        log, _ = process.communicate()
+        remove_stale_shm(started - 1)
+        pytest.fail(f"the TP=2 training world hung:\n{log[-4000:]}")
+    assert process.returncode == 0, log[-4000:]
+    return json.loads((out / "result.json").read_text()), out / "ckpt"
+
+
+def _engine(tiny, **kw):
+    from libra_hpc.engines.train.engine import MegatronTrainEngine
+
+    return MegatronTrainEngine(tiny, **{"tp": 1, "lr": train_world.LR, "micro_batch_size": 2, **kw})
+
+
+@pytest.mark.mpi
+def test_tp2_logprobs_match_transformers_before_and_after_training(tp2_world):
+    result, _ = tp2_world
+    assert result["placement"]["tp"] == 2 and result["placement"]["dp"] == 1
+    assert result["init_vs_hf"] < TOL
+    assert result["export_vs_hf"] < TOL
+    assert result["moved"] > 100 * TOL  # the steps changed the policy: the comparison after them means something
+    losses = result["losses"]
+    assert all(b < a for a, b in zip(losses, losses[1:])), losses
+
+
+@pytest.mark.mpi
+def test_tp1_matches_transformers_and_tp2_and_lowers_the_loss(tiny, torch_world, tp2_world):
+    result, _ = tp2_world
+    engine = _engine(tiny)
+    try:
+        tokens, mask, advantages = fixed_batch(engine.shape.vocab_size)
+        before, stats, after = train_world.train(engine, tokens, mask, advantages)
+        exported = engine.export_hf()
+    finally:
+        engine.shutdown()
+    assert (before - hf_logprobs(tiny, tokens)).abs().max() < TOL
+    assert (after - hf_logprobs(tiny, tokens, exported)).abs().max() < TOL
+    losses = [s.loss for s in stats]
+    assert all(b < a for a, b in zip(losses, losses[1:])), losses
+    assert [s.tokens for s in stats] == [int(mask.sum())] * STEPS
+    # TP=2 is the same model split two ways: same losses and policy, up to float reassociation
+    assert losses == pytest.approx(result["losses"], abs=TOL)
+    assert (after - torch.tensor(result["after"])).abs().max() < 1e-3
+
+
+@pytest.mark.mpi
+def test_checkpoint_saved_at_tp2_loads_at_tp1(tiny, torch_world, tp2_world):
+    from libra_hpc.engines.train.checkpoint import load_checkpoint
+
+    result, ckpt = tp2_world
+    engine = _engine(tiny)
+    try:
+        tokens, _, _ = fixed_batch(engine.shape.vocab_size)
+        assert load_checkpoint(engine, ckpt) == STEPS
+        restored = engine.logprobs(tokens)
+    finally:
+        engine.shutdown()
+    assert (restored - torch.tensor(result["after"])).abs().max() < TOL
+
+
+def test_resumed_run_steps_exactly_like_the_original(tiny, torch_world, tmp_path):
+    from libra_hpc.engines.train.checkpoint import load_checkpoint, save_checkpoint
+    from libra_hpc.engines.train.loss import PolicyBatch
+
+    tokens, mask, advantages = fixed_batch(1024)
+    batch = PolicyBatch(tokens, mask, advantages)
+    engine = _engine(tiny)
+    try:
+        engine.train_step(batch)
+        save_checkpoint(engine, tmp_path / "ckpt")
+        with pytest.raises(FileExistsError, match="not empty"):
+            save_checkpoint(engine, tmp_path / "ckpt")
+        original = [engine.train_step(batch).grad_norm for _ in range(2)]
+    finally:
+        engine.shutdown()
+    engine = _engine(tiny)
+    try:
+        assert load_checkpoint(engine, tmp_path / "ckpt") == 1
+        resumed = [engine.train_step(batch).grad_norm for _ in range(2)]
+    finally:
+        engine.shutdown()
+    assert resumed == original
+    with pytest.raises(FileNotFoundError, match="no metadata.json"):
+        load_checkpoint(engine, tmp_path)
+
+
+def test_micro_batching_does_not_change_the_step(tiny, torch_world):
+    """The loss is a per-token mean over the whole batch however it is cut: one
+    micro-batch of 4 and four of 1 give the same loss and gradient norm."""
+    from libra_hpc.engines.train.loss import PolicyBatch
+
+    tokens, mask, advantages = fixed_batch(1024)
+    stats = []
+    for mbs in (4, 1):
+        engine = _engine(tiny, micro_batch_size=mbs)
+        try:
+            stats.append(engine.train_step(PolicyBatch(tokens, mask, advantages)))
+        finally:
+            engine.shutdown()
+    assert stats[0].tokens == stats[1].tokens == int(mask.sum())
+    assert stats[0].loss == pytest.approx(stats[1].loss, abs=1e-6)
+    assert stats[0].grad_norm == pytest.approx(stats[1].grad_norm, rel=1e-5)
+
+
+def test_engine_refuses_bad_shapes_with_the_reason(tiny, torch_world):
+    from libra_hpc.engines.train.loss import PolicyBatch
+
+    with pytest.raises(ValueError, match="training world of 1 ranks is not a multiple of .* 2 × 1"):
+        _engine(tiny, tp=2)
+    shape = ModelShape.from_hf_config(json.loads((tiny / "config.json").read_text()))
+    with pytest.raises(ValueError, match="tensor_parallel=4 does not divide the model's num_key_value_heads=2"):
+        shape.check_tp(4)
+    engine = _engine(tiny, micro_batch_size=3)
+    try:
+        tokens, mask, advantages = fixed_batch(1024)
+        with pytest.raises(ValueError, match="does not split into micro-batches of 3"):
+            engine.train_step(PolicyBatch(tokens, mask, advantages))
+    finally:
+        engine.shutdown()
+    with pytest.raises(FileNotFoundError, match="config.json not found"):
+        _engine(tiny.parent)

@@ -1,0 +1,180 @@
+"""MPI worlds for the training-engine tests: ``mpiexec -n N python -m mpi4py tests/train_world.py SCENARIO MODEL OUT``.
+
+``tp2`` (2 ranks): both ranks form the training torch world at TP=2. Log-probs of a fixed
+batch before and after ``STEPS`` policy-gradient steps, the step losses, and the
+exported HF weights' log-probs under plain transformers (rank 0); then a dist checkpoint
+(OUT/ckpt) that the test loads at TP=1.
+
+``sync`` (3 ranks): ranks 0-1 train at TP=2, rank 2 is a rollout instance leader. After
+the steps, rank 0 (the export holder) pushes the HF weights to rank 2 over an MPI
+communicator {0, 2}; rank 2 loads them into its rollout engine (vLLM when
+``libra_hpc.engines.rollout`` exists, else transformers) and scores the batch; then a
+mixed-dtype push with tiny buckets checks the wire format bit for bit.
+
+Rank 0 writes OUT/result.json. Helpers used by both this script and the tests live here
+(no MPI import at module level, so the tests can import them).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # libra_hpc without an installed package
+
+STEPS = 3
+LR = 1e-5
+BATCH, SEQ = 4, 24
+
+
+def fixed_batch(vocab: int, seed: int = 1):
+    """(tokens [B, S], loss mask [B, S-1], advantages [B, S-1]): random tokens, the first 5
+    positions as prompt (mask 0), the last 2 of row 3 as padding, advantages ±1 and ±0.5 per
+    sequence (GRPO-style: one value per sequence)."""
+    gen = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, vocab, (BATCH, SEQ), generator=gen)
+    mask = torch.ones(BATCH, SEQ - 1)
+    mask[:, :5] = 0
+    mask[3, -2:] = 0
+    advantages = torch.tensor([1.0, -1.0, 0.5, -0.5])[:, None].expand(BATCH, SEQ - 1).contiguous()
+    return tokens, mask, advantages
+
+
+def hf_logprobs(model_dir, tokens: torch.Tensor, state: dict | None = None) -> torch.Tensor:
+    """Per-token log-probs [B, S-1] from a plain transformers forward in float32
+    (optionally after loading ``state``, HF-named weights, strictly)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    if state is not None:
+        model.load_state_dict(state, strict=True)
+    with torch.no_grad():
+        logits = model(tokens).logits.float()
+    return torch.log_softmax(logits, dim=-1)[:, :-1].gather(-1, tokens[:, 1:, None])[..., 0]
+
+
+def train(engine, tokens, mask, advantages):
+    """``STEPS`` steps against the initial policy (old log-probs fixed): returns
+    (initial log-probs, step stats, final log-probs)."""
+    from libra_hpc.engines.train.loss import PolicyBatch
+
+    before = engine.logprobs(tokens)
+    stats = [engine.train_step(PolicyBatch(tokens, mask, advantages, old_logprobs=before)) for _ in range(STEPS)]
+    return before, stats, engine.logprobs(tokens)
+
+
+def _training(comm, model_dir: Path):
+    from libra_hpc.engines.train.engine import MegatronTrainEngine
+    from libra_hpc.engines.train.parallel import start_torch_world
+
+    start_torch_world(comm)
+    engine = MegatronTrainEngine(model_dir, tp=2, lr=LR, micro_batch_size=2)
+    tokens, mask, advantages = fixed_batch(engine.shape.vocab_size)
+    before, stats, after = train(engine, tokens, mask, advantages)
+    return engine, tokens, before, stats, after
+
+
+def scenario_tp2(comm, model_dir: Path, out: Path) -> None:
+    from libra_hpc.engines.train.checkpoint import save_checkpoint
+
+    engine, tokens, before, stats, after = _training(comm, model_dir)
+    exported = engine.export_hf()
+    save_checkpoint(engine, out / "ckpt")
+    if comm.Get_rank() == 0:
+        result = {
+            "placement": engine.placement.__dict__,
+            "losses": [s.loss for s in stats], "grad_norms": [s.grad_norm for s in stats],
+            "tokens": [s.tokens for s in stats], "step_s": [s.seconds for s in stats],
+            "init_vs_hf": (before - hf_logprobs(model_dir, tokens)).abs().max().item(),
+            "export_vs_hf": (after - hf_logprobs(model_dir, tokens, exported)).abs().max().item(),
+            "moved": (after - before).abs().max().item(),
+            "before": before.tolist(), "after": after.tolist(),
+        }
+        (out / "result.json").write_text(json.dumps(result))
+    engine.shutdown()
+
+
+def _rollout_logprobs(model_dir: Path, tokens: torch.Tensor, weights):
+    """(engine kind, log-probs before the update, log-probs after ``update_weights``)."""
+    try:
+        from libra_hpc.engines.rollout import VllmRolloutEngine
+    except ImportError:
+        VllmRolloutEngine = None
+    if VllmRolloutEngine is None:  # rollout engine not built yet: transformers stands in
+        before = hf_logprobs(model_dir, tokens)
+        state = dict(weights)
+        return "transformers", before, hf_logprobs(model_dir, tokens, state)
+    engine = VllmRolloutEngine(str(model_dir), tp=1, dtype="float32", seed=0)
+    try:
+        sequences = tokens.tolist()
+        before = _as_tensor(engine.score(sequences))
+        engine.update_weights(weights)
+        return "vllm", before, _as_tensor(engine.score(sequences))
+    finally:
+        engine.shutdown()
+
+
+def _as_tensor(scores) -> torch.Tensor:
+    return torch.stack([torch.as_tensor(row, dtype=torch.float32) for row in scores])
+
+
+def _mixed_tensors() -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(7)
+    return {"a.float32": torch.randn(3, 5, generator=gen), "b.bfloat16": torch.randn(17, generator=gen).bfloat16(),
+            "c.int64": torch.arange(-4, 9), "d.empty": torch.empty(0, 4), "e.bool": torch.tensor([True, False, True]),
+            "f.float16": torch.randn(2, 2, 2, generator=gen).half(), "g.big": torch.randn(300, generator=gen)}
+
+
+def scenario_sync(comm, model_dir: Path, out: Path) -> None:
+    from mpi4py import MPI
+
+    from libra_hpc.engines.sync import pull_weights, push_weights
+
+    rank = comm.Get_rank()
+    training = rank < 2
+    train_comm = comm.Split(0 if training else 1, rank)
+    sync_comm = comm.Split(0 if rank in (0, 2) else MPI.UNDEFINED, rank)
+    if training:
+        engine, tokens, before, stats, after = _training(train_comm, model_dir)
+        exported = engine.export_hf()
+        if rank == 0:
+            sync = push_weights(sync_comm, exported, root=0)
+            comm.send({"tokens": tokens, "after": after, "losses": [s.loss for s in stats],
+                       "push": sync.__dict__}, dest=2)
+            mixed = push_weights(sync_comm, _mixed_tensors(), root=0, bucket_bytes=128)
+            result = comm.recv(source=2)
+            result.update({"push_mixed_buckets": mixed.buckets, "losses": [s.loss for s in stats]})
+            (out / "result.json").write_text(json.dumps(result))
+        engine.shutdown()
+        return
+    pulled: list = []
+    weights = pull_weights(sync_comm, root=0, stats=pulled)
+    got = comm.recv(source=0)  # the holder sends its log-probs after the weights
+    kind, before, after = _rollout_logprobs(model_dir, got["tokens"], weights)
+    mixed = dict(pull_weights(sync_comm, root=0))
+    expected = _mixed_tensors()
+    exact = sorted(k for k in expected if mixed[k].dtype == expected[k].dtype and torch.equal(mixed[k], expected[k]))
+    comm.send({"rollout": kind, "rollout_vs_trained": (after - got["after"]).abs().max().item(),
+               "rollout_before_vs_trained": (before - got["after"]).abs().max().item(),
+               "pull": pulled[0].__dict__ if pulled else None, "push": got["push"],
+               "mixed_exact": exact, "mixed_names": sorted(mixed)}, dest=0)
+
+
+def main() -> None:
+    from mpi4py import MPI
+
+    logging.basicConfig(level=logging.WARNING)
+    torch.set_num_threads(1)
+    scenario, model_dir, out = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3])
+    start = time.perf_counter()
+    {"tp2": scenario_tp2, "sync": scenario_sync}[scenario](MPI.COMM_WORLD, model_dir, out)
+    print(f"rank {MPI.COMM_WORLD.Get_rank()} done in {time.perf_counter() - start:.1f} s", flush=True)
+
+
+if __name__ == "__main__":
+    main()
