@@ -1,0 +1,81 @@
+"""What one simulated run measured: per-step rows, the allocation over time, queue samples,
+plan and hybrid-pool events, and the summary the report compares.
+
+Per step ``j`` (recorded when training step ``j`` ends): ``t_end`` (s since the start),
+``step_s`` (since the previous step ended), ``rollout_s`` (batch ``j``'s rollout makespan),
+``train_s``, ``gen_tokens``, ``trajectories``, ``rollout_gpus``/``train_gpus`` (during that
+batch / that step), ``rollout_busy`` (share of the rollout GPU-seconds of the batch's
+makespan during which an instance had something to decode or prefill: the long tail shows
+as a low share), ``train_busy`` (training seconds over the step interval), ``migrations``
+and ``queue_max`` (most turns waiting for an instance at a sample).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+
+from libra_hpc.planner.hybrid import PoolEvent
+
+
+class Recorder:
+    def __init__(self, policy: str):
+        self.policy = policy
+        self.rows: list[dict] = []
+        self.timeline: list[dict] = []  # allocation changes: t, rollout_gpus, train_gpus, why
+        self.queue_samples: list[tuple[float, int, int]] = []  # (t, queued turns, running sequences)
+        self.events: list[dict] = []
+        self.summary: dict = {}
+
+    def allocation(self, now: float, alloc, why: str, train_gpus: int, rollout_gpus: int) -> None:
+        """The GPUs serving rollout and training from ``now`` (colocated: both all GPUs)."""
+        rollout = rollout_gpus
+        entry = {"t": now, "rollout_gpus": rollout, "train_gpus": train_gpus, "why": why,
+                 "describe": alloc.describe()}
+        if self.timeline and all(self.timeline[-1][k] == entry[k] for k in ("rollout_gpus", "train_gpus", "describe")):
+            return
+        self.timeline.append(entry)
+        self.events.append({"kind": "allocation", **entry})
+
+    def hybrid(self, e: PoolEvent) -> None:
+        self.events.append(e.to_dict())
+
+    def queue(self, now: float, queued: int, running: int) -> None:
+        self.queue_samples.append((now, queued, running))
+
+    def step(self, j: int, now: float, step_s: float, info: dict, colocated_gpus: int | None) -> None:
+        rollout_s = info["end"] - info["start"]
+        gpus = info["rollout_gpus"]
+        busy = info["busy_gpu_s"] / (gpus * rollout_s) if gpus and rollout_s > 0 else 0.0
+        self.rows.append({"step": j, "t_end": now, "step_s": step_s, "rollout_s": rollout_s, "train_s": info["train_s"],
+                          "gen_tokens": info["gen_tokens"], "trajectories": info["trajectories"],
+                          "rollout_gpus": gpus, "train_gpus": info["train_gpus"], "rollout_busy": busy,
+                          "train_busy": min(1.0, info["train_s"] / step_s) if step_s > 0 else 1.0,
+                          "colocated": colocated_gpus is not None, "migrations": info["migrations"],
+                          "queue_max": info["queue_max"]})
+
+    def finish(self, end: float, wall_s: float, fired: int, counts: dict, considered: list[dict]) -> None:
+        rows = self.rows
+        tokens = sum(r["gen_tokens"] for r in rows)
+        steps = sorted(r["step_s"] for r in rows)
+        replans = sum(1 for e in self.events if e["kind"] == "allocation" and e["why"].startswith("replan"))
+        self.events.extend({"kind": "plan", **c} for c in considered)
+        self.summary = {
+            "policy": self.policy, "steps": len(rows), "sim_time_s": end,
+            "tokens_per_s": tokens / end if end > 0 else 0.0,
+            "trajectories_per_s": sum(r["trajectories"] for r in rows) / end if end > 0 else 0.0,
+            "step_s_median": statistics.median(steps), "step_s_p90": _rank(steps, 0.9),
+            "rollout_s_mean": statistics.fmean(r["rollout_s"] for r in rows),
+            "train_s_mean": statistics.fmean(r["train_s"] for r in rows),
+            "rollout_busy_mean": statistics.fmean(r["rollout_busy"] for r in rows),
+            "train_busy_mean": statistics.fmean(r["train_busy"] for r in rows),
+            "migrations": sum(r["migrations"] for r in rows), "turns": counts.get("turns", 0),
+            "replans": replans,
+            "hybrid_transitions": sum(1 for e in self.events if e["kind"] == "hybrid_transition"),
+            "queue_max": max((r["queue_max"] for r in rows), default=0),
+            "events": fired, "wall_s": wall_s,
+        }
+
+
+def _rank(values: list[float], q: float) -> float:
+    return values[max(0, math.ceil(q * len(values)) - 1)] if values else 0.0

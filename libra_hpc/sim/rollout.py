@@ -1,0 +1,401 @@
+"""The rollout side: instances, the C-MLFQ queue service, the router and the tool pool.
+
+It drives the very objects the live controller runs: :class:`~libra_hpc.scheduler.QueueService`
+over a router from :func:`~libra_hpc.scheduler.make_router`, speaking the service's request
+protocol (``ask``, ``tool_return``, ``finish``) exactly as an instance leader would. What a
+live instance leader does, the simulator does here:
+
+- a new trajectory is ``submit``-ted; the instance its first turn is queued on is poked;
+- an instance with room and nothing waiting asks for at most what fits (free seats, and the
+  KV tokens left over the mean need of a turn); when the instance the router chose is full,
+  an idle sibling of its bucket asks instead (the service lets siblings drain a queue);
+- a finished turn either starts its tool call (the lease is held during the call, as live)
+  or reports ``finish``; a tool's return is reported with an output whose length and
+  markers the service classifies into (tool, size class, status), the router places the
+  next turn, and the chosen instance is poked.
+
+Adaptations to the scheduler's API, which has no way to take an instance out of a router:
+
+- a hybrid replica's instances are *blocked* while the replica is lent (or draining to be
+  lent): the router is told they hold ``BLOCK`` tokens of outstanding work
+  (``turn_started``), so they are saturated and never chosen while any other instance has
+  room; they are unblocked with the matching ``turn_ended``. A draining instance finishes
+  what it runs and asks for work only while its bucket has queued turns (so nothing queued
+  on it is stranded); once it is empty the ``on_drained`` callback fires;
+- a new plan's instances need a new router and service: they are built only when nothing
+  is in flight (the controller drains rollout for a plan change), and the causal index is
+  carried over with the router's ``state_dict``/``load_state_dict``.
+
+Events: :class:`Wake` (an instance's step boundary), :class:`ToolDone`.
+"""
+
+from __future__ import annotations
+
+import logging
+from bisect import bisect_left
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+from libra_hpc.scheduler import BucketSpec, QueueService, buckets_from_instances, make_router
+from libra_hpc.sim.config import CostSpec, SchedulerSpec
+from libra_hpc.sim.engine import Event
+from libra_hpc.sim.instance import RolloutInstance, Run, StepModel
+from libra_hpc.sim.workload import CHARS_PER_TOKEN, ToolCall, Trajectory
+
+log = logging.getLogger(__name__)
+ERROR_MARKER = "Traceback (most recent call last)"
+BLOCK = 1 << 40
+"""Outstanding tokens that make a blocked instance saturated for every router."""
+
+
+@dataclass(frozen=True)
+class InstanceSpec:
+    """One rollout instance of a layout: id, TP size, hybrid replica it belongs to (or None)."""
+
+    iid: int
+    tp: int
+    replica: int | None = None
+
+
+class _Active:
+    __slots__ = ("batch", "context", "lease", "traj", "turn")
+
+    def __init__(self, traj: Trajectory, batch: int):
+        self.traj = traj
+        self.batch = batch
+        self.turn = 0
+        self.context = traj.prompt_tokens
+        self.lease = 0
+
+
+class Wake(Event):
+    KIND = 30
+    __slots__ = ("iid", "side", "target", "version")
+
+    def __init__(self, time: float, side: RolloutSide, iid: int, version: int, target: int):
+        super().__init__(time)
+        self.side, self.iid, self.version, self.target = side, iid, version, target
+
+    def fire(self):
+        return self.side.on_wake(self)
+
+
+class ToolDone(Event):
+    KIND = 20
+    __slots__ = ("active", "call", "side")
+
+    def __init__(self, time: float, side: RolloutSide, active: _Active, call: ToolCall):
+        super().__init__(time)
+        self.side, self.active, self.call = side, active, call
+
+    def fire(self):
+        return self.side.on_tool_done(self)
+
+
+class RolloutSide:
+    """Rollout instances of the current layout plus the queue service routing turns to them.
+
+    ``step_models``: TP → engine timing; ``policy``: a registered router name;
+    ``on_batch_done(batch_id, now)`` is called when a batch's last trajectory finishes and
+    returns the events it causes."""
+
+    def __init__(self, step_models: dict[int, StepModel], sched: SchedulerSpec, costs: CostSpec, policy: str,
+                 seed: int, on_batch_done: Callable[[int, float], list[Event] | None],
+                 on_drained: Callable[[int, float], list[Event] | None] | None = None):
+        self.models, self.sched, self.costs, self.policy, self.seed = step_models, sched, costs, policy, seed
+        self.on_batch_done = on_batch_done
+        self.on_drained = on_drained
+        self.mode: dict[int, str] = {}  # instance → "serve" | "drain" | "lent"
+        self.instances: dict[int, RolloutInstance] = {}
+        self.bucket_of: dict[int, tuple[int, ...]] = {}  # instance → its bucket's instances
+        self.service: QueueService | None = None
+        self.router = None
+        self.layout: tuple[InstanceSpec, ...] = ()
+        self.limits: dict[int, int] = {}
+        self.active: dict[str, _Active] = {}
+        self.left: dict[int, int] = {}  # batch → trajectories not finished
+        self._scheduled: dict[int, int] = {}  # instance → version of its scheduled Wake
+        self._tool_busy: dict[str, int] = {}
+        self._tool_queue: dict[str, deque] = {}
+        self._need_sum, self._need_n = 0.0, 0  # KV need of handed-out turns (for ask sizes)
+        self.turn_tokens_mean = 512.0  # updated from finished turns; saturation thresholds use it
+        self.counts = {"migrations": 0, "turns": 0, "tool_calls": 0, "asks": 0, "fallbacks": 0}
+        self.gen_tokens = 0
+        self._busy_retired = 0.0
+
+    # ------------------------------------------------------------------ layout
+    def configure(self, layout: list[InstanceSpec] | tuple[InstanceSpec, ...], now: float,
+                  lengths: list[int] | None = None) -> None:
+        """Use these instances from now on. Only between batches (nothing in flight); the
+        causal index survives. ``lengths``: generated tokens of recent finished trajectories
+        (``bucket_limits: share`` places the bucket limits on them)."""
+        if self.active:
+            raise RuntimeError(f"rollout reconfigured with {len(self.active)} trajectories in flight")
+        layout = tuple(layout)
+        limits = self._limits(layout, lengths)
+        if layout == self.layout and limits == self.limits and self.service is not None:
+            return
+        old_router = self.router
+        self._busy_retired = self.busy_gpu_s()
+        self.layout, self.limits = layout, limits
+        self.instances = {s.iid: RolloutInstance(s.iid, s.tp, self.models[s.tp], seats=self.costs.max_num_seqs,
+                                                 resync_steps=self.costs.resync_steps) for s in layout}
+        for inst in self.instances.values():
+            inst.t_sync = now
+        buckets = self._buckets(layout, limits)
+        self.router = make_router(self.policy, buckets, window=self.sched.tree_window,
+                                  min_samples=self.sched.min_samples, rebuild_every=self.sched.rebuild_every,
+                                  predictor_noise=self.sched.predictor_noise, seed=self.seed)
+        if old_router is not None and hasattr(old_router, "state_dict") and hasattr(self.router, "load_state_dict"):
+            self.router.load_state_dict(old_router.state_dict())
+        if old_router is not None:
+            self.counts["fallbacks"] += old_router.fallbacks
+        self.service = QueueService(self.router, lease_s=1e12, max_batch=self.costs.max_num_seqs,
+                                    size_thresholds=self.sched.size_thresholds, error_markers=(ERROR_MARKER,),
+                                    default_turn_tokens=max(1, int(self.turn_tokens_mean)))
+        self.bucket_of = {i: b.instances for b in buckets for i in b.instances}
+        self.bucket_name = {i: b.name for b in buckets for i in b.instances}
+        self._scheduled = {}
+        self.mode = dict.fromkeys(self.instances, "serve")
+
+    def _limits(self, layout: tuple[InstanceSpec, ...], lengths: list[int] | None) -> dict[int, int]:
+        fixed = self.sched.bucket_token_limits
+        missing = sorted({s.tp for s in layout} - set(fixed))
+        if missing:
+            raise ValueError(f"scheduler.bucket_token_limits has no limit for rollout TP {missing} "
+                             f"(configured: {sorted(fixed)})")
+        if self.sched.bucket_limits == "fixed" or not lengths:
+            return dict(fixed)
+        return share_limits(layout, lengths)
+
+    def _buckets(self, layout: tuple[InstanceSpec, ...], limits: dict[int, int]) -> list[BucketSpec]:
+        buckets = buckets_from_instances([(s.iid, s.tp) for s in layout], limits)
+        out = []
+        for b in buckets:
+            model = self.models[b.tp]
+            need = max(1.0, self._need_sum / self._need_n if self._need_n else 4 * self.turn_tokens_mean)
+            seats = max(1, min(self.costs.max_num_seqs, int(model.kv_capacity // need)))
+            limit = max(1, int(self.sched.saturation * seats * self.turn_tokens_mean))
+            out.append(replace(b, max_outstanding_tokens=limit))
+        return out
+
+    def block(self, iids: list[int], now: float) -> list[int]:
+        """Stop routing to ``iids`` (a hybrid replica being lent): they drain. Returns the
+        ones already empty (lent at once); the others report through ``on_drained``."""
+        empty = []
+        for iid in iids:
+            if self.mode[iid] == "serve":
+                self.router.turn_started(iid, BLOCK)
+            self.mode[iid] = "drain"
+            if self._drained(iid):
+                self.mode[iid] = "lent"
+                empty.append(iid)
+        return empty
+
+    def unblock(self, iids: list[int], now: float) -> list[Event]:
+        """``iids`` serve again (the replica came back); they ask for queued work."""
+        events: list[Event] = []
+        for iid in iids:
+            if self.mode[iid] != "serve":
+                self.router.turn_ended(iid, BLOCK)
+                self.mode[iid] = "serve"
+                self._fill(self.instances[iid], now)
+                self._schedule(self.instances[iid], events)
+        return events
+
+    def serving_gpus(self) -> int:
+        return sum(i.tp for iid, i in self.instances.items() if self.mode[iid] != "lent")
+
+    def _drained(self, iid: int) -> bool:
+        return self.instances[iid].load == 0 and not self._bucket_queued(iid)
+
+    def _bucket_queued(self, iid: int) -> int:
+        return self.service.stats()["queued"][self.bucket_name[iid]]
+
+    # ------------------------------------------------------------------ batches
+    def submit(self, batch_id: int, trajectories: list[Trajectory], now: float) -> list[Event]:
+        """Start a batch at ``now``: every trajectory's first turn is placed and queued."""
+        if not trajectories:
+            raise ValueError(f"batch {batch_id} is empty")
+        self.left[batch_id] = len(trajectories)
+        events: list[Event] = []
+        for t in trajectories:
+            a = _Active(t, batch_id)
+            self.active[t.tid] = a
+            placement = self.service.submit(t.tid, t.prompt_id, true_remaining=t.gen_tokens)
+            self._poke(placement.instance, now, events)
+        return events
+
+    def maintain(self, now: float) -> None:
+        """Between batches: C-MLFQ rebuilds its trees when due."""
+        self.service.maintain(now)
+
+    def stats(self) -> dict:
+        """Queue depth now, sequences running, busy instances."""
+        s = self.service.stats() if self.service is not None else {"queued": {}}
+        running = sum(len(i.running) for i in self.instances.values())
+        return {"queued": sum(s["queued"].values()), "running": running,
+                "busy_instances": sum(1 for i in self.instances.values() if i.running)}
+
+    def busy_gpu_s(self) -> float:
+        """GPU-seconds instances have been busy (decoding or prefilling) since the start."""
+        return self._busy_retired + sum(i.busy_s * i.tp for i in self.instances.values())
+
+    # ------------------------------------------------------------------ events
+    def on_wake(self, ev: Wake) -> list[Event] | None:
+        inst = self.instances.get(ev.iid)
+        if inst is None or inst.version != ev.version:
+            return None  # outdated: the instance re-planned, or left the layout
+        self._scheduled.pop(ev.iid, None)
+        now = ev.time
+        finished = inst.wake(now, ev.target)
+        events: list[Event] = []
+        for run in finished:
+            self._turn_end(run, now, events)
+        self._fill(inst, now)
+        self._schedule(inst, events)
+        if self.mode[ev.iid] == "drain" and self._drained(ev.iid):
+            self.mode[ev.iid] = "lent"
+            if self.on_drained is not None:
+                events.extend(self.on_drained(ev.iid, now) or ())
+        return events
+
+    def on_tool_done(self, ev: ToolDone) -> list[Event]:
+        now, a, call = ev.time, ev.active, ev.call
+        events: list[Event] = []
+        self._tool_release(call.tool, now, events)
+        chars = call.output_tokens * CHARS_PER_TOKEN
+        cap = self.sched.size_thresholds[-1] if self.sched.size_thresholds else 1
+        body = min(chars, cap)
+        if call.status == "failure":
+            output, exit_code, timed_out = (ERROR_MARKER + "x" * body)[:max(body, len(ERROR_MARKER))], 1, False
+        else:
+            output, exit_code, timed_out = "x" * body, 0, call.status == "timeout"
+        reply = self.service.handle({"op": "tool_return", "lease": a.lease, "tool": call.tool, "output": output,
+                                     "exit_code": exit_code, "timed_out": timed_out,
+                                     "tokens": a.traj.turns[a.turn]}, now)
+        if not reply["ok"]:
+            raise RuntimeError(f"queue service refused the tool return of {a.traj.tid}: {reply}")
+        self.counts["migrations"] += reply["migrated"]
+        a.context += a.traj.turns[a.turn] + call.output_tokens
+        a.turn += 1
+        self._poke(reply["instance"], now, events)
+        return events
+
+    # ---------------------------------------------------------------- internals
+    def _turn_end(self, run: Run, now: float, events: list[Event]) -> None:
+        a: _Active = run.payload
+        self.counts["turns"] += 1
+        self.gen_tokens += run.tokens
+        self.turn_tokens_mean += (run.tokens - self.turn_tokens_mean) / min(self.counts["turns"], 4096)
+        if a.turn < len(a.traj.calls):
+            call = a.traj.calls[a.turn]
+            self.counts["tool_calls"] += 1
+            start = self._tool_acquire(call, a, now)
+            if start is not None:
+                events.append(ToolDone(start + call.latency_s, self, a, call))
+            return
+        reply = self.service.handle({"op": "finish", "lease": a.lease, "tokens": run.tokens}, now)
+        if not reply["ok"]:
+            raise RuntimeError(f"queue service refused the finish of {a.traj.tid}: {reply}")
+        del self.active[a.traj.tid]
+        self.left[a.batch] -= 1
+        if not self.left[a.batch]:
+            del self.left[a.batch]
+            events.extend(self.on_batch_done(a.batch, now) or ())
+
+    def _tool_acquire(self, call: ToolCall, a: _Active, now: float) -> float | None:
+        slots = self.costs.tool_slots
+        if slots is None:
+            return now
+        busy = self._tool_busy.get(call.tool, 0)
+        if busy < slots:
+            self._tool_busy[call.tool] = busy + 1
+            return now
+        self._tool_queue.setdefault(call.tool, deque()).append((a, call))
+        return None
+
+    def _tool_release(self, tool: str, now: float, events: list[Event]) -> None:
+        if self.costs.tool_slots is None:
+            return
+        queue = self._tool_queue.get(tool)
+        if queue:
+            a, call = queue.popleft()
+            events.append(ToolDone(now + call.latency_s, self, a, call))
+        else:
+            self._tool_busy[tool] -= 1
+
+    def _poke(self, iid: int, now: float, events: list[Event]) -> None:
+        """A turn was queued on ``iid``: let it (or, when it is full, an idle sibling) ask."""
+        inst = self.instances[iid]
+        if self._fill(inst, now):
+            self._schedule(inst, events)
+            return
+        for sibling in self.bucket_of[iid]:
+            other = self.instances[sibling]
+            if other is not inst and self.mode[sibling] == "serve" and self._fill(other, now):
+                self._schedule(other, events)
+                return
+
+    def _fill(self, inst: RolloutInstance, now: float) -> int:
+        """Ask the service for as many turns as ``inst`` can take; returns how many came."""
+        if inst.waiting or inst.free_seats <= 0:
+            return 0
+        mode = self.mode[inst.iid]
+        if mode == "lent" or (mode == "drain" and not self._bucket_queued(inst.iid)):
+            return 0
+        need = self._need_sum / self._need_n if self._need_n else 1.0
+        room = inst.model.kv_capacity - inst.reserved
+        want = max(1, min(inst.free_seats, int(room // max(need, 1.0))))
+        self.counts["asks"] += 1
+        reply = self.service.handle({"op": "ask", "instance": inst.iid, "max": want}, now)
+        turns = reply["turns"]
+        if not turns:
+            return 0
+        runs = []
+        for turn in turns:
+            a = self.active[turn["tid"]]
+            a.lease = turn["lease"]
+            tokens = a.traj.turns[a.turn]
+            cached = a.turn > 0 and not turn["migrated"] and turn["prev_instance"] == inst.iid
+            prefill = a.traj.calls[a.turn - 1].output_tokens if cached else a.context
+            runs.append(Run(turn["lease"], a.traj.tid, a.context, tokens, prefill, payload=a))
+            self._need_sum += a.context + tokens
+            self._need_n += 1
+        inst.offer(runs, now)
+        return len(runs)
+
+    def _schedule(self, inst: RolloutInstance, events: list[Event]) -> None:
+        if inst.wake_at is not None and self._scheduled.get(inst.iid) != inst.version:
+            self._scheduled[inst.iid] = inst.version
+            time, target = inst.wake_at
+            events.append(Wake(time, self, inst.iid, inst.version, target))
+
+
+def share_limits(layout: tuple[InstanceSpec, ...], lengths: list[int]) -> dict[int, int]:
+    """Bucket token limits from the layout's GPU shares (``bucket_limits: share``): TP
+    sizes ascending, bucket ``i``'s limit is the smallest length at which the generated
+    tokens of ``lengths`` up to it reach the GPU share of buckets ``0..i``; the last
+    bucket is unbounded. Limits are strictly increasing."""
+    gpus: dict[int, int] = {}
+    for s in layout:
+        gpus[s.tp] = gpus.get(s.tp, 0) + s.tp
+    total_gpus = sum(gpus.values())
+    ordered = sorted(lengths)
+    mass, acc, cum = sum(ordered), 0, []
+    for x in ordered:
+        acc += x
+        cum.append(acc)
+    out, share, prev = {}, 0, 0
+    tps = sorted(gpus)
+    for k, tp in enumerate(tps):
+        share += gpus[tp]
+        if k == len(tps) - 1:
+            out[tp] = 1 << 30
+            break
+        target = mass * share / total_gpus
+        i = min(bisect_left(cum, target), len(ordered) - 1)
+        out[tp] = max(ordered[i], prev + 1)
+        prev = out[tp]
+    return out

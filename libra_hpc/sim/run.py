@@ -1,0 +1,69 @@
+"""Run a scenario: every configured policy from its best configuration, on the same batches."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+from libra_hpc.sim.config import SimConfig
+from libra_hpc.sim.context import Context
+from libra_hpc.sim.controller import PolicyRun
+from libra_hpc.sim.policies import SETUPS, Planner
+from libra_hpc.sim.recorder import Recorder
+from libra_hpc.sim.search import search_async_static, search_colocated
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ScenarioResult:
+    cfg: SimConfig
+    runs: dict[str, Recorder]
+    searches: dict[str, list[dict]] = field(default_factory=dict)
+    initial: dict[str, str] = field(default_factory=dict)
+    workload: dict = field(default_factory=dict)
+    wall_s: float = 0.0
+
+    def ratio(self, a: str, b: str) -> float | None:
+        """Throughput (tokens/s) of policy ``a`` over policy ``b``; None if either is missing."""
+        if a not in self.runs or b not in self.runs:
+            return None
+        return self.runs[a].summary["tokens_per_s"] / self.runs[b].summary["tokens_per_s"]
+
+
+def run_policy(ctx: Context, name: str, steps: int | None = None) -> tuple[Recorder, list[dict], str]:
+    """One policy: its starting allocation (search or planner), then the run."""
+    setup = SETUPS[name]
+    steps = steps or ctx.cfg.rl.steps
+    planner, table = None, []
+    if name == "colocated":
+        alloc, table = search_colocated(ctx)
+    elif name == "async_static":
+        alloc, table = search_async_static(ctx)
+    else:
+        planner = Planner(ctx, setup)
+        alloc = planner.initial()
+    log.info("%s starts with %s", name, alloc.describe())
+    rec = PolicyRun(ctx, setup, alloc, steps, planner).run()
+    s = rec.summary
+    log.info("%s: %.0f tokens/s, median step %.1f s, %d events in %.1f s", name, s["tokens_per_s"],
+             s["step_s_median"], s["events"], s["wall_s"])
+    return rec, table, alloc.describe()
+
+
+def run_scenario(cfg: SimConfig, policies: list[str] | None = None) -> ScenarioResult:
+    """Every policy of ``policies`` (default: the scenario's) on the same workload."""
+    t0 = time.perf_counter()
+    ctx = Context(cfg)
+    result = ScenarioResult(cfg, {})
+    from libra_hpc.sim.workload import summary
+    result.workload = {"first_step": summary(ctx.batch(0)), "last_step": summary(ctx.batch(cfg.rl.steps - 1))}
+    for name in policies or cfg.policies:
+        rec, table, initial = run_policy(ctx, name)
+        result.runs[name] = rec
+        result.initial[name] = initial
+        if table:
+            result.searches[name] = table
+    result.wall_s = time.perf_counter() - t0
+    return result

@@ -1,0 +1,124 @@
+"""Best static configuration of a baseline, found by simulation (not a strawman).
+
+A candidate (training GPUs, homogeneous rollout TP) is scored by simulating the rollout of
+a few RL steps spread over the run (``search.sample_steps``: the drift is seen) on its
+instances, each step alone, and costing training on its training GPUs:
+
+- colocated (sync): mean of rollout + training + switch;
+- asynchronous: mean of max(rollout, training) (the pipelined step time).
+
+Two stages keep it cheap at 4096 GPUs: every candidate on the middle sample step, then the
+best four on every sample step. The training shape per GPU count is the fastest that fits
+(libra_hpc/sim/training.py). Returns the chosen allocation and every candidate's score.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import statistics
+
+from libra_hpc.sim.context import Allocation, Context
+from libra_hpc.sim.engine import EventLoop
+from libra_hpc.sim.rollout import RolloutSide
+from libra_hpc.sim.training import best_shape, step_s
+
+log = logging.getLogger(__name__)
+KEEP = 4
+
+
+def rollout_makespan(ctx: Context, alloc: Allocation, step: int, router: str = "least_load") -> float:
+    """Seconds to roll out batch ``step`` alone on ``alloc``'s instances, from idle."""
+    done: dict[int, float] = {}
+
+    def finished(batch: int, now: float):
+        done[batch] = now
+        return None
+
+    loop = EventLoop()
+    side = RolloutSide(ctx.step_models, ctx.cfg.scheduler, ctx.cfg.costs, router, ctx.cfg.seed, finished)
+    side.configure(alloc.instances, 0.0)
+    loop.schedule_all(side.submit(step, ctx.batch(step), 0.0))
+    loop.run()
+    return done[step]
+
+
+def sample_steps(ctx: Context) -> list[int]:
+    n, last = ctx.cfg.search.sample_steps, ctx.cfg.rl.steps - 1
+    if n == 1 or last == 0:
+        return [last // 2]
+    return sorted({round(i * last / (n - 1)) for i in range(n)})
+
+
+def _score(ctx: Context, alloc: Allocation, steps: list[int], sync: bool) -> float:
+    values = []
+    for s in steps:
+        batch = ctx.batch(s)
+        mean_tokens = sum(t.total_tokens for t in batch) / len(batch)
+        roll = rollout_makespan(ctx, alloc, s)
+        train = step_s(ctx.model, ctx.hw, alloc.train, mean_tokens, ctx.cal)
+        values.append(roll + train + ctx.cfg.costs.colocate_switch_s if sync
+                      else max(roll, train + ctx.weight_sync_s))
+    return statistics.fmean(values)
+
+
+def _two_stage(ctx: Context, candidates: list[tuple[str, Allocation]], sync: bool) -> tuple[Allocation, list[dict]]:
+    steps = sample_steps(ctx)
+    middle = [steps[len(steps) // 2]]
+    first = sorted(((_score(ctx, a, middle, sync), name, a) for name, a in candidates), key=lambda x: x[0])
+    table = [{"candidate": name, "stage1_s": round(score, 3)} for score, name, _ in first]
+    second = sorted(((_score(ctx, a, steps, sync), name, a) for _, name, a in first[:KEEP]), key=lambda x: x[0])
+    scores = {name: score for score, name, _ in second}
+    for row in table:
+        if row["candidate"] in scores:
+            row["score_s"] = round(scores[row["candidate"]], 3)
+    best = second[0]
+    log.info("search (%s): best %s, %.1f s per step over steps %s", "sync" if sync else "async", best[1], best[0], steps)
+    return best[2], table
+
+
+def packed_seq_len(ctx: Context) -> int:
+    """Training sequence length the shapes are chosen for: the longest mean (packed)
+    trajectory length over the sample steps."""
+    return max(math.ceil(statistics.fmean(t.total_tokens for t in ctx.batch(s))) for s in sample_steps(ctx))
+
+
+def search_colocated(ctx: Context) -> tuple[Allocation, list[dict]]:
+    """Colocated: training on (nearly) all GPUs, homogeneous rollout TP on all, chosen by simulation."""
+    seq = packed_seq_len(ctx)
+    shapes = [s for n in range(ctx.gpus, ctx.gpus // 2, -1)
+              if (s := best_shape(ctx.model, ctx.hw, n, ctx.cfg.batch_size, seq, ctx.cal)) is not None]
+    if not shapes:
+        raise ValueError(f"no training shape of {ctx.model.name} fits {ctx.gpus // 2}..{ctx.gpus} GPUs with "
+                         f"batch {ctx.cfg.batch_size} (the global batch must split over DP × micro-batch)")
+    # The fastest shape on at most all GPUs (48 GPUs cannot split a batch of 320 over DP: 40 train, 8 wait).
+    shape = min(shapes, key=lambda s: step_s(ctx.model, ctx.hw, s, seq, ctx.cal))
+    candidates = [(f"rollout TP{tp} on all {ctx.gpus} GPUs", ctx.static_allocation(shape, tp, colocated=True))
+                  for tp in ctx.tps]
+    return _two_stage(ctx, candidates, sync=True)
+
+
+def train_sizes(ctx: Context, limit: int = 15) -> list[int]:
+    """Training GPU counts tried: whole nodes, at most ``limit`` of them spread evenly."""
+    g, nodes = ctx.cfg.cluster.gpus_per_node, ctx.cfg.cluster.nodes
+    top = ctx.gpus - max(ctx.cfg.planner.min_rollout_gpus, 1)
+    whole = [n * g for n in range(1, nodes) if n * g <= top]
+    if len(whole) <= limit:
+        return whole
+    return sorted({whole[round(i * (len(whole) - 1) / (limit - 1))] for i in range(limit)})
+
+
+def search_async_static(ctx: Context) -> tuple[Allocation, list[dict]]:
+    """Disaggregated async: training GPU count × homogeneous rollout TP, by simulation."""
+    candidates = []
+    seq = packed_seq_len(ctx)
+    for n in train_sizes(ctx):
+        shape = best_shape(ctx.model, ctx.hw, n, ctx.cfg.batch_size, seq, ctx.cal)
+        if shape is None:
+            continue
+        for tp in ctx.tps:
+            candidates.append((f"train {n} GPUs (TP{shape.tp} PP{shape.pp} DP{shape.dp}) + rollout TP{tp}",
+                               ctx.static_allocation(shape, tp)))
+    if not candidates:
+        raise ValueError(f"no training shape fits any whole-node split of {ctx.gpus} GPUs")
+    return _two_stage(ctx, candidates, sync=False)
