@@ -53,8 +53,9 @@ class ElasticPool:
         self.units: dict[int, Unit] = {}
         self._held_retired = 0.0
         self.peak = 0
-        for _ in range(spec.min_units):
-            self.grow(now)
+        for _ in range(spec.min_units):  # provisioned before the run: ready at once
+            unit = self.grow(now)
+            unit.ready_at = unit.idle_since = now
 
     def grow(self, now: float) -> Unit | None:
         """A new unit (ready after ``startup_s``), or None at ``max_units``."""

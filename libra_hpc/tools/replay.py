@@ -42,7 +42,7 @@ class ReplayResult:
     held_s: float = 0.0  # unit-seconds the pools held until the last event
     busy_s: float = 0.0  # unit-seconds actually running actions
     makespan_s: float = 0.0
-    log: list[tuple] = field(default_factory=list)  # (time, "start"/"done", aid, resource, unit)
+    log: list[tuple] = field(default_factory=list)  # (time, "start"/"done", aid, resource, unit, tool)
 
     @property
     def mean_act(self) -> float:
@@ -95,7 +95,7 @@ def replay(scheduler: ActionScheduler, trajectories: list[TrajectoryTrace], keep
                 traj, i = pending.pop(aid)
                 result.act_s.append(now - submitted_at.pop(aid))
                 if keep_log:
-                    result.log.append((now, "done", aid, traj.calls[i].resource, None))
+                    result.log.append((now, "done", aid, traj.calls[i].resource, None, traj.calls[i].tool))
                 if i + 1 < len(traj.calls):
                     push(now + traj.calls[i + 1].gap_s, "submit", (traj, i + 1))
                 else:
@@ -108,7 +108,7 @@ def replay(scheduler: ActionScheduler, trajectories: list[TrajectoryTrace], keep
             result.wait_s.append(now - d.action.submitted_at)
             result.busy_s += duration
             if keep_log:
-                result.log.append((now, "start", d.action.aid, d.action.resource, d.unit))
+                result.log.append((now, "start", d.action.aid, d.action.resource, d.unit, d.action.tool))
             push(now + duration, "done", d.action.aid)
         wake = scheduler.next_wakeup(now)
         if wake is not None:

@@ -14,9 +14,13 @@ by actions whose virtual deadline is below its own, and those were all submitted
 expected seconds forgiven per second waited (large: FIFO; small: pure shortest-first).
 Pools grow while eligible actions wait and shrink after ``idle_timeout_s``.
 
-``dedicated`` (the baseline): a trajectory's first tool call binds a unit to the trajectory
-until :meth:`end_trajectory`; its calls run only there (FIFO), and trajectories waiting for
-a unit are bound in arrival order. Held time then includes the trajectory's LLM turns.
+``dedicated`` (the baseline): a trajectory's first call on a *bound* resource kind (the
+CPU sandbox, ``cpu``) binds a unit to the trajectory until :meth:`end_trajectory`; its calls
+run only there (FIFO), and trajectories waiting for a unit are bound in arrival order. Held
+time then includes the trajectory's LLM turns. Other kinds (a reward-model endpoint) are
+shared FIFO, as such services are deployed: binding two kinds per trajectory would
+deadlock (A holds the sandbox and waits for the endpoint, B the reverse; the property test
+found this).
 
 Both honour per-resource capacity (``max_units``) and per-tool quotas (at most ``n``
 concurrent actions of that tool, e.g. an API's rate). Expected durations come from the
@@ -229,16 +233,22 @@ class DedicatedScheduler(ActionScheduler):
 
     name = "dedicated"
 
-    def __init__(self, resources, quotas=None, estimator=None, now: float = 0.0, aging_rate: float = 1.0):
+    def __init__(self, resources, quotas=None, estimator=None, now: float = 0.0, aging_rate: float = 1.0,
+                 bound_kinds: tuple[str, ...] = ("cpu",)):
         super().__init__(resources, quotas, estimator, now)
+        self.bound_kinds = set(bound_kinds) & set(self.pools)
         self.bound: dict[tuple[str, str], int] = {}  # (resource, trajectory) -> unit index
         self.per_trajectory: dict[tuple[str, str], deque[Action]] = {}
         self.waiting: dict[str, deque[str]] = {name: deque() for name in self.pools}  # trajectories without a unit
+        self.shared: dict[str, deque[Action]] = {name: deque() for name in self.pools if name not in self.bound_kinds}
 
     def queued(self) -> int:
-        return sum(len(q) for q in self.per_trajectory.values())
+        return sum(len(q) for q in self.per_trajectory.values()) + sum(len(q) for q in self.shared.values())
 
     def _enqueue(self, action: Action) -> None:
+        if action.resource in self.shared:
+            self.shared[action.resource].append(action)
+            return
         key = (action.resource, action.trajectory)
         if key not in self.per_trajectory:
             self.per_trajectory[key] = deque()
@@ -247,19 +257,21 @@ class DedicatedScheduler(ActionScheduler):
         self.per_trajectory[key].append(action)
 
     def end_trajectory(self, trajectory: str, now: float) -> None:
-        for name, pool in self.pools.items():
+        for name in self.bound_kinds:
             key = (name, trajectory)
             if self.per_trajectory.get(key):
                 raise ValueError(f"trajectory {trajectory!r} ended with actions still queued on {name!r}")
             self.per_trajectory.pop(key, None)
             index = self.bound.pop(key, None)
             if index is not None:
-                unit = pool.units[index]
+                unit = self.pools[name].units[index]
                 if unit.busy is not None:
                     raise ValueError(f"trajectory {trajectory!r} ended while its action {unit.busy} runs")
                 unit.bound_to, unit.idle_since = None, now
 
     def _dispatch_resource(self, name, pool, now):
+        if name in self.shared:
+            return self._dispatch_shared(self.shared[name], pool, now)
         waiting = self.waiting[name]
         free = pool.free(now)
         while waiting:  # bind units to waiting trajectories, in arrival order
@@ -280,6 +292,27 @@ class DedicatedScheduler(ActionScheduler):
             unit = pool.units[index]
             if unit.busy is None and self._quota_ok(queue[0].tool):
                 started.append(self._start(queue.popleft(), unit, now))
+        return started
+
+    def _dispatch_shared(self, queue: deque[Action], pool, now):
+        """FIFO over any free unit (quota-blocked actions keep their place)."""
+        started, kept = [], deque()
+        free = pool.free(now)
+        while queue:
+            action = queue.popleft()
+            if not self._quota_ok(action.tool):
+                kept.append(action)
+                continue
+            if not free:
+                unit = pool.grow(now) if pool.starting(now) == 0 else None
+                if unit is None or unit.ready_at > now:
+                    kept.append(action)
+                    kept.extend(queue)
+                    queue.clear()
+                    break
+                free.append(unit)
+            started.append(self._start(action, free.pop(0), now))
+        queue.extend(kept)
         return started
 
 
