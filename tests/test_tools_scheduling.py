@@ -3,6 +3,9 @@ quotas, no starvation, elastic pool accounting, and the dedicated baseline's bin
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -213,3 +216,10 @@ def test_bad_input_is_refused_with_the_field():
         scheduler.complete("a999", 0.0)
     with pytest.raises(ValueError, match="min_units"):
         ResourceSpec("cpu", max_units=1, min_units=2)
+
+
+@pytest.mark.parametrize("module", ["libra_hpc.tools", "libra_hpc.tools.scheduling", "libra_hpc.tools.replay"])
+def test_orchestration_logic_imports_neither_mpi_nor_torch(module):
+    code = f"import sys, {module}; print(sorted({{m.split('.')[0] for m in sys.modules}} & {{'torch', 'mpi4py'}}))"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "[]"

@@ -1,0 +1,153 @@
+"""The live orchestrator: real sandboxes and a real local HTTP scorer endpoint, driven by
+the same schedulers as the replay, through one interface for both policies."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from libra_hpc.config import validate_config
+from libra_hpc.tools.endpoint import EndpointError, EndpointRunner, serve_scorer
+from libra_hpc.tools.isolation import SandboxLimits
+from libra_hpc.tools.orchestrator import SandboxRunner, ToolOrchestrator, orchestrator_from_config
+from libra_hpc.tools.pool import ResourceSpec
+from libra_hpc.tools.procs import owned_pids
+from libra_hpc.tools.scheduling import make_scheduler
+
+UID_BASE = 220000
+
+
+def _overlap(records, key):
+    """Peak number of actions running at once per ``key(record)``."""
+    edges = sorted([(r["started"], 1, key(r)) for r in records] + [(r["done"], 0, key(r)) for r in records])
+    live, peak = {}, {}
+    for _time, up, group in edges:
+        live[group] = live.get(group, 0) + (1 if up else -1)
+        peak[group] = max(peak.get(group, 0), live[group])
+    return peak
+
+
+class SleepRunner:
+    """A runner that records concurrency: payload = seconds to hold the unit."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.live = self.peak = 0
+        self.units_seen = set()
+
+    def run(self, unit, payload):
+        with self.lock:
+            self.live += 1
+            self.peak = max(self.peak, self.live)
+            self.units_seen.add(unit)
+        time.sleep(payload)
+        with self.lock:
+            self.live -= 1
+        return payload
+
+
+def exact_match_reward(payload):
+    """Toy reward model: 1 when the answer equals the reference; takes 50 ms like a small model."""
+    time.sleep(0.05)
+    return {"reward": float(payload["answer"] == payload["reference"])}
+
+
+@pytest.fixture()
+def scorer():
+    server = serve_scorer(exact_match_reward)
+    yield server
+    server.close()
+
+
+@pytest.mark.parametrize("policy", ["tangram", "dedicated"])
+def test_real_sandboxes_and_endpoint_complete_every_call_within_capacity(policy, scorer):
+    specs = [ResourceSpec("cpu", 2, idle_timeout_s=0.5), ResourceSpec("reward", 2)]
+    runners = {"cpu": SandboxRunner(SandboxLimits(wall_time_s=5.0), uid_base=UID_BASE),
+               "reward": EndpointRunner(scorer.url)}
+    orch = ToolOrchestrator(make_scheduler(policy, specs, quotas={"search": 1}), runners)
+    futures = {}
+    for traj in range(4):
+        for call in range(2):
+            futures[(traj, call, "cpu")] = orch.submit(f"t{traj}", "python", "cpu", f"print({traj} * 100 + {call})")
+        futures[(traj, 0, "search")] = orch.submit(f"t{traj}", "search", "cpu", {"code": "print('q')", "tool": "search"})
+        futures[(traj, 0, "reward")] = orch.submit(f"t{traj}", "reward", "reward",
+                                                   {"answer": str(traj), "reference": "2"})
+    for traj in range(4):  # the dedicated baseline frees a trajectory's unit only when it ends
+        for key in [k for k in futures if k[0] == traj]:
+            futures[key].result(timeout=60)
+        orch.end_trajectory(f"t{traj}")
+    orch.close()
+    for (traj, call, kind), future in futures.items():
+        result = future.result()
+        if kind == "cpu":
+            assert result.stdout == f"{traj * 100 + call}\n" and result.state.status == "success"
+        elif kind == "reward":
+            assert result["reward"] == (1.0 if traj == 2 else 0.0)
+    records = orch.records
+    assert sorted(r["aid"] for r in records) == sorted({r["aid"] for r in records}) and len(records) == len(futures)
+    peak = _overlap(records, key=lambda r: r["resource"])
+    assert peak["cpu"] <= 2 and peak["reward"] <= 2 and scorer.peak_in_flight <= 2
+    assert _overlap(records, key=lambda r: r["tool"])["search"] <= 1
+    assert owned_pids(uid=UID_BASE) == [] and owned_pids(uid=UID_BASE + 1) == []
+    assert orch.held_seconds() > 0
+
+
+def test_tangram_shares_units_across_trajectories_and_shrinks_when_idle():
+    runner = SleepRunner()
+    orch = ToolOrchestrator(make_scheduler("tangram", [ResourceSpec("cpu", 3, idle_timeout_s=0.2)]), {"cpu": runner})
+    futures = [orch.submit(f"t{i}", "x", "cpu", 0.1) for i in range(9)]
+    assert [f.result(timeout=10) for f in futures] == [0.1] * 9
+    assert runner.peak == 3 and runner.units_seen == {0, 1, 2}  # nine trajectories on three units
+    time.sleep(0.3)
+    orch.submit("late", "x", "cpu", 0.0).result(timeout=5)  # a dispatch notices the idle units
+    assert len(orch.scheduler.pools["cpu"].units) == 1
+    orch.close()
+
+
+def test_dedicated_baseline_makes_other_trajectories_wait_for_the_owner_to_end():
+    runner = SleepRunner()
+    orch = ToolOrchestrator(make_scheduler("dedicated", [ResourceSpec("cpu", 1)]), {"cpu": runner})
+    first = orch.submit("A", "x", "cpu", 0.05)
+    other = orch.submit("B", "x", "cpu", 0.0)
+    first.result(timeout=5)
+    time.sleep(0.2)
+    assert not other.done()  # A holds the only sandbox during its (simulated) LLM turn
+    orch.end_trajectory("A")
+    assert other.result(timeout=5) == 0.0
+    orch.close()
+
+
+def test_runner_errors_reach_the_caller_and_free_the_unit():
+    orch = ToolOrchestrator(make_scheduler("tangram", [ResourceSpec("reward", 1)]),
+                            {"reward": EndpointRunner("http://127.0.0.1:9/score", timeout_s=1.0)})
+    with pytest.raises(EndpointError, match="unreachable"):
+        orch.submit("t", "reward", "reward", {"x": 1}).result(timeout=10)
+    assert orch.scheduler.running == {}
+    orch.close()
+
+
+def test_scorer_failure_is_an_http_error_with_the_reason():
+    server = serve_scorer(lambda p: 1 / 0)
+    try:
+        with pytest.raises(EndpointError, match="500.*ZeroDivisionError"):
+            EndpointRunner(server.url).run(0, {})
+    finally:
+        server.close()
+
+
+def test_orchestrator_from_config_uses_the_tools_section(scorer):
+    cfg = validate_config({"tools": {"max_workers": 2, "wall_time_s": 3.0, "quotas": {"search": 1},
+                                     "reward_endpoint": scorer.url, "reward_concurrency": 3, "uid_base": UID_BASE + 10,
+                                     "policy": "tangram", "expected_s": {"python": 0.2}},
+                           "scheduler": {"size_thresholds": [4]}})
+    orch = orchestrator_from_config(cfg.tools, cfg.scheduler)
+    assert {n: p.spec.max_units for n, p in orch.scheduler.pools.items()} == {"cpu": 2, "reward": 3}
+    assert orch.scheduler.estimator.expected("python") == 0.2 and orch.scheduler.quotas == {"search": 1}
+    result = orch.submit("t", "python", "cpu", "print('hello')").result(timeout=30)
+    assert result.state.key() == "python|L|success"  # 6 characters ≥ the single threshold 4
+    assert orch.submit("t", "reward", "reward", {"answer": "a", "reference": "a"}).result(timeout=10)["reward"] == 1.0
+    orch.close()
+    with pytest.raises(ValueError, match="no runner for resource kinds"):
+        ToolOrchestrator(make_scheduler("tangram", [ResourceSpec("gpu", 1)]), {"cpu": SleepRunner()})
