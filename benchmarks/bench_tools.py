@@ -107,6 +107,13 @@ def real_run(trace, policy: str, cpu: int, reward: int, uid_base: int, scorer_ur
 
 
 
+def sandbox_overhead(uid: int, runs: int = 10) -> float:
+    """Median wall seconds of a sandboxed call that does nothing (bwrap + interpreter start, reaping)."""
+    sandbox = SandboxRunner(SandboxLimits(), uid_base=uid).slot(0)
+    walls = sorted(sandbox.run_python("pass").wall_s for _ in range(runs))
+    return walls[len(walls) // 2]
+
+
 def slow_scorer(payload):
     time.sleep(payload["seconds"])
     return {"reward": 1.0}
@@ -170,6 +177,8 @@ def main() -> None:
                                      args.real_scale) for policy in POLICIES}
         finally:
             server.close()
+        overhead = sandbox_overhead(230100)
+        print(f"\n  one trivial sandboxed call (python -I -c pass in bwrap), median of 10: {overhead:.3f} s")
         show(f"real bwrap sandboxes, {args.real_trajectories} trajectories, {args.real_cpu} sandboxes, "
              f"time x{args.real_scale}", real)
         predicted = {policy: replay(scheduler(policy, args.real_cpu, args.reward, 0.0, 0.5, args.real_scale), small)
@@ -179,7 +188,7 @@ def main() -> None:
         out.update({"real_act_ratio": real["dedicated"]["mean"] / real["tangram"]["mean"],
                     "real_p99_act_ratio": real["dedicated"]["p99"] / real["tangram"]["p99"],
                     "real_held_ratio": real["dedicated"]["held"] / real["tangram"]["held"],
-                    "real_tangram_mean_act_s": real["tangram"]["mean"]})
+                    "real_tangram_mean_act_s": real["tangram"]["mean"], "sandbox_overhead_s": overhead})
     print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in out.items()}))
 
 

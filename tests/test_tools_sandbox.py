@@ -190,6 +190,8 @@ def test_rlimit_fallback_reaps_loops_daemons_and_bombs(rlimit_sandbox):
     assert_contained(rlimit_sandbox, daemon)
     bomb = rlimit_sandbox.run_python("import os\nwhile True: os.fork()")
     assert_contained(rlimit_sandbox, bomb)
+    litter = rlimit_sandbox.run_python("open('/dev/shm/libra-test-litter', 'w').write('x')")
+    assert litter.state.status == "success" and not os.path.exists("/dev/shm/libra-test-litter")
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="the fallback's dedicated uid needs root")

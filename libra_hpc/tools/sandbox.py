@@ -60,6 +60,29 @@ def world_reachable(path: str) -> bool:
     return True
 
 
+_SHARED_WRITABLE = ("/tmp", "/var/tmp", "/dev/shm")
+
+
+def _remove_files_of(uid: int) -> None:
+    """rlimit mode: delete what the slot uid left in the host's world-writable directories
+    (bwrap sandboxes only ever write to their own tmpfs)."""
+    for folder in _SHARED_WRITABLE:
+        try:
+            entries = list(os.scandir(folder))
+        except OSError:
+            continue
+        for entry in entries:
+            try:
+                if entry.stat(follow_symlinks=False).st_uid != uid:
+                    continue
+                if entry.is_dir(follow_symlinks=False):
+                    shutil.rmtree(entry.path, ignore_errors=True)
+                else:
+                    os.unlink(entry.path)
+            except OSError as err:
+                log.warning("could not remove %s left by sandbox uid %d: %s", entry.path, uid, err)
+
+
 @dataclass(frozen=True)
 class ToolResult:
     """The outcome of one tool call, as the model and C-MLFQ see it."""
@@ -161,6 +184,8 @@ class Sandbox:
             return self._supervise(argv, env, cwd, user, marker, tool)
         finally:
             shutil.rmtree(host_dir, ignore_errors=True)
+            if self.isolation == "rlimit" and self.uid is not None:
+                _remove_files_of(self.uid)
 
     def _supervise(self, argv, env, cwd, user, marker, tool) -> ToolResult:
         start = time.monotonic()
