@@ -7,8 +7,8 @@ exported HF weights' log-probs under plain transformers (rank 0); then a dist ch
 
 ``sync`` (3 ranks): ranks 0-1 train at TP=2, rank 2 is a rollout instance leader. After
 the steps, rank 0 (the export holder) pushes the HF weights to rank 2 over an MPI
-communicator {0, 2}; rank 2 loads them into its rollout engine (vLLM when
-``libra_hpc.engines.rollout`` exists, else transformers) and scores the batch; then a
+communicator {0, 2}; rank 2 loads them into its vLLM rollout engine (started while ranks
+0-1 train) and scores the batch; then a
 mixed-dtype push with tiny buckets checks the wire format bit for bit.
 
 Rank 0 writes OUT/result.json. Helpers used by both this script and the tests live here
@@ -99,24 +99,12 @@ def scenario_tp2(comm, model_dir: Path, out: Path) -> None:
     engine.shutdown()
 
 
-def _rollout_logprobs(model_dir: Path, tokens: torch.Tensor, weights):
-    """(engine kind, log-probs before the update, log-probs after ``update_weights``)."""
-    try:
-        from libra_hpc.engines.rollout import VllmRolloutEngine
-    except ImportError:
-        VllmRolloutEngine = None
-    if VllmRolloutEngine is None:  # rollout engine not built yet: transformers stands in
-        before = hf_logprobs(model_dir, tokens)
-        state = dict(weights)
-        return "transformers", before, hf_logprobs(model_dir, tokens, state)
-    engine = VllmRolloutEngine(str(model_dir), tp=1, dtype="float32", seed=0)
-    try:
-        sequences = tokens.tolist()
-        before = _as_tensor(engine.score(sequences))
-        engine.update_weights(weights)
-        return "vllm", before, _as_tensor(engine.score(sequences))
-    finally:
-        engine.shutdown()
+def _wait(comm) -> None:
+    """A barrier that sleeps instead of spinning (MPICH polls a core while it waits, and
+    this machine has two)."""
+    request = comm.Ibarrier()
+    while not request.Test():
+        time.sleep(0.005)
 
 
 def _as_tensor(scores) -> torch.Tensor:
@@ -143,25 +131,33 @@ def scenario_sync(comm, model_dir: Path, out: Path) -> None:
         engine, tokens, before, stats, after = _training(train_comm, model_dir)
         exported = engine.export_hf()
         if rank == 0:
+            _wait(sync_comm)  # the leader's engine is up: the push below times the transfer alone
             sync = push_weights(sync_comm, exported, root=0)
-            comm.send({"tokens": tokens, "after": after, "losses": [s.loss for s in stats],
-                       "push": sync.__dict__}, dest=2)
+            comm.send({"after": after}, dest=2)
             mixed = push_weights(sync_comm, _mixed_tensors(), root=0, bucket_bytes=128)
             result = comm.recv(source=2)
-            result.update({"push_mixed_buckets": mixed.buckets, "losses": [s.loss for s in stats]})
+            result.update({"push": sync.__dict__, "push_mixed_buckets": mixed.buckets,
+                           "losses": [s.loss for s in stats]})
             (out / "result.json").write_text(json.dumps(result))
         engine.shutdown()
         return
+    from libra_hpc.engines.rollout import VllmRolloutEngine
+
+    engine = VllmRolloutEngine(str(model_dir), tp=1, dtype="float32", seed=0)  # starts while ranks 0-1 train
+    tokens, _, _ = fixed_batch(engine.vocab_size)
+    before = _as_tensor(engine.score(tokens.tolist()))
+    _wait(sync_comm)
     pulled: list = []
-    weights = pull_weights(sync_comm, root=0, stats=pulled)
-    got = comm.recv(source=0)  # the holder sends its log-probs after the weights
-    kind, before, after = _rollout_logprobs(model_dir, got["tokens"], weights)
+    engine.update_weights(pull_weights(sync_comm, root=0, stats=pulled))
+    after = _as_tensor(engine.score(tokens.tolist()))
+    engine.shutdown()
+    got = comm.recv(source=0)
     mixed = dict(pull_weights(sync_comm, root=0))
     expected = _mixed_tensors()
     exact = sorted(k for k in expected if mixed[k].dtype == expected[k].dtype and torch.equal(mixed[k], expected[k]))
-    comm.send({"rollout": kind, "rollout_vs_trained": (after - got["after"]).abs().max().item(),
+    comm.send({"rollout": type(engine).__name__, "rollout_vs_trained": (after - got["after"]).abs().max().item(),
                "rollout_before_vs_trained": (before - got["after"]).abs().max().item(),
-               "pull": pulled[0].__dict__ if pulled else None, "push": got["push"],
+               "pull": pulled[0].__dict__ if pulled else None,
                "mixed_exact": exact, "mixed_names": sorted(mixed)}, dest=0)
 
 

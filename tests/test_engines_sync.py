@@ -1,0 +1,83 @@
+"""Weight sync training → rollout: the bucket plan alone, then for real in a 3-rank MPI
+world (tests/train_world.py sync): ranks 0-1 train the tiny model at TP=2, the export
+holder pushes the HF weights over MPI to rank 2, a vLLM rollout leader, whose score()
+must then match the trained Megatron log-probs."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from libra_hpc.engines.sync import plan_buckets
+
+HERE = Path(__file__).resolve().parent
+
+
+def test_buckets_keep_order_align_tensors_and_respect_the_size():
+    weights = {"a": torch.zeros(10), "b": torch.zeros(3, dtype=torch.bfloat16), "c": torch.zeros(100),
+               "d": torch.zeros(7, dtype=torch.int64), "e": torch.zeros(0)}
+    entries, sizes = plan_buckets(weights, bucket_bytes=256)
+    assert [e.name for e in entries] == list(weights)
+    assert [e.bucket for e in entries] == [0, 0, 1, 2, 2]  # c (400 B) is larger than a bucket: alone
+    assert all(e.offset % 64 == 0 for e in entries)
+    assert [e.nbytes for e in entries] == [40, 6, 400, 56, 0]
+    assert sizes[0] == 64 + 6 and sizes[1] == 400 and all(s <= 256 for i, s in enumerate(sizes) if i != 1)
+    for e in entries:  # no two tensors of a bucket overlap
+        assert all(o.bucket != e.bucket or o is e or o.offset >= e.offset + e.nbytes or e.offset >= o.offset + o.nbytes
+                   for o in entries)
+    assert entries[1].dtype == "bfloat16" and entries[3].shape == (7,)
+    with pytest.raises(ValueError, match="bucket_bytes=0"):
+        plan_buckets(weights, bucket_bytes=0)
+
+
+def test_push_refuses_a_rank_that_is_not_the_root():
+    from mpi4py import MPI
+
+    from libra_hpc.engines.sync import push_weights
+
+    with pytest.raises(ValueError, match="root=1"):
+        push_weights(MPI.COMM_SELF, {"a": torch.zeros(1)}, root=1)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    from libra_hpc.engines.tiny import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("tiny") / "model", seed=0)
+
+
+@pytest.mark.mpi
+def test_trained_weights_reach_the_vllm_leader_and_its_logprobs_match(tiny, tmp_path):
+    from libra_hpc.cluster.local import remove_stale_shm
+
+    started = time.time()
+    process = subprocess.Popen(["mpiexec", "-n", "3", sys.executable, "-m", "mpi4py", str(HERE / "train_world.py"),
+                                "sync", str(tiny), str(tmp_path)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                               text=True, cwd=HERE.parent, start_new_session=True)
+    try:
+        log, _ = process.communicate(timeout=300)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        log, _ = process.communicate()
+        remove_stale_shm(started - 1)
+        pytest.fail(f"the sync world hung:\n{log[-4000:]}")
+    assert process.returncode == 0, log[-4000:]
+    result = json.loads((tmp_path / "result.json").read_text())
+    assert result["rollout"] == "VllmRolloutEngine"
+    assert result["rollout_vs_trained"] < 1e-4  # after the sync: the trained policy, to fp32 precision
+    assert result["rollout_before_vs_trained"] > 1e-2  # before it: visibly the old policy
+    losses = result["losses"]
+    assert all(b < a for a, b in zip(losses, losses[1:])), losses
+    config = json.loads((tiny / "config.json").read_text())
+    assert result["pull"]["tensors"] == result["push"]["tensors"] == 3 + 12 * config["num_hidden_layers"]
+    assert result["pull"]["bytes"] == result["push"]["bytes"] > 0
+    assert result["mixed_exact"] == result["mixed_names"] and len(result["mixed_names"]) == 7
+    assert result["push_mixed_buckets"] > 1
