@@ -1,1 +1,14 @@
-"""Discrete-event simulator driving the same planner and scheduler objects (not built yet)."""
+"""Discrete-event cluster simulator driving the same planner, hybrid pool and C-MLFQ objects
+as the live runtime (libra_hpc.planner, libra_hpc.scheduler).
+
+engine (event loop) · instance (continuous batching) · rollout (instances + queue service
++ tools) · controller (RL pipeline, replanning, hybrid pool) · policies · search (best
+static baselines) · workload / trace (what runs) · report (outputs).
+``python -m libra_hpc.sim --config configs/sim/<scenario>.yaml --out logs/sim-<name>``.
+"""
+
+from libra_hpc.sim.config import SimConfig, SimConfigError, load_sim_config, validate_sim_config
+from libra_hpc.sim.run import ScenarioResult, run_policy, run_scenario
+
+__all__ = ["ScenarioResult", "SimConfig", "SimConfigError", "load_sim_config", "run_policy", "run_scenario",
+           "validate_sim_config"]

@@ -50,15 +50,23 @@ class StepModel(Protocol):
 class CostStepModel:
     """The planner's roofline cost model of one instance shape (libra_hpc.planner.costs)."""
 
+    QUANTUM = 256
+    """KV tokens per memo cell: the context is rounded to this (a relative error below
+    1e-3 on a step at any realistic context) so step times are computed once per cell."""
+
     def __init__(self, cost: RolloutCost):
         if cost.infeasible:
             raise ValueError(f"rollout instance cannot run: {cost.infeasible}")
         self.cost = cost
         self.kv_capacity = cost.kv_capacity_tokens
-        self._prefill: dict[int, float] = {}
+        self._steps: dict[tuple[int, int], float] = {}
 
     def step_s(self, batch: int, context_tokens: float) -> float:
-        return self.cost.decode_step_s(batch, context_tokens)
+        key = (batch, int(context_tokens) // self.QUANTUM)
+        value = self._steps.get(key)
+        if value is None:
+            value = self._steps[key] = self.cost.decode_step_s(batch, key[1] * self.QUANTUM + self.QUANTUM / 2)
+        return value
 
     def prefill_s(self, tokens: int) -> float:
         return self.cost.prefill_s(tokens) if tokens else 0.0

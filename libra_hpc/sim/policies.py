@@ -24,7 +24,7 @@ from __future__ import annotations
 import logging
 import math
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 from libra_hpc.planner.gate import GateOptions, ReplanGate
@@ -81,7 +81,9 @@ class Planner:
         tps = ctx.tps
         if setup.single_tp:
             tps = (self._best_single_tp(),)
-        self.options = PlannerOptions(rollout_tps=tps, min_rollout_gpus=p.min_rollout_gpus)
+        self.options = PlannerOptions(rollout_tps=tps, min_rollout_gpus=p.min_rollout_gpus, refine_top=6)
+        self.min_gap = 1 if setup.clairvoyant else max(1, gate.every_steps // 5)
+        self.last_check = -(10 ** 9)
         self.considered: list[dict] = []
 
     def _prior(self):
@@ -105,13 +107,31 @@ class Planner:
             raise PlanError("no single rollout TP size gives a plan for the prior")
         return best[1]
 
+    def step_objective(self, t_train: float, t_rollout: float) -> float:
+        """Steady-state step time of the simulated pipeline with staleness ``k``: training
+        step ``s`` ends at max(end(s - k - 1) + T_rollout, end(s - 1)) + T_train, so a step
+        takes max(T_train, (T_rollout + T_train) / (k + 1)) (k = 0: their sum)."""
+        k = self.ctx.cfg.rl.max_staleness
+        return max(t_train, (t_rollout + t_train) / (k + 1))
+
     def _plan(self, lengths, options: PlannerOptions | None = None):
-        """plan() on ``lengths``; training sequences are packed to the profile's mean length
-        (as the simulated training step is costed)."""
+        """The better of plan()'s asynchronous and synchronous searches on ``lengths`` under
+        :meth:`step_objective` (adaptation: plan()'s async objective max(T_train,
+        T_rollout) assumes one batch in flight; with overlapping batches the step is a mix
+        of both objectives, and the sync search minimises T_train + T_rollout, the
+        rollout-bound case). Its ``plan.objective`` is replaced by the step objective.
+        Training sequences are packed to the profile's mean length, as the simulated
+        training step is costed."""
         c = self.ctx.cfg.cluster
         batch = RLBatch(self.global_batch, math.ceil(lengths.mean_seq_tokens))
-        return plan(self.ctx.model, self.ctx.hw, c.nodes, c.gpus_per_node, lengths, batch, mode="async",
-                    options=options or self.options, calibration=self.ctx.cal)
+        best = None
+        for mode in ("async", "sync"):
+            r = plan(self.ctx.model, self.ctx.hw, c.nodes, c.gpus_per_node, lengths, batch, mode=mode,
+                     options=options or self.options, calibration=self.ctx.cal)
+            obj = self.step_objective(r.plan.t_train, r.plan.t_rollout)
+            if best is None or obj < best[0]:
+                best = (obj, replace(r, plan=replace(r.plan, objective=obj)))
+        return best[1]
 
     def initial(self) -> Allocation:
         """The first allocation: from the prior (clairvoyant: from batch 0's true lengths)."""
@@ -129,8 +149,9 @@ class Planner:
         better plan, else None. The plan is for the next batch (clairvoyant: its true lengths)."""
         if not self.setup.replan or not self.window or current.plan is None:
             return None
-        if not self.gate.due(step, pressure):
-            return None
+        if step - self.last_check < self.min_gap or not self.gate.due(step, pressure):
+            return None  # pressure checks at most every every_steps // 5 steps (each costs a plan search)
+        self.last_check = step
         nxt = step + 1
         if self.setup.clairvoyant:
             if nxt >= self.ctx.cfg.rl.steps:
@@ -145,6 +166,7 @@ class Planner:
             return None
         c = self.ctx.cfg.cluster
         now_plan = reprice(current.plan, self.ctx.model, self.ctx.hw, c.gpus_per_node, lengths, self.ctx.cal)
+        now_plan = replace(now_plan, objective=self.step_objective(now_plan.t_train, now_plan.t_rollout))
         decision = self.gate.consider(step, now_plan.objective, candidate, self.ctx.cfg.costs.reconfig_s, pressure,
                                       current=current.plan)
         self.considered.append({"step": step, "kind": "replan_check", "trigger": decision.trigger,

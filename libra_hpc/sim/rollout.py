@@ -134,7 +134,7 @@ class RolloutSide:
             raise RuntimeError(f"rollout reconfigured with {len(self.active)} trajectories in flight")
         layout = tuple(layout)
         limits = self._limits(layout, lengths)
-        if layout == self.layout and limits == self.limits and self.service is not None:
+        if layout == self.layout and self.service is not None and not _moved(self.limits, limits):
             return
         old_router = self.router
         self._busy_retired = self.busy_gpu_s()
@@ -371,6 +371,13 @@ class RolloutSide:
             self._scheduled[inst.iid] = inst.version
             time, target = inst.wake_at
             events.append(Wake(time, self, inst.iid, inst.version, target))
+
+
+def _moved(old: dict[int, int], new: dict[int, int], factor: float = 1.5) -> bool:
+    """Limits changed enough to rebuild the router (a rebuild reloads the causal index)."""
+    if old.keys() != new.keys():
+        return True
+    return any(max(a, b) > factor * min(a, b) for a, b in ((old[k], new[k]) for k in old))
 
 
 def share_limits(layout: tuple[InstanceSpec, ...], lengths: list[int]) -> dict[int, int]:

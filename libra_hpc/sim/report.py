@@ -1,0 +1,178 @@
+"""A scenario's output folder: metrics and events as JSONL, summary.json, report.md, plots.
+
+    <out>/config.yaml                 the scenario as run (after overrides)
+    <out>/summary.json                per policy summary, throughput ratios, workload shape
+    <out>/metrics-<policy>.jsonl      one object per RL step (libra_hpc/sim/recorder.py)
+    <out>/events-<policy>.jsonl       allocations, plans considered, hybrid-pool transitions
+    <out>/queue-<policy>.jsonl        queue depth and running sequences, sampled
+    <out>/report.md                   comparison table, ratios, searches, assumptions
+    <out>/allocation.png, throughput.png, step_cdf.png   (when matplotlib is installed)
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import yaml
+
+from libra_hpc.sim.run import ScenarioResult
+
+log = logging.getLogger(__name__)
+
+ASSUMPTIONS = (
+    "Decode step time is the planner's roofline cost model (libra_hpc/planner/costs.py, default calibration: "
+    "70% of HBM bandwidth, 2 ms per-step overhead) at the running batch and its KV tokens, held constant between "
+    "changes of the batch and re-priced at least every `costs.resync_steps` steps.",
+    "Joining sequences stall the instance for their prefill (the cost model's FLOP-bound prefill). A turn that runs "
+    "where the trajectory's previous turn ran prefills only the tool output (prefix cache); a first turn, a "
+    "migrated turn or a turn on another instance recomputes the whole context.",
+    "KV admission by reservation: a sequence joins only if its context plus its whole turn fits the instance's KV "
+    "capacity beside the running ones (no preemption; a sequence alone always runs); at most "
+    "`costs.max_num_seqs` sequences per instance.",
+    "Training step time is the planner's Megatron cost model at the batch's mean (packed) sequence length; no "
+    "stragglers, no failures. Asynchronous policies pull new weights once per new version "
+    "(`costs.weight_sync_s`, default: bf16 weights over one inter-node link).",
+    "Asynchronous policies keep trajectories whole (no partial rollouts): batch i starts when training step "
+    "i - k - 1 is done (k = `rl.max_staleness`); colocated pays `costs.colocate_switch_s` per step.",
+    "A plan change drains rollout and then stalls `costs.reconfig_s`; a hybrid replica drains its instances, "
+    "fetches the training state (`costs.hybrid_fetch_s`, default: weights + gradients + Adam shard over one "
+    "inter-node link), joins with one zero-gradient step.",
+    "Tool calls run on an unbounded sandbox pool unless `costs.tool_slots` is set; tool outputs are 4 characters "
+    "per token for the size classes the scheduler sees.",
+    "Bucket token limits follow the layout's GPU shares (`scheduler.bucket_limits: share`) unless fixed.",
+    "The planner plans for pipelined rollout and training without batch overlap (its async objective "
+    "max(T_train, T_rollout)); the simulated pipeline overlaps up to k + 1 batches.",
+    "The workload is synthetic (libra_hpc/sim/workload.py); every number in the scenario file says whether it is "
+    "sourced or an assumption.",
+)
+
+
+def write_outputs(result: ScenarioResult, out: str | Path, plots: bool = True) -> Path:
+    """Write every file of the output folder; returns the report path."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.yaml").write_text(yaml.safe_dump(result.cfg.model_dump(mode="json"), sort_keys=False))
+    for name, rec in result.runs.items():
+        _jsonl(out / f"metrics-{name}.jsonl", rec.rows)
+        _jsonl(out / f"events-{name}.jsonl", rec.events)
+        _jsonl(out / f"queue-{name}.jsonl", [{"t": t, "queued": q, "running": r} for t, q, r in rec.queue_samples])
+    summary = {"scenario": result.cfg.name, "seed": result.cfg.seed, "wall_s": result.wall_s,
+               "ratios": ratios(result), "workload": result.workload, "initial": result.initial,
+               "policies": {n: r.summary for n, r in result.runs.items()}, "searches": result.searches}
+    (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    images = make_plots(result, out) if plots else []
+    path = out / "report.md"
+    path.write_text(render(result, images))
+    return path
+
+
+def ratios(result: ScenarioResult) -> dict:
+    """Throughput ratios of Libra over the baselines and over the oracle."""
+    return {"libra_vs_colocated": result.ratio("libra", "colocated"),
+            "libra_vs_async_static": result.ratio("libra", "async_static"),
+            "libra_vs_oracle": result.ratio("libra", "oracle")}
+
+
+def _jsonl(path: Path, rows: list[dict]) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        for row in rows:
+            f.write(json.dumps(row, default=str) + "\n")
+
+
+def table(result: ScenarioResult) -> list[str]:
+    """The comparison table as markdown lines."""
+    head = ("| policy | tokens/s | traj/s | step s (median) | step s (p90) | rollout s | train s | rollout busy | "
+            "migrations | replans | hybrid moves | sim wall s |")
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for name, rec in result.runs.items():
+        s = rec.summary
+        lines.append(f"| {name} | {s['tokens_per_s']:.0f} | {s['trajectories_per_s']:.3f} | {s['step_s_median']:.0f} | "
+                     f"{s['step_s_p90']:.0f} | {s['rollout_s_mean']:.0f} | {s['train_s_mean']:.0f} | "
+                     f"{s['rollout_busy_mean']:.2f} | {s['migrations']} | {s['replans']} | {s['hybrid_transitions']} | "
+                     f"{s['wall_s']:.1f} |")
+    return lines
+
+
+def render(result: ScenarioResult, images: list[str]) -> str:
+    cfg = result.cfg
+    c = cfg.cluster
+    lines = [f"# Simulator report: {cfg.name}", "",
+             f"{c.nodes} × {c.gpus_per_node} {c.hardware} GPUs, {c.model}, {cfg.rl.steps} RL steps of "
+             f"{cfg.rl.prompts_per_step} prompts × {cfg.rl.group_size} samples, staleness {cfg.rl.max_staleness}, "
+             f"seed {cfg.seed}. Workload: {'trace ' + cfg.trace if cfg.trace else 'synthetic'}. "
+             f"Simulated in {result.wall_s:.1f} s of wall time.", "",
+             "## Comparison", "", *table(result), ""]
+    r = ratios(result)
+    lines += ["Throughput ratios (generated tokens/s): "
+              + ", ".join(f"{k} = {v:.2f}" for k, v in r.items() if v is not None), ""]
+    lines += ["Starting allocation of each policy:", ""]
+    lines += [f"- {name}: {desc}" for name, desc in result.initial.items()] + [""]
+    w = result.workload
+    if w:
+        lines += ["## Workload", "", "| batch | trajectories | gen median | p90 | p99 | p99/median | mean turns | "
+                  "tool failure share | mean tool s |", "|---|---|---|---|---|---|---|---|---|"]
+        for k, v in w.items():
+            lines.append(f"| {k} | {v['trajectories']} | {v['gen_median']} | {v['gen_p90']} | {v['gen_p99']} | "
+                         f"{v['p99_over_median']:.1f} | {v['mean_turns']:.1f} | {v['failure_share']:.2f} | "
+                         f"{v['mean_tool_s']:.1f} |")
+        lines.append("")
+    for name, rows in result.searches.items():
+        lines += [f"## Search: {name}", "", "| candidate | middle step s | all sample steps s |", "|---|---|---|"]
+        lines += [f"| {row['candidate']} | {row['stage1_s']} | {row.get('score_s', '')} |" for row in rows]
+        lines.append("")
+    if images:
+        lines += ["## Plots", ""] + [f"![{i}]({i})" for i in images] + [""]
+    lines += ["## Assumptions", ""] + [f"- {a}" for a in ASSUMPTIONS] + [""]
+    return "\n".join(lines)
+
+
+def make_plots(result: ScenarioResult, out: Path) -> list[str]:
+    """allocation.png, throughput.png, step_cdf.png; [] when matplotlib is missing."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        log.warning("matplotlib is not installed: no plots (pip install matplotlib)")
+        return []
+    names = list(result.runs)
+    fig, ax = plt.subplots(figsize=(8, 4))
+    for name in names:
+        tl = result.runs[name].timeline
+        if not tl:
+            continue
+        end = result.runs[name].summary["sim_time_s"]
+        xs = [e["t"] / 3600 for e in tl] + [end / 3600]
+        ys = [e["rollout_gpus"] for e in tl] + [tl[-1]["rollout_gpus"]]
+        ax.step(xs, ys, where="post", label=name)
+    ax.set_xlabel("simulated time (h)")
+    ax.set_ylabel("GPUs serving rollout")
+    ax.set_title(f"{result.cfg.name}: rollout GPUs over time (the rest train)")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out / "allocation.png", dpi=100)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(8, 4))
+    ax.bar(names, [result.runs[n].summary["tokens_per_s"] for n in names])
+    ax.set_ylabel("generated tokens/s")
+    ax.set_title(f"{result.cfg.name}: throughput per policy")
+    ax.tick_params(axis="x", rotation=30, labelsize=7)
+    fig.tight_layout()
+    fig.savefig(out / "throughput.png", dpi=100)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(8, 4))
+    for name in names:
+        steps = sorted(r["step_s"] for r in result.runs[name].rows)
+        ax.plot(steps, [(i + 1) / len(steps) for i in range(len(steps))], label=name)
+    ax.set_xlabel("step time (s)")
+    ax.set_ylabel("CDF")
+    ax.set_title(f"{result.cfg.name}: step-time CDF")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out / "step_cdf.png", dpi=100)
+    plt.close(fig)
+    return ["allocation.png", "throughput.png", "step_cdf.png"]
