@@ -29,8 +29,9 @@ from __future__ import annotations
 import logging
 import time as wallclock
 from collections import deque
+from collections.abc import Callable
 
-from libra_hpc.planner.costs import TrainingCost
+from libra_hpc.planner.costs import TrainingCost, TrainShape
 from libra_hpc.sim.context import Allocation, Context
 from libra_hpc.sim.engine import Event, EventLoop
 from libra_hpc.sim.policies import Planner, PolicySetup
@@ -74,8 +75,11 @@ class PolicyRun:
     """One policy over ``steps`` RL steps from ``alloc`` (planned policies: ``planner``)."""
 
     def __init__(self, ctx: Context, setup: PolicySetup, alloc: Allocation, steps: int,
-                 planner: Planner | None = None):
+                 planner: Planner | None = None, train_time: Callable[[TrainShape, float], float] | None = None):
+        """``train_time(shape, mean_tokens)``: seconds of a training step (default: the
+        planner's training cost model; tests inject fixed times)."""
         self.ctx, self.setup, self.alloc, self.steps, self.planner = ctx, setup, alloc, steps, planner
+        self.train_time = train_time or (lambda shape, tokens: step_s(ctx.model, ctx.hw, shape, tokens, ctx.cal))
         self.cfg = ctx.cfg
         self.loop = EventLoop()
         self.rollout = RolloutSide(ctx.step_models, self.cfg.scheduler, self.cfg.costs, setup.router, self.cfg.seed,
@@ -198,7 +202,7 @@ class PolicyRun:
         batch = self.ctx.batch(j)
         mean_tokens = sum(t.total_tokens for t in batch) / len(batch)
         shape = self._shape()
-        seconds = step_s(self.ctx.model, self.ctx.hw, shape, mean_tokens, self.ctx.cal)
+        seconds = self.train_time(shape, mean_tokens)
         self.training = True
         self.batch_info[j].update(train_start=start, train_s=seconds, train_gpus=shape.gpus,
                                   gen_tokens=sum(t.gen_tokens for t in batch), trajectories=len(batch))

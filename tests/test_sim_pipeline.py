@@ -1,0 +1,98 @@
+"""The rollout side through the real queue service, and the RL pipeline's steady state,
+on cases computed by hand (fixed step times injected; the cost models are tested in
+tests/test_planner_costs.py)."""
+
+from __future__ import annotations
+
+import statistics
+
+import pytest
+
+from libra_hpc.planner.costs import TrainShape
+from libra_hpc.sim.config import CostSpec, SchedulerSpec, validate_sim_config
+from libra_hpc.sim.context import Allocation, Context
+from libra_hpc.sim.controller import PolicyRun
+from libra_hpc.sim.engine import EventLoop
+from libra_hpc.sim.instance import ConstantStepModel
+from libra_hpc.sim.policies import SETUPS
+from libra_hpc.sim.rollout import InstanceSpec, RolloutSide, share_limits
+from libra_hpc.sim.trace import write_trace
+from libra_hpc.sim.workload import ToolCall, Trajectory
+
+SCHED = SchedulerSpec(bucket_token_limits={1: 1 << 30}, bucket_limits="fixed")
+
+
+def rollout(trajectories, model, seats=256, policy="cmlfq"):
+    """Roll one batch out on one TP1 instance; returns (batch end time, side)."""
+    ended = {}
+    side = RolloutSide({1: model}, SCHED, CostSpec(max_num_seqs=seats), policy, 0,
+                       lambda batch, now: ended.setdefault(batch, now) and None)
+    side.configure([InstanceSpec(1, 1)], 0.0)
+    loop = EventLoop()
+    loop.schedule_all(side.submit(0, trajectories, 0.0))
+    loop.run()
+    return ended[0], side
+
+
+def test_a_tool_call_holds_the_trajectory_and_its_outcome_reaches_the_scheduler():
+    # Turn 1: 10 steps of 10 ms; the tool fails after 1 s; turn 2 prefills only the 50
+    # output tokens (same instance, prefix cached) at 1 ms/token, then 10 steps: 1.25 s.
+    t = Trajectory("t0", "p0", 0, 0, 100, (10, 10), (ToolCall("bash", 1.0, "failure", 50),))
+    end, side = rollout([t], ConstantStepModel(0.01, prefill_per_token=0.001))
+    assert end == pytest.approx(0.1 + 0.1 + 1.0 + 0.05 + 0.1)  # first turn prefills the 100-token prompt
+    (done,) = side.service.drain_finished()
+    assert done.turn_tokens == (10, 10) and [s.status for s in done.states] == ["failure"]
+    assert side.gen_tokens == 20 and side.counts["tool_calls"] == 1
+
+
+def test_one_instance_batch_makespan_with_limited_seats():
+    # 4 single-turn trajectories of 10/20/30/40 tokens, 2 seats, 10 ms steps:
+    # 10 and 20 run; 30 joins at 0.1 (ends step 40), 40 joins at 0.2 (ends step 60) → 0.6 s.
+    batch = [Trajectory(f"t{n}", "p", 0, i, 1, (n,), ()) for i, n in enumerate((10, 20, 30, 40))]
+    end, side = rollout(batch, ConstantStepModel(0.01), seats=2)
+    assert end == pytest.approx(0.6)
+    assert side.service.stats()["completed"] == 4
+
+
+def test_share_limits_follow_gpu_shares_of_the_token_mass():
+    layout = (InstanceSpec(1, 1), InstanceSpec(2, 1), InstanceSpec(3, 2))  # TP1: 2 GPUs, TP2: 2 GPUs
+    # mass 1+2+3+4 = 10; TP1 holds half the GPUs: the limit is where the mass reaches 5 (at 3).
+    assert share_limits(layout, [4, 1, 3, 2]) == {1: 3, 2: 1 << 30}
+
+
+@pytest.fixture
+def pipeline_ctx(tmp_path):
+    """Each step: 4 single-turn trajectories of 100 tokens; one TP1 instance of 10 ms steps
+    and no prefill, so a batch rolls out in exactly M = 1.0 s."""
+    trajectories = [Trajectory(f"s{s}/p{i}/0", f"p{i}", s, 0, 10, (100,), ()) for s in range(12) for i in range(4)]
+    write_trace(tmp_path / "trace.jsonl", trajectories)
+
+    def make(staleness, switch=0.4):
+        cfg = validate_sim_config({
+            "name": "pipeline", "trace": str(tmp_path / "trace.jsonl"),
+            "cluster": {"nodes": 2, "gpus_per_node": 8},
+            "rl": {"steps": 12, "prompts_per_step": 4, "group_size": 1, "max_staleness": staleness, "seq_len": 4096},
+            "costs": {"weight_sync_s": 0.0, "colocate_switch_s": switch},
+            "scheduler": {"bucket_token_limits": {1: 1 << 30}, "bucket_limits": "fixed"}})
+        ctx = Context(cfg)
+        ctx.step_models = {1: ConstantStepModel(0.01)}
+        return ctx
+    return make
+
+
+def steady_step(ctx, policy, train_s, colocated=False):
+    alloc = Allocation(TrainShape(1, 1, 1, 1, 4, 128), (InstanceSpec(1, 1),), colocated)
+    rec = PolicyRun(ctx, SETUPS[policy], alloc, 12, train_time=lambda shape, tokens: train_s).run()
+    assert [r["rollout_s"] for r in rec.rows][:1] == pytest.approx([1.0])
+    return statistics.fmean(r["step_s"] for r in rec.rows[4:])
+
+
+@pytest.mark.parametrize("train_s, expected", [(0.5, 0.75), (3.0, 3.0)])
+def test_async_steady_state_is_max_of_training_and_half_the_cycle(pipeline_ctx, train_s, expected):
+    # Staleness 1: step s ends at max(end(s-2) + M, end(s-1)) + T, i.e. max(T, (M + T) / 2).
+    assert steady_step(pipeline_ctx(1), "async_static", train_s) == pytest.approx(expected)
+
+
+def test_zero_staleness_serialises_and_colocated_adds_the_switch(pipeline_ctx):
+    assert steady_step(pipeline_ctx(0), "async_static", 0.5) == pytest.approx(1.5)
+    assert steady_step(pipeline_ctx(1, switch=0.4), "colocated", 0.5, colocated=True) == pytest.approx(1.9)
