@@ -142,10 +142,12 @@ def mpi_main(args) -> None:
     from libra_hpc.scheduler.mpi_service import QueueClient, serve
     comm = MPI.COMM_WORLD
     rank = comm.Get_rank()
+    if rank and args.client_nice:
+        os.nice(args.client_nice)
     clients = comm.Split(MPI.UNDEFINED if rank == 0 else 1, rank)
     buckets = default_buckets()
     instances = [i for b in buckets for i in b.instances]
-    train, work = split_by_sample(generate(args.prompts, 16, SEED), 8)
+    train, work = split_by_sample(generate(args.mpi_prompts, 16, SEED), 8)
     by_tid = {t.tid: t for t in work}
     out = {}
 
@@ -156,7 +158,7 @@ def mpi_main(args) -> None:
         if rank == 0:
             mine = server()
         else:
-            queue = QueueClient(comm, poll_s=poll_s)
+            queue = QueueClient(comm, poll_s=None if poll_s < 0 else poll_s)
             mine = client(queue)
             clients.Barrier()
             if rank == 1:
@@ -171,33 +173,54 @@ def mpi_main(args) -> None:
         return service
 
     probe = report_of(work[0], 0) | {"lease": 1}
-    raw = phase(lambda: serve(comm, _Echo()), lambda queue: _raw_client(queue, probe, args.mpi_seconds))
     rotation = instances[rank - 1:] + instances[:rank - 1] if rank else []
-    for mode, poll_s in (("single", None), ("batched", None), ("batched_poll", args.poll_s)):
+    raw_rates = []
+    # Raw and batched service phases interleaved, best of each: the ratio is taken between
+    # phases a few seconds apart, so a neighbour's load burst cannot favour one side.
+    for mode in ["raw", "batched"] * args.repeats + ["single"]:
+        if mode == "raw":
+            result = phase(lambda: serve(comm, _Echo(), idle_sleep_s=args.server_idle_sleep_s), lambda queue: _raw_client(queue, probe, args.mpi_seconds),
+                           args.client_poll_s)
+            if rank == 0:
+                counts = result[1]
+                raw_rates.append(sum(c for c, _ in counts) / max(s for _, s in counts))
+            continue
         service = full_service() if rank == 0 else None
-        batched = mode.startswith("batched")
-        result = phase(lambda service=service: (serve(comm, service), service.stats()),
-                       lambda queue, batched=batched: _client(queue, rotation, by_tid, batched=batched), poll_s)
+        batched = mode == "batched"
+        result = phase(lambda service=service: _timed_serve(comm, service, args.server_idle_sleep_s),
+                       lambda queue, batched=batched: _client(queue, rotation, by_tid, batched=batched),
+                       args.client_poll_s)
         if rank == 0:
-            (transport, stats), runs = result
+            (transport, stats, cpu_s), runs = result
             assert stats["completed"] == len(work), stats
             latencies = sorted(x for r in runs for x in r["latencies"])
             elapsed = max(r["elapsed"] for r in runs)
-            prefix = "" if mode == "single" else f"{mode}_"
+            prefix = "batched_" if batched else "single_"
+            if stats["decisions"] / elapsed < out.get(f"{prefix}decisions_per_s", 0):
+                continue  # an earlier repeat was faster
             out.update({f"{prefix}decisions_per_s": stats["decisions"] / elapsed,
                         f"{prefix}requests_per_s": transport["requests"] / elapsed,
                         f"{prefix}p50_ms": latencies[len(latencies) // 2] * 1e3,
                         f"{prefix}p99_ms": latencies[int(len(latencies) * 0.99)] * 1e3,
-                        f"{prefix}elapsed_s": elapsed})
-            if mode == "single":
-                out.update(decisions=stats["decisions"], trajectories=len(work), migrations=stats["migrations"],
-                           empty_asks=sum(r["empty_asks"] for r in runs))
+                        f"{prefix}elapsed_s": elapsed,
+                        f"{prefix}decisions_per_request": stats["decisions"] / transport["requests"],
+                        f"{prefix}server_cpu_us_per_decision": cpu_s / stats["decisions"] * 1e6,
+                        f"{prefix}server_cpu_share": cpu_s / elapsed})
+            out.update(decisions=stats["decisions"], trajectories=len(work), migrations=stats["migrations"],
+                       empty_asks=sum(r["empty_asks"] for r in runs))
     if rank == 0:
-        _, counts = raw
-        out["raw_msgs_per_s"] = sum(c for c, _ in counts) / max(s for _, s in counts)
+        out["raw_msgs_per_s"] = max(raw_rates)
         print("MPI_RESULT " + json.dumps(out), flush=True)
     else:
         clients.Free()
+
+
+def _timed_serve(comm, service, idle_sleep_s: float) -> tuple[dict, dict, float]:
+    """serve() with the server's CPU seconds (process time: the share of a core it got)."""
+    from libra_hpc.scheduler.mpi_service import serve
+    cpu = time.process_time()
+    transport = serve(comm, service, idle_sleep_s=idle_sleep_s)
+    return transport, service.stats(), time.process_time() - cpu
 
 
 def _raw_client(queue, probe: dict, seconds: float) -> tuple[int, float]:
@@ -210,11 +233,14 @@ def _raw_client(queue, probe: dict, seconds: float) -> tuple[int, float]:
 
 
 def _client(queue, instances: list[int], by_tid: dict, batched: bool) -> dict:
-    """Asks for the instances in rotation (its own first), so that every client stays busy
-    whatever each bucket's share of the work: the server, not one bucket, is the limit.
-    ``batched``: the reports of a batch of turns and the next ask go in one message.
+    """A client stands for the leaders of one instance per bucket (a node's engines): each
+    round it reports the turns it was handed (all generated in one engine step) and asks
+    for every instance, its own first, so that every client stays busy whatever each
+    bucket's share of the work: the server, not one bucket, is the limit. ``batched``: the
+    round is one message (batch op); otherwise one request per report and per ask.
     Latencies: round trips that carried a tool return."""
-    latencies, empty, backoff, asks, idle, turns = [], 0, 0.0, 0, 0, []
+    latencies, empty, backoff, turns = [], 0, 0.0, []
+    asks = [{"op": "ask", "instance": instance, "max": 16} for instance in instances]
     start = time.perf_counter()
     while True:
         reports = []
@@ -222,38 +248,38 @@ def _client(queue, instances: list[int], by_tid: dict, batched: bool) -> dict:
             message = report_of(by_tid[turn["tid"]], turn["turn"])
             message["lease"] = turn["lease"]
             reports.append(message)
-        ask = {"op": "ask", "instance": instances[asks % len(instances)], "max": 16}
-        asks += 1
         if batched:
             sent = time.perf_counter()
-            reply = queue.batch(reports + [ask])[-1]
+            replies = queue.batch(reports + asks)
             if any(r["op"] == "tool_return" for r in reports):
                 latencies.append(time.perf_counter() - sent)
+            assert all(reply["ok"] for reply in replies), [reply for reply in replies if not reply["ok"]]
+            replies = replies[len(reports):]
         else:
             for message in reports:
                 sent = time.perf_counter()
                 queue.request(message)
                 if message["op"] == "tool_return":
                     latencies.append(time.perf_counter() - sent)
-            reply = queue.request(ask)
-        turns = reply["turns"]
+            replies = [queue.request(ask) for ask in asks]
+        turns = [turn for reply in replies for turn in reply["turns"]]
         if turns:
-            idle, backoff = 0, 0.0
+            backoff = 0.0
             continue
-        if reply["active"] == 0:
+        if replies[-1]["active"] == 0:
             break
-        empty += 1
-        idle += 1
-        if idle >= len(instances):  # nothing anywhere: poll again after a growing backoff
-            backoff, idle = min(max(backoff * 2, 1e-4), 2e-3), 0
-            time.sleep(backoff)
+        empty += 1  # nothing anywhere: poll again after a growing backoff
+        backoff = min(max(backoff * 2, 1e-4), 2e-3)
+        time.sleep(backoff)
     return {"latencies": latencies, "elapsed": time.perf_counter() - start, "empty_asks": empty}
 
 
 def run_mpi(args) -> dict:
     # `-m mpi4py`: an exception on any rank aborts the world instead of hanging it.
     command = ["mpiexec", "-n", str(args.clients + 1), sys.executable, "-m", "mpi4py", str(Path(__file__).resolve()), "--mpi-part",
-               "--mpi-seconds", str(args.mpi_seconds), "--prompts", str(args.prompts), "--poll-s", str(args.poll_s)]
+               "--mpi-seconds", str(args.mpi_seconds), "--prompts", str(args.mpi_prompts), "--repeats", str(args.repeats),
+               "--client-poll-s", str(args.client_poll_s), "--client-nice", str(args.client_nice),
+               "--server-idle-sleep-s", str(args.server_idle_sleep_s)]
     done = subprocess.run(command, capture_output=True, text=True, timeout=300, check=False)
     lines = [line for line in done.stdout.splitlines() if line.startswith("MPI_RESULT ")]
     if done.returncode != 0 or not lines:
@@ -264,14 +290,24 @@ def run_mpi(args) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--clients", type=int, default=4, help="rollout instance leaders (MPI ranks besides the server)")
-    parser.add_argument("--mpi-seconds", type=float, default=3.0, help="duration of the raw request/reply phase")
-    parser.add_argument("--prompts", type=int, default=600, help="synthetic prompts (16 samples each, half for training)")
-    parser.add_argument("--poll-s", type=float, default=1e-5,
-                        help="QueueClient poll_s of the last service run (clients sleep instead of spinning)")
+    parser.add_argument("--mpi-seconds", type=float, default=2.0, help="duration of each raw request/reply phase")
+    parser.add_argument("--mpi-prompts", "--prompts", dest="mpi_prompts", type=int, default=1200,
+                        help="synthetic prompts of the MPI part (16 samples each, half for training)")
+    parser.add_argument("--repeats", type=int, default=2, help="raw and batched service phases, interleaved; best of each")
+    parser.add_argument("--client-poll-s", type=float, default=0.0,
+                        help="QueueClient poll_s of every client, raw phase included: 0 probes and yields the core, "
+                             "> 0 sleeps between probes, < 0 waits in MPI's (spinning) blocking receive")
+    parser.add_argument("--client-nice", type=int, default=0, help="niceness the client ranks give themselves")
+    parser.add_argument("--server-idle-sleep-s", type=float, default=2e-4,
+                        help="serve()'s idle_sleep_s (0: the server spins while idle)")
+    parser.add_argument("--mpi-only", action="store_true", help="only the MPI part; print its raw results")
     parser.add_argument("--mpi-part", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.mpi_part:
         return mpi_main(args)
+    if args.mpi_only:
+        print(json.dumps(run_mpi(args)))
+        return
     buckets = default_buckets()
     everything = generate(1000, 16, SEED)
     train, test = split_by_sample(everything, 4)
@@ -284,6 +320,9 @@ def main() -> None:
     results.update(bucket_accuracy=quality["bucket_accuracy"], top_level_accuracy=quality["top_level_accuracy"],
                    mean_level_error=quality["mean_level_error"])
     results.update(run_mpi(args))
+    results["decisions_per_s"], results["p99_ms"] = results["batched_decisions_per_s"], results["batched_p99_ms"]
+    poll = ("clients spin" if args.client_poll_s < 0 else "clients yield between probes" if args.client_poll_s == 0
+            else f"clients sleep {args.client_poll_s * 1e6:g} µs between probes")
     rows = [("routing cost, CmlfqRouter.place after a tool return", f"{results['route_us']:.2f} µs", "≤ 20 µs"),
             ("CmlfqRouter.observe per finish, rebuild every 1000 / never",
              f"{results['observe_us']:.1f} / {results['observe_no_rebuild_us']:.1f} µs", ""),
@@ -291,26 +330,24 @@ def main() -> None:
             ("rebuild of the causal index, 10k trajectories", f"{results['rebuild_10k_s']:.3f} s", "≤ 1 s"),
             ("bucket accuracy: cmlfq / always top level",
              f"{results['bucket_accuracy']:.3f} / {results['top_level_accuracy']:.3f}", "cmlfq higher"),
-            (f"MPI raw request/reply, {args.clients} clients", f"{results['raw_msgs_per_s']:,.0f} msgs/s", "the limit"),
-            ("MPI service, one request per report: requests", f"{results['requests_per_s']:,.0f} req/s", ""),
-            ("MPI service, one request per report: decisions", f"{results['decisions_per_s']:,.0f} decisions/s",
-             f"≥ {results['raw_msgs_per_s'] / 2:,.0f} (50% raw)"),
-            ("  decision latency p50 / p99", f"{results['p50_ms']:.3f} / {results['p99_ms']:.3f} ms", ""),
-            ("MPI service, batch op (reports + ask): decisions", f"{results['batched_decisions_per_s']:,.0f} decisions/s",
-             ""),
-            ("  batch round trip p50 / p99", f"{results['batched_p50_ms']:.3f} / {results['batched_p99_ms']:.3f} ms",
-             ""),
-            (f"  the same, clients sleep {args.poll_s * 1e6:g} µs between probes",
-             f"{results['batched_poll_decisions_per_s']:,.0f} decisions/s", "")]
+            (f"MPI raw request/reply, {args.clients} clients ({poll})", f"{results['raw_msgs_per_s']:,.0f} msgs/s",
+             "the limit"),
+            ("MPI service, batch op (an engine step's reports + ask)",
+             f"{results['batched_decisions_per_s']:,.0f} decisions/s", f"≥ {results['raw_msgs_per_s'] / 2:,.0f} (50% raw)"),
+            ("  requests / decisions per request", f"{results['batched_requests_per_s']:,.0f} req/s / "
+             f"{results['batched_decisions_per_request']:.1f}", ""),
+            ("  batch round trip p50 / p99", f"{results['batched_p50_ms']:.3f} / {results['batched_p99_ms']:.3f} ms", ""),
+            ("MPI service, one request per report", f"{results['single_decisions_per_s']:,.0f} decisions/s", ""),
+            ("  decision latency p50 / p99", f"{results['single_p50_ms']:.3f} / {results['single_p99_ms']:.3f} ms", "")]
     width = max(len(r[0]) for r in rows)
     print(f"{'measure':<{width}}  {'measured':>28}  target")
     for name, value, target in rows:
         print(f"{name:<{width}}  {value:>28}  {target}")
     print(f"(MPI: {results['trajectories']} trajectories, {results['decisions']} decisions, "
-          f"{results['migrations']} migrations, {results['empty_asks']} empty asks, {results['elapsed_s']:.2f} s; "
-          f"{os.cpu_count()} cores)")
+          f"{results['migrations']} migrations, {results['empty_asks']} empty asks, best of {args.repeats}; "
+          f"clients at nice {args.client_nice}; {os.cpu_count()} cores)")
     keys = ("decisions_per_s", "raw_msgs_per_s", "p99_ms", "route_us", "loop_decisions_per_s", "rebuild_10k_s",
-            "bucket_accuracy", "top_level_accuracy", "batched_decisions_per_s", "batched_poll_decisions_per_s")
+            "bucket_accuracy", "top_level_accuracy", "single_decisions_per_s")
     print(json.dumps({k: round(results[k], 4) for k in keys}))
 
 

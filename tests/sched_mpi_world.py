@@ -5,8 +5,9 @@ instance 1 (bucket tp4: every later turn, so each multi-turn trajectory migrates
 ranks). Rank 1 sends a non-dict request and reports each batch of turns in one batch
 request; rank 2 sends raw bytes that do not unpickle, sits on its first batch of turns
 until their leases expire (then reports them late: they were re-queued and are done
-again) and repeats its first finish. Rank 0 prints ``SUMMARY {json}`` after checking
-every trajectory completed exactly once with the tokens its turns reported.
+again) and repeats its first finish. Rank 0 writes a JSON summary (what it saw, and each
+client's refusals, gathered over MPI) to the file named by the first argument: the
+ranks' interleaved stdout is not a channel to parse.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ def first_turn_report(turn: dict) -> dict:
             "timed_out": False, "tokens": tokens(turn["tid"], 0)}
 
 
-def server(comm) -> None:
+def server(comm, out: Path) -> None:
     service = QueueService(StubRouter(BUCKETS), lease_s=LEASE_S, max_batch=4, size_thresholds=[256, 4096],
                            error_markers=["Error:"])
     for i in range(TRAJECTORIES):
@@ -56,10 +57,11 @@ def server(comm) -> None:
     wrong = [r.tid for r in records
              if r.turn_tokens != tuple(tokens(r.tid, d) for d in range(tool_returns(r.tid) + 1))]
     stats = service.stats()
-    print("SUMMARY " + json.dumps({
+    clients = comm.gather(None)[1:]
+    out.write_text(json.dumps({
         "completed": completed, "unique": len(set(completed)), "wrong_tokens": wrong, "stats": stats,
         "transport": transport, "saves": len(saves), "audit": service.audit(),
-        "requeues": sum(r.requeues for r in records)}), flush=True)
+        "requeues": sum(r.requeues for r in records), "clients": clients}))
 
 
 def client(comm, clients) -> None:
@@ -110,17 +112,17 @@ def client(comm, clients) -> None:
                     repeated = True
                     report(queue.finish, lease, tokens(tid, turn["turn"]))
     assert queue.heartbeat(instance) == 0
-    print(f"CLIENT {rank} " + json.dumps(refused), flush=True)
     clients.Barrier()
     if rank == 1:
         queue.shutdown()
+    comm.gather(refused)
 
 
 def main() -> None:
     comm = MPI.COMM_WORLD
     clients = comm.Split(MPI.UNDEFINED if comm.Get_rank() == 0 else 1, comm.Get_rank())
     if comm.Get_rank() == 0:
-        server(comm)
+        server(comm, Path(sys.argv[1]))
     else:
         client(comm, clients)
         clients.Free()

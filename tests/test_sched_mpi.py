@@ -19,9 +19,11 @@ HERE = Path(__file__).resolve().parent
 
 
 @pytest.mark.mpi
-def test_three_rank_queue_completes_every_trajectory_exactly_once():
+def test_three_rank_queue_completes_every_trajectory_exactly_once(tmp_path):
     started = time.time()
-    process = subprocess.Popen(["mpiexec", "-n", "3", sys.executable, "-m", "mpi4py", str(HERE / "sched_mpi_world.py")],
+    summary_file = tmp_path / "summary.json"
+    process = subprocess.Popen(["mpiexec", "-n", "3", sys.executable, "-m", "mpi4py", str(HERE / "sched_mpi_world.py"),
+                                str(summary_file)],
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                cwd=HERE.parent, start_new_session=True)
     try:
@@ -32,8 +34,7 @@ def test_three_rank_queue_completes_every_trajectory_exactly_once():
         remove_stale_shm(started - 1)
         pytest.fail(f"the queue world hung:\n{out}")
     assert process.returncode == 0, out
-    [line] = [line for line in out.splitlines() if line.startswith("SUMMARY ")]
-    summary = json.loads(line.removeprefix("SUMMARY "))
+    summary = json.loads(summary_file.read_text())
     assert summary["completed"] == sorted(f"t{i}" for i in range(12)) and summary["unique"] == 12
     assert summary["wrong_tokens"] == [] and summary["audit"] == {}
     stats = summary["stats"]
@@ -44,7 +45,6 @@ def test_three_rank_queue_completes_every_trajectory_exactly_once():
     assert stats["late_reports"] >= 1 and stats["requeued_on_expiry"] >= 1
     assert summary["requeues"] == stats["requeued_on_expiry"]
     assert summary["transport"]["bad_payloads"] == 1 and summary["saves"] >= 1
-    clients = {int(line.split()[1]): json.loads(line.split(None, 2)[2]) for line in out.splitlines()
-               if line.startswith("CLIENT ")}
+    clients = dict(enumerate(summary["clients"], start=1))
     assert clients[1]["malformed"] == 1 and clients[2]["malformed"] == 1 and clients[2]["duplicate_report"] == 1
     assert clients[1].get("late_report", 0) + clients[2]["late_report"] == stats["late_reports"]

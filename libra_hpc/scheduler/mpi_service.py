@@ -11,7 +11,9 @@ talks to the queue). ``{"op": "shutdown"}`` is answered ``{"ok": True}`` and end
 
 from __future__ import annotations
 
+import gc
 import logging
+import os
 import time
 from collections.abc import Callable
 from typing import Any
@@ -40,7 +42,7 @@ class QueueError(RuntimeError):
 def serve(comm: Any, service: QueueService, *, clock: Callable[[], float] = time.monotonic,
           save: Callable[[], None] | None = None, save_every_s: float = 30.0,
           stop_when: Callable[[], bool] = lambda: False, idle_sleep_s: float = 2e-4,
-          spin: int = 200) -> dict:
+          spin: int = 200, collect_every_s: float = 10.0) -> dict:
     """Answer requests from any rank of ``comm`` until a shutdown request or ``stop_when()``.
 
     ``save`` (e.g. write ``router.state_dict()`` to the log folder) runs off the request
@@ -48,54 +50,108 @@ def serve(comm: Any, service: QueueService, *, clock: Callable[[], float] = time
     stop for another ``save_every_s``, it runs anyway between two requests. It also runs
     once on the way out. A failing save is logged and retried at the next period.
 
-    When idle, the loop probes ``spin`` times, then runs the service's maintenance (lease
-    expiry, the router's tree rebuild when due) or sleeps ``idle_sleep_s`` between probes
-    (so a waiting controller leaves the core to ranks on the same node). Under constant
-    load, overdue maintenance runs every 1024 requests. ``stop_when`` is polled between requests and while idle.
-    Returns transport counters: requests, bad_payloads, saves, save_failures."""
+    When idle, the loop runs the service's maintenance (lease expiry, the router's tree
+    rebuild when due) every ``spin`` probes and, when there was none to do, sleeps
+    ``idle_sleep_s`` (so a waiting controller leaves the core to ranks on the same node;
+    0: never sleep, for a controller with a core of its own). Under constant load,
+    overdue maintenance runs every 1024 requests. ``stop_when`` is polled between
+    requests and while idle.
+
+    Garbage collection is kept off the request path too (:class:`_Collector`): what
+    exists when serving starts is frozen out of the collector's reach, and full
+    collections run every ``collect_every_s`` in an idle moment (between requests after
+    twice that). Returns transport counters: requests, bad_payloads, saves,
+    save_failures, full_collections."""
     status = MPI.Status()
-    counters = {"requests": 0, "bad_payloads": 0, "saves": 0, "save_failures": 0}
+    counters = {"requests": 0, "bad_payloads": 0, "saves": 0, "save_failures": 0, "full_collections": 0}
     last_save = clock()
     idle = 0
-    while not stop_when():
-        message = comm.improbe(source=MPI.ANY_SOURCE, tag=REQUEST_TAG, status=status)
-        if message is None:
-            idle += 1
-            if save is not None and clock() - last_save >= save_every_s:
+    with _Collector(collect_every_s, clock, counters) as collector:
+        while not stop_when():
+            message = comm.improbe(source=MPI.ANY_SOURCE, tag=REQUEST_TAG, status=status)
+            if message is None:
+                idle += 1
+                if save is not None and clock() - last_save >= save_every_s:
+                    last_save = _save(save, counters, clock)
+                if idle % spin == 0 and not service.maintain(clock()) and not collector.due(idle=True) \
+                        and idle_sleep_s > 0:
+                    time.sleep(idle_sleep_s)  # lease expiry, a due tree rebuild or collection ran first
+                continue
+            idle = 0
+            if not _answer(comm, service, message, status.Get_source(), clock, counters):
+                break
+            if counters["requests"] % 1024 == 0:  # never idle: overdue maintenance runs anyway
+                service.maintain(clock(), busy=True)
+                collector.due(idle=False)
+            if save is not None and clock() - last_save >= 2 * save_every_s:  # never idle: save anyway
                 last_save = _save(save, counters, clock)
-            if idle > spin:
-                if not service.maintain(clock()):  # lease expiry, tree rebuild when due
-                    time.sleep(idle_sleep_s)
-            continue
-        idle = 0
-        source = status.Get_source()
-        try:
-            request = message.recv()
-        except Exception as exc:  # noqa: BLE001 - any undecodable payload; answered and counted
-            counters["bad_payloads"] += 1
-            log.warning("queue request from rank %d could not be unpickled: %r", source, exc)
-            comm.send({"ok": False, "reason": "malformed",
-                       "error": f"request from rank {source} is not a pickled dict: {exc!r}"}, dest=source, tag=REPLY_TAG)
-            continue
-        counters["requests"] += 1
-        if type(request) is dict and request.get("op") == "shutdown":
-            comm.send({"ok": True}, dest=source, tag=REPLY_TAG)
-            log.info("queue service: shutdown requested by rank %d", source)
-            break
-        try:
-            reply = service.handle(request, clock())
-        except Exception as exc:  # a router bug: tell the asker before the job fails
-            comm.send({"ok": False, "reason": "server_error", "error": f"queue service failed: {exc!r}"},
-                      dest=source, tag=REPLY_TAG)
-            raise
-        comm.send(reply, dest=source, tag=REPLY_TAG)
-        if counters["requests"] % 1024 == 0:  # never idle: overdue maintenance runs anyway
-            service.maintain(clock(), busy=True)
-        if save is not None and clock() - last_save >= 2 * save_every_s:  # never idle: save anyway
-            last_save = _save(save, counters, clock)
     if save is not None:
         _save(save, counters, clock)
     return counters
+
+
+def _answer(comm: Any, service: QueueService, message: Any, source: int, clock: Callable[[], float],
+            counters: dict) -> bool:
+    """Receive one request and send its reply; False when it was a shutdown request."""
+    try:
+        request = message.recv()
+    except Exception as exc:  # noqa: BLE001 - any undecodable payload; answered and counted
+        counters["bad_payloads"] += 1
+        log.warning("queue request from rank %d could not be unpickled: %r", source, exc)
+        comm.send({"ok": False, "reason": "malformed",
+                   "error": f"request from rank {source} is not a pickled dict: {exc!r}"}, dest=source, tag=REPLY_TAG)
+        return True
+    counters["requests"] += 1
+    if type(request) is dict and request.get("op") == "shutdown":
+        comm.send({"ok": True}, dest=source, tag=REPLY_TAG)
+        log.info("queue service: shutdown requested by rank %d", source)
+        return False
+    try:
+        reply = service.handle(request, clock())
+    except Exception as exc:  # a router bug: tell the asker before the job fails
+        comm.send({"ok": False, "reason": "server_error", "error": f"queue service failed: {exc!r}"},
+                  dest=source, tag=REPLY_TAG)
+        raise
+    comm.send(reply, dest=source, tag=REPLY_TAG)
+    return True
+
+
+class _Collector:
+    """Full garbage collections at moments serve() chooses, not in the middle of a request.
+
+    CPython's automatic full collection walks every tracked object; with a trained causal
+    index, thousands of active trajectories and the caller's own data that was 125 ms per
+    collection, a quarter of the service's time in a benchmark run (and each one a
+    latency spike). On entry: one collection, then ``gc.freeze()`` (what exists now — the
+    trained trees, the submitted trajectories — is no longer walked; it is still freed
+    by reference counting) and automatic full collections deferred (young generations
+    are untouched). :meth:`due` runs a full collection every ``every_s`` when idle, or
+    after ``2 * every_s`` when the loop never idles. On exit the settings are restored
+    and the frozen objects handed back to the collector."""
+
+    def __init__(self, every_s: float, clock: Callable[[], float], counters: dict):
+        self.every_s, self.clock, self.counters = every_s, clock, counters
+
+    def __enter__(self) -> _Collector:
+        self.thresholds = gc.get_threshold()
+        gc.collect()
+        gc.freeze()
+        gc.set_threshold(self.thresholds[0], self.thresholds[1], 1 << 30)
+        self.last = self.clock()
+        return self
+
+    def due(self, *, idle: bool) -> bool:
+        """Collect now if the period has passed (twice over when not ``idle``)."""
+        if self.clock() - self.last < (1 if idle else 2) * self.every_s:
+            return False
+        gc.collect()
+        self.counters["full_collections"] += 1
+        self.last = self.clock()
+        return True
+
+    def __exit__(self, *exc) -> None:
+        gc.set_threshold(*self.thresholds)
+        gc.unfreeze()
 
 
 def _save(save: Callable[[], None], counters: dict, clock: Callable[[], float]) -> float:
@@ -114,9 +170,10 @@ class QueueClient:
 
     ``poll_s``: None waits for a reply in MPI's blocking receive, which busy-polls (the
     lowest latency when every rank has its own core). On a host with more ranks than
-    cores (the local executor) give a few microseconds: the rank then probes and sleeps
-    ``poll_s`` between probes, leaving the core to the server (on 2 cores with 4 clients
-    that doubled the service's throughput with the batch op)."""
+    cores (the local executor), 0 probes and yields the core between probes
+    (``sched_yield``: the server and the other ranks run, no sleep is added to the round
+    trip), and a positive value sleeps that long between probes (at least the kernel's
+    timer slack, about 50 µs)."""
 
     def __init__(self, comm: Any, server_rank: int = 0, *, poll_s: float | None = None):
         self.comm = comm
@@ -139,7 +196,10 @@ class QueueClient:
             message = self.comm.improbe(source=self.server_rank, tag=REPLY_TAG)
             if message is not None:
                 return message.recv()
-            time.sleep(self.poll_s)
+            if self.poll_s:
+                time.sleep(self.poll_s)
+            else:
+                os.sched_yield()
 
     def ask(self, instance: int, max: int) -> list[dict]:
         """Up to ``max`` turns for ``instance`` (each with its ``lease``)."""
