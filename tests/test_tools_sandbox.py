@@ -97,15 +97,22 @@ def test_memory_bomb(bwrap_sandbox):
 def test_infinite_loop_times_out_at_wall_limit(bwrap_sandbox):
     result = bwrap_sandbox.run_python("while True: pass")
     assert result.timed_out and result.state.status == "timeout"
-    assert LIMITS.wall_time_s <= result.wall_s < LIMITS.wall_time_s + 2
+    assert LIMITS.wall_time_s <= result.wall_s < LIMITS.wall_time_s + 5  # + slack for a loaded CI host
     assert_contained(bwrap_sandbox, result, statuses=("timeout",))
 
 
 def test_cpu_limit_kills_a_busy_snippet_before_the_wall_limit():
-    sandbox = Sandbox(SandboxLimits(wall_time_s=6.0, cpu_time_s=1), uid=UID + 2, isolation="auto")
+    sandbox = Sandbox(SandboxLimits(wall_time_s=30.0, cpu_time_s=1), uid=UID + 2, isolation="auto")
     result = sandbox.run_python("while True: pass")
-    assert not result.timed_out and result.wall_s < 4 and result.state.status == "failure"
+    assert not result.timed_out and result.state.status == "failure"
+    assert result.exit_code in (-24, 128 + 24, -9, 128 + 9)  # SIGXCPU at the soft limit (SIGKILL at the hard)
     assert_contained(sandbox, result, statuses=("failure",))
+
+
+def test_snippet_that_closes_its_pipes_still_times_out(bwrap_sandbox):
+    result = bwrap_sandbox.run_python("import os\nos.close(1)\nos.close(2)\nwhile True: pass")
+    assert result.timed_out and result.wall_s < LIMITS.wall_time_s + 5  # + slack for a loaded CI host
+    assert_contained(bwrap_sandbox, result, statuses=("timeout",))
 
 
 def test_busy_double_forked_daemon_is_killed(bwrap_sandbox):
