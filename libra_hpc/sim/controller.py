@@ -113,7 +113,7 @@ class PolicyRun:
         if len(self.train_done) != self.steps:
             raise RuntimeError(f"{self.setup.name}: simulation stalled after {len(self.train_done)} of {self.steps} "
                                f"steps (t={self.loop.now:.1f} s)")
-        self.rec.finish(self.loop.now, wallclock.perf_counter() - t0, self.loop.fired, self.rollout.counts,
+        self.rec.finish(max(self.train_done.values()), wallclock.perf_counter() - t0, self.loop.fired, self.rollout.counts,
                         self.planner.considered if self.planner else [])
         return self.rec
 

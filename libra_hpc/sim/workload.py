@@ -17,7 +17,8 @@ depend on which other steps were generated, and search can simulate a few steps 
   So failures causally lengthen what follows: the signal C-MLFQ routes on.
 - Drift: a multiplier ``m(step)`` (:func:`drift`) on turn length and on the odds of calling
   again after a success (the policy learns to use tools, then becomes more economical).
-- Every trajectory stops at ``max_turns`` turns or when its context reaches ``seq_len``.
+- Every trajectory stops at ``max_turns`` turns or when its context reaches ``seq_len``
+  (prompts are capped at half of ``seq_len``, the rest is room for turns and tool outputs).
 
 Tool output sizes in characters (what the scheduler's size classes see) are 4 characters
 per token (an assumption: typical BPE tokenisers of English and code).
@@ -113,7 +114,7 @@ class SyntheticWorkload:
         s = self.spec
         primary = rng.randrange(len(s.tools))
         weights = tuple(t.weight * (s.primary_tool_weight if i == primary else 1.0) for i, t in enumerate(s.tools))
-        tokens = max(1, round(_lognormal(rng, s.prompt_tokens.median, s.prompt_tokens.sigma)))
+        tokens = max(1, min(self.rl.seq_len // 2, round(_lognormal(rng, s.prompt_tokens.median, s.prompt_tokens.sigma))))
         return _Prompt(f"p{index}", tokens, rng.lognormvariate(0.0, s.difficulty_sigma), rng.uniform(*s.bug_rate),
                        rng.uniform(0.0, 2.0), weights)
 
