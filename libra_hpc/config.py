@@ -129,14 +129,24 @@ class TrainingConfig(_Section):
     data_parallel: int = Field(1, ge=1)
     """Data-parallel replicas in the core training group (hybrid replicas come on top)."""
     micro_batch_size: int = Field(1, ge=1)
-    """Sequences per micro-batch per DP replica. *Validated; not used by the runtime until the engines land.*"""
+    """Sequences per micro-batch per DP replica (one forward/backward of the Megatron training engine).
+    *Used by the Megatron training engine; the runtime does not drive training yet.*"""
     global_batch_size: int = Field(12, ge=1)
     """Sequences per optimizer step across all replicas. *Validated; not used by the runtime until the engines land.*"""
     seq_len: int = Field(4096, ge=1)
     """Tokens per training sequence (prompt + response, packed or padded); the planner's
     training cost and memory model use it."""
     lr: float = Field(1e-5, gt=0)
-    """Adam learning rate. *Validated; not used by the runtime until the engines land.*"""
+    """Adam learning rate. *Used by the Megatron training engine (``MegatronTrainEngine.from_config``); the
+    runtime does not drive training yet.*"""
+    grad_clip: float = Field(1.0, gt=0)
+    """Largest global L2 norm of the gradients in a step; larger ones are scaled down to it
+    (the Megatron optimizer's ``clip_grad``). *Used by the Megatron training engine; the runtime does not
+    drive training yet.*"""
+    ppo_clip: float = Field(0.2, gt=0, lt=1)
+    """ε of the clipped policy-gradient surrogate: the importance ratio new/old policy of
+    each token is clipped to [1-ε, 1+ε] (GRPO/PPO). *Used by the Megatron training engine; the runtime does
+    not drive training yet.*"""
 
 
 class RolloutConfig(_Section):

@@ -347,3 +347,21 @@ def test_engine_refuses_bad_shapes_with_the_reason(tiny, torch_world):
         engine.shutdown()
     with pytest.raises(FileNotFoundError, match="config.json not found"):
         _engine(tiny.parent)
+
+
+def test_engine_from_the_experiment_config(tiny, torch_world):
+    from pydantic import ValidationError
+
+    from libra_hpc.config import ModelConfig, TrainingConfig
+    from libra_hpc.engines.train.engine import MegatronTrainEngine
+
+    training = TrainingConfig(lr=2e-5, grad_clip=0.5, ppo_clip=0.3, micro_batch_size=2)
+    engine = MegatronTrainEngine.from_config(tiny, ModelConfig(), training)
+    try:
+        assert engine.clip_eps == 0.3 and engine.micro_batch_size == 2
+        assert engine.optimizer.config.clip_grad == 0.5 and engine.optimizer.config.lr == 2e-5
+        assert engine.placement.tp == engine.placement.pp == engine.placement.dp == 1
+    finally:
+        engine.shutdown()
+    with pytest.raises(ValidationError, match="ppo_clip"):
+        TrainingConfig(ppo_clip=1.5)

@@ -84,6 +84,14 @@ class MegatronTrainEngine:
         log.info("megatron engine ready: %s, tp=%d pp=%d dp=%d, %s", self.model_path.name, tp, pp,
                  self.placement.dp, self.device)
 
+    @classmethod
+    def from_config(cls, model_path: str | Path, model_cfg, training_cfg, *, seed: int = 0) -> MegatronTrainEngine:
+        """The engine the experiment YAML describes: ``model.dtype``; ``training.tensor_parallel``,
+        ``pipeline_parallel``, ``micro_batch_size``, ``lr``, ``grad_clip``, ``ppo_clip``."""
+        return cls(model_path, tp=training_cfg.tensor_parallel, pp=training_cfg.pipeline_parallel,
+                   lr=training_cfg.lr, clip_grad=training_cfg.grad_clip, clip_eps=training_cfg.ppo_clip,
+                   micro_batch_size=training_cfg.micro_batch_size, seed=seed, dtype=getattr(torch, model_cfg.dtype))
+
     # ------------------------------------------------------------------ public verbs
 
     def logprobs(self, tokens: torch.Tensor) -> torch.Tensor:
