@@ -490,3 +490,42 @@ def test_turns_expiring_together_come_back_in_their_order_and_keep_their_migrati
     again = ask(service, 2, now=20.0)
     assert [t["tid"] for t in again] == order  # oldest lease first, as they were held
     assert all(t["migrated"] for t in again)  # the KV cache was never built on tp4
+
+
+def test_a_silent_instance_alone_in_its_bucket_hands_its_queue_to_a_neighbour():
+    buckets = (BucketSpec("tp1", 1, 1024, (0,)), BucketSpec("tp4", 4, 1 << 30, (1,)))
+    router = make_router("fifo", buckets, window=8, min_samples=1, rebuild_every=10)
+    service, _ = make_service(router)
+    for i in range(3):
+        service.submit(f"t{i}", "p")  # round-robin over all: t0, t2 on instance 0, t1 on 1
+    [leased] = ask(service, 0, now=0.0, max=1)
+    assert leased["tid"] == "t0"
+    assert service.expire(LEASE_S) == 1  # instance 0 never came back
+    stats = service.stats()
+    assert stats["silent"] == [0] and stats["instances_silent"] == 1
+    assert stats["queued"] == {"tp1": 0, "tp4": 3} and stats["leased"] == 0
+    turns = ask(service, 1, now=LEASE_S)
+    assert sorted(t["tid"] for t in turns) == ["t0", "t1", "t2"]
+    assert all(t["migrated"] for t in turns if t["tid"] != "t1")  # recomputed where they now run
+    assert service.handle({"op": "heartbeat", "instance": 0}, LEASE_S + 1)["ok"]
+    assert service.stats()["silent"] == []
+    service.submit("t3", "p")
+    service.submit("t4", "p")
+    assert {t["tid"] for t in ask(service, 0, now=LEASE_S + 1)} & {"t3", "t4"}  # new work reaches it again
+    service.audit()
+
+
+@pytest.mark.parametrize("policy", ["cmlfq", "fifo", "least_load", "oracle"])
+def test_routers_skip_silent_instances_while_any_is_live(policy):
+    buckets = (BucketSpec("tp1", 1, 1024, (0, 1)), BucketSpec("tp4", 4, 1 << 30, (2,)))
+    router = make_router(policy, buckets, window=8, min_samples=1, rebuild_every=10)
+    router.set_down(0, True)
+    router.set_down(1, True)
+    placed = {router.place(TrajectoryView(f"t{i}", "p", true_remaining=100)).instance for i in range(6)}
+    assert placed == {2}
+    router.set_down(2, True)  # nobody left: the turn still gets a queue, where it waits
+    assert router.place(TrajectoryView("t9", "p", true_remaining=100)).instance in (0, 1, 2)
+    router.set_down(1, False)
+    assert router.place(TrajectoryView("t10", "p", true_remaining=100)).instance == 1
+    with pytest.raises(KeyError, match="unknown rollout instance 7"):
+        router.set_down(7, True)

@@ -120,6 +120,7 @@ class RouterBase:
         self.limits = [bucket.token_limit for bucket in self.buckets]
         self.outstanding = {instance: 0 for bucket in self.buckets for instance in bucket.instances}
         self._order = [outward_order(level, len(self.buckets)) for level in range(len(self.buckets))]
+        self.down: set[int] = set()  # silent instances (see set_down)
         self.decisions = self.migrations = self.fallbacks = 0
 
     @classmethod
@@ -151,6 +152,16 @@ class RouterBase:
         if expected_tokens < 0:
             raise ValueError(f"instance {instance}: expected_tokens={expected_tokens} must be >= 0")
 
+    def set_down(self, instance: int, down: bool) -> None:
+        """Mark ``instance`` silent (``down``: its lease expired without a renewal, the
+        engine may be dead) or back (it asked or sent a heartbeat). Placements skip silent
+        instances while any other instance can take the turn."""
+        self._check(instance, 0)
+        if down:
+            self.down.add(instance)
+        else:
+            self.down.discard(instance)
+
     def observe(self, finished: FinishedTrajectory) -> None:
         """Baselines learn nothing from finished trajectories."""
 
@@ -162,15 +173,15 @@ class RouterBase:
         """The level whose token_limit is the smallest >= ``tokens`` (beyond all: the last)."""
         return min(bisect_left(self.limits, tokens), len(self.limits) - 1)
 
-    def least_loaded(self, level: int, respect_saturation: bool = True) -> int | None:
+    def least_loaded(self, level: int, respect_saturation: bool = True, skip_down: bool = True) -> int | None:
         """The instance of ``level`` with the least outstanding work (first listed on ties);
-        None when the bucket is empty, or every instance is saturated."""
+        None when the bucket is empty, or every instance is saturated or silent."""
         bucket = self.buckets[level]
         best, best_load = None, bucket.max_outstanding_tokens if respect_saturation else math.inf
-        outstanding = self.outstanding
+        outstanding, down = self.outstanding, self.down if skip_down else ()
         for instance in bucket.instances:
             load = outstanding[instance]
-            if load < best_load:
+            if load < best_load and instance not in down:
                 best, best_load = instance, load
         return best
 
@@ -180,9 +191,11 @@ class RouterBase:
             instance = self.least_loaded(candidate)
             if instance is not None:
                 return candidate, instance
-        for candidate in self._order[level]:
-            if self.buckets[candidate].instances:
-                return candidate, self.least_loaded(candidate, respect_saturation=False)
+        for skip_down in (True, False):  # every instance saturated; then every one silent too
+            for candidate in self._order[level]:
+                instance = self.least_loaded(candidate, respect_saturation=False, skip_down=skip_down)
+                if instance is not None:
+                    return candidate, instance
         raise AssertionError("validate_buckets guarantees an instance")  # pragma: no cover
 
     def placement(self, view: TrajectoryView, target: int, reason: str) -> Placement:
@@ -301,7 +314,9 @@ class CmlfqRouter(RouterBase):
 class FifoRouter(RouterBase):
     """Round-robin: a new trajectory takes the next instance over all buckets in level
     order; later turns take the next instance of the trajectory's bucket. Load-blind and
-    never changes a trajectory's bucket (unless that bucket left the layout)."""
+    never changes a trajectory's bucket (unless that bucket left the layout or all its
+    instances are silent: then the next live instance over all). Silent instances are
+    skipped while any instance is live."""
 
     def __init__(self, buckets: Sequence[BucketSpec]):
         super().__init__(buckets)
@@ -311,29 +326,35 @@ class FifoRouter(RouterBase):
 
     def place(self, view: TrajectoryView) -> Placement:
         level = self.level_of.get(view.bucket) if view.bucket is not None else None
-        if level is None or not self.buckets[level].instances:
+        if level is not None:
+            instances = self.buckets[level].instances
+            for _ in range(len(instances)):
+                instance = instances[self._next_in[level] % len(instances)]
+                self._next_in[level] += 1
+                if instance not in self.down:
+                    return self.record(view, level, instance, "round-robin in bucket")
+        for _ in range(len(self._all)):
             level, instance = self._all[self._next_all % len(self._all)]
             self._next_all += 1
-            return self.record(view, level, instance, "round-robin over all")
-        instances = self.buckets[level].instances
-        instance = instances[self._next_in[level] % len(instances)]
-        self._next_in[level] += 1
-        return self.record(view, level, instance, "round-robin in bucket")
+            if instance not in self.down:
+                break  # else every instance is silent: the turn waits on the next one
+        return self.record(view, level, instance, "round-robin over all")
 
 
 @register("least_load")
 class LeastLoadRouter(RouterBase):
     """One homogeneous pool: a new trajectory takes the instance with the least outstanding
     work over all buckets; later turns the least loaded instance of its own bucket (never
-    migrates unless that bucket left the layout). Saturation only breaks ties in favour of
-    unsaturated instances: the pool has nowhere else to send work."""
+    migrates unless that bucket left the layout or all its instances are silent).
+    Saturation only breaks ties in favour of unsaturated instances: the pool has nowhere
+    else to send work; silent instances come last."""
 
     def place(self, view: TrajectoryView) -> Placement:
         level = self.level_of.get(view.bucket) if view.bucket is not None else None
         if level is None:
-            candidates = [(self._saturated(i, b), self.outstanding[i], lv, i)
+            candidates = [(i in self.down, self._saturated(i, b), self.outstanding[i], lv, i)
                           for lv, b in enumerate(self.buckets) for i in b.instances]
-            _, _, level, instance = min(candidates, key=lambda c: c[:2])
+            _, _, _, level, instance = min(candidates, key=lambda c: c[:3])
         else:
             instance = self.least_loaded(level)
             if instance is None:  # all saturated: stay anyway

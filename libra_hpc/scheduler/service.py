@@ -52,6 +52,12 @@ stamps the instance, and a popped deadline that a renewal pushed back is pushed 
 Entries of leases ended by a report stay in the heap until popped; when they outnumber
 live leases 3 to 1 (plus 4096) the heap is rebuilt, which is amortised O(1).
 
+Silent instances. An instance whose lease expires is *silent* (maybe dead): the turns
+queued on it are placed again with the expired ones, and the router (``set_down``, when
+it has one) places nothing there while another instance can take the turn — otherwise a
+bucket whose only instance died would hold its work forever. Its next ``ask`` or
+``heartbeat`` brings it back.
+
 Load accounting. ``router.turn_started(instance, e)`` when a turn is handed out and
 ``router.turn_ended(instance, e)`` when its lease ends (report or expiry), with the same
 ``e``: the mean turn length (output tokens) reported so far, ``default_turn_tokens``
@@ -189,6 +195,7 @@ class QueueService:
         self._renewed: dict[int, float] = {}
         self._trajs: dict[str, _Trajectory] = {}
         self._leases: dict[int, _Lease] = {}
+        self._down: set[int] = set()  # silent instances (see _silent)
         self._expired: set[int] = set()  # lease ids that expired, within the remembered window
         self._prune_expired_at = 1024
         self._expiry: list[tuple[float, int]] = []
@@ -197,7 +204,7 @@ class QueueService:
         self._turn_tokens_total = 0
         self._turns_total = 0
         self._counts = dict.fromkeys(("submitted", "placements", "decisions", "migrations", "handed_out",
-                                      "completed", "requeued_on_expiry"), 0)
+                                      "completed", "requeued_on_expiry", "instances_silent"), 0)
         self._rejected = dict.fromkeys(REASONS, 0)
         self._ops = {"ask": self._ask, "tool_return": self._tool_return, "finish": self._finish,
                      "heartbeat": self._heartbeat, "stats": lambda message, now: {"ok": True, "stats": self.stats()}}
@@ -239,8 +246,9 @@ class QueueService:
             return self._refuse(refused.reason, refused.error)
 
     def expire(self, now: float) -> int:
-        """Re-place and re-queue every turn whose lease expired by ``now``; returns how many."""
-        heap, lost = self._expiry, []
+        """Re-place and re-queue every turn whose lease expired by ``now`` (and the turns
+        queued on instances that fell silent); returns how many leases expired."""
+        heap, lost, expired = self._expiry, [], 0
         while heap and heap[0][0] <= now:
             _, lid = heapq.heappop(heap)
             lease = self._leases.get(lid)
@@ -258,11 +266,41 @@ class QueueService:
             log.info("lease %d of trajectory %s on instance %d expired at t=%.3f: turn re-queued", lid, traj.tid,
                      lease.instance, now)
             lost.append(traj)
+            expired += 1
+            if lease.instance not in self._down:
+                lost.extend(self._silent(lease.instance, now))
         for traj in reversed(lost):  # to the queue fronts, oldest lease first
             moved = traj.migrated  # its KV cache was never built where the turn now goes
             self._place(traj, front=True)
             traj.migrated = traj.migrated or moved
-        return len(lost)
+        return expired
+
+    def _silent(self, instance: int, now: float) -> list[_Trajectory]:
+        """``instance`` let a lease expire without asking or sending a heartbeat: tell the
+        router to place nothing there while another instance can take it, and take back
+        the turns queued on it (returned, oldest first, to be placed again): a bucket of
+        one dead instance would keep them forever. It is back at its next ask or
+        heartbeat (:meth:`_back`)."""
+        self._down.add(instance)
+        self._counts["instances_silent"] += 1
+        set_down = getattr(self._router, "set_down", None)
+        if set_down is not None:
+            set_down(instance, True)
+        queue = self._queues[instance]
+        taken = list(queue)
+        queue.clear()
+        if taken:
+            self._depth[self._bucket_of[instance]] -= len(taken)
+        log.warning("rollout instance %d is silent (a lease expired at t=%.3f without a renewal): %d queued turns "
+                    "placed again, no new work for it until it asks or sends a heartbeat", instance, now, len(taken))
+        return taken
+
+    def _back(self, instance: int) -> None:
+        self._down.discard(instance)
+        set_down = getattr(self._router, "set_down", None)
+        if set_down is not None:
+            set_down(instance, False)
+        log.info("rollout instance %d is back", instance)
 
     def maintain(self, now: float, *, busy: bool = False) -> bool:
         """Work kept off the request path: expire leases, and let the router run its
@@ -281,13 +319,14 @@ class QueueService:
     def stats(self) -> dict:
         """Counters since start: ``submitted``, ``placements`` (all router decisions),
         ``decisions`` (placements after a tool return), ``migrations``, ``handed_out``,
-        ``completed``, ``requeued_on_expiry``, ``late_reports``, ``duplicate_reports``,
-        ``rejected`` (by reason); and now: ``active`` trajectories, ``leased`` turns,
-        ``queued`` turns per bucket, ``undrained`` completed trajectories."""
+        ``completed``, ``requeued_on_expiry``, ``instances_silent`` (times an instance let
+        a lease expire), ``late_reports``, ``duplicate_reports``, ``rejected`` (by
+        reason); and now: ``active`` trajectories, ``leased`` turns, ``queued`` turns per
+        bucket, ``silent`` instances, ``undrained`` completed trajectories."""
         return {**self._counts, "late_reports": self._rejected["late_report"],
                 "duplicate_reports": self._rejected["duplicate_report"], "rejected": dict(self._rejected),
                 "active": len(self._trajs), "leased": len(self._leases), "queued": dict(self._depth),
-                "undrained": len(self._finished)}
+                "silent": sorted(self._down), "undrained": len(self._finished)}
 
     def audit(self) -> dict[str, str]:
         """Tid → ``queued``/``leased`` for every active trajectory, checked against the
@@ -326,6 +365,8 @@ class QueueService:
         instance = self._instance(message, "ask")
         want = _int(message, "max", "ask", minimum=1)
         self._renewed[instance] = now
+        if instance in self._down:
+            self._back(instance)
         room = min(want, self._max_batch)
         turns: list[dict] = []
         for source in self._sources[instance]:
@@ -388,6 +429,8 @@ class QueueService:
     def _heartbeat(self, message: dict, now: float) -> dict:
         instance = self._instance(message, "heartbeat")
         self._renewed[instance] = now
+        if instance in self._down:
+            self._back(instance)
         return {"ok": True, "leases": self._held[instance]}
 
     # ---------------------------------------------------------------------- helpers
