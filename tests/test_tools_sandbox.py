@@ -209,3 +209,53 @@ def test_rlimit_fallback_as_root_drops_to_the_slot_uid(rlimit_sandbox):
     secret = rlimit_sandbox.run_python("print(open('/etc/shadow').read())")
     assert "PermissionError" in secret.stderr
     assert_contained(rlimit_sandbox, secret)
+
+
+# ---------------------------------------------------------------- unprivileged bwrap
+
+NON_ROOT_HARNESS = """
+import json, os, sys, types
+# The project's interpreter may live under a 0700 /root and the system python may lack
+# pydantic: load libra_hpc.tools without the package's __init__ (config needs pydantic).
+pkg = types.ModuleType("libra_hpc"); pkg.__path__ = [sys.argv[1]]; sys.modules["libra_hpc"] = pkg
+from libra_hpc.tools.isolation import SandboxLimits
+from libra_hpc.tools.procs import owned_pids
+from libra_hpc.tools.sandbox import Sandbox
+sandbox = Sandbox(SandboxLimits(wall_time_s=3.0, max_processes=16), isolation="bwrap", python=sys.executable)
+out = {"uid": sandbox.uid}
+for name, code in json.loads(sys.argv[2]).items():
+    r = sandbox.run_python(code)
+    left = [p for p in owned_pids(uid=os.getuid()) if p != os.getpid()]
+    out[name] = [r.stdout, r.state.status, r.leftovers_killed, left]
+print(json.dumps(out))
+"""
+
+
+def _world_searchable(path: Path) -> bool:
+    return all(p.stat().st_mode & 0o001 for p in [path, *path.parents])
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not os.path.exists("/usr/bin/python3")
+                    or not _world_searchable(ROOT / "libra_hpc" / "tools"),
+                    reason="needs root (to start a harness as an unprivileged user), the system python and a "
+                           "world-readable checkout")
+def test_unprivileged_bwrap_as_a_normal_user(bwrap_sandbox):
+    """The non-root mode: bwrap makes a user namespace; RLIMIT_NPROC counts that namespace."""
+    import json
+    import subprocess
+    codes = {"who": "import os; print(os.getuid(), sorted(os.listdir('/')))",
+             "passwd": "print(open('/etc/passwd').read())",
+             "bomb": "import os, time\nn = 0\ntry:\n    while True:\n        if os.fork() == 0:\n"
+                     "            time.sleep(30)\n            os._exit(0)\n        n += 1\nexcept OSError:\n    print(n)",
+             "loop": "while True: pass"}
+    done = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "/usr/bin/python3",
+                           "-c", NON_ROOT_HARNESS, str(ROOT / "libra_hpc"), json.dumps(codes)],
+                          capture_output=True, text=True, timeout=120, env={"PATH": "/usr/bin:/bin"}, cwd="/")
+    assert done.returncode == 0, done.stderr[-2000:]
+    out = json.loads(done.stdout.splitlines()[-1])
+    assert out["uid"] is None
+    assert out["who"][0].startswith("65534 ") and "work" not in out["who"][0] and "etc" not in out["who"][0]
+    assert out["passwd"][1] == "failure" and "root:" not in out["passwd"][0]
+    assert int(out["bomb"][0]) < 16 and out["bomb"][1] == "failure" and out["bomb"][2] > 0
+    assert out["loop"][1] == "timeout"
+    assert all(result[3] == [] for name, result in out.items() if name != "uid")  # nothing left behind
