@@ -31,7 +31,7 @@ def checkpoint_config(model_path: str | os.PathLike) -> dict[str, Any]:
 
 def check_options(*, tp: int, device: str, dtype: str, max_model_len: int, kv_cache_gib: float,
                   max_positions: int | None, cpus: Sequence[Sequence[int]] | None,
-                  devices: Sequence[int] | None) -> None:
+                  devices: Sequence[int] | None, cpu_threads: int = 1) -> None:
     """Raise ValueError naming the first unusable option."""
     if device not in DEVICES:
         raise ValueError(f"rollout engine: device={device!r}; use one of {DEVICES}")
@@ -46,6 +46,8 @@ def check_options(*, tp: int, device: str, dtype: str, max_model_len: int, kv_ca
                          f"max_position_embeddings={max_positions}")
     if not kv_cache_gib > 0:
         raise ValueError(f"rollout engine: kv_cache_gib={kv_cache_gib}; must be > 0 (GiB of KV cache per instance)")
+    if cpu_threads < 1:
+        raise ValueError(f"rollout engine: cpu_threads={cpu_threads}; must be >= 1")
     if cpus is not None:
         if device != "cpu" or len(cpus) != tp or not all(cpus):
             raise ValueError(f"rollout engine: cpus={cpus}; on device cpu give one non-empty list of core ids "

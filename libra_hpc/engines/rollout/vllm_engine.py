@@ -37,7 +37,11 @@ class VllmRolloutEngine:
     ``cpus``: on CPU with ``tp > 1``, the core ids of each TP worker (default: this
     process's cores split evenly). ``devices``: on CUDA, the GPU ids lent to the instance
     (default: whatever ``CUDA_VISIBLE_DEVICES`` already says). ``seed``: the engine's
-    sampling seed for requests that bring none.
+    sampling seed for requests that bring none. ``cpu_threads``: torch intra-op threads of
+    this process while a CPU engine of TP 1 runs in it (restored by ``shutdown``). vLLM
+    means to serve with 1 but its CPU worker disables ``torch.set_num_threads`` before it
+    gets there; more threads spin-wait: on a loaded 2-core machine, 2 threads generated
+    5–30× fewer tokens/s than 1.
 
     One engine per process: vLLM keeps its parallel state in module globals, so a second
     live engine in the same process would share it and the first ``shutdown`` would break
@@ -48,11 +52,12 @@ class VllmRolloutEngine:
     def __init__(self, model_path: str | os.PathLike, *, tp: int = 1, device: str = "cpu", dtype: str = "float32",
                  seed: int = 0, max_model_len: int = 2048, kv_cache_gib: float = 0.25,
                  enable_prefix_caching: bool = True, cpus: Sequence[Sequence[int]] | None = None,
-                 devices: Sequence[int] | None = None):
+                 devices: Sequence[int] | None = None, cpu_threads: int = 1):
         self.model_path = Path(model_path)
         config = checkpoint_config(self.model_path)
         check_options(tp=tp, device=device, dtype=dtype, max_model_len=max_model_len, kv_cache_gib=kv_cache_gib,
-                      max_positions=config.get("max_position_embeddings"), cpus=cpus, devices=devices)
+                      max_positions=config.get("max_position_embeddings"), cpus=cpus, devices=devices,
+                      cpu_threads=cpu_threads)
         self.tp, self.device, self.max_model_len = tp, device, max_model_len
         self.vocab_size = int(config["vocab_size"])
         self._expected_shapes = checkpoint_shapes(self.model_path)
@@ -68,6 +73,8 @@ class VllmRolloutEngine:
         from vllm import LLM
 
         self._torch_threads = (torch.set_num_threads, torch.get_num_threads())
+        if device == "cpu" and tp == 1:
+            torch.set_num_threads(cpu_threads)
         started = time.perf_counter()
         try:
             self._llm: Any = LLM(**engine_kwargs(str(self.model_path), tp=tp, device=device, dtype=dtype, seed=seed,
