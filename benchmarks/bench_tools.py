@@ -43,7 +43,14 @@ from libra_hpc.tools.endpoint import EndpointRunner, serve_scorer
 from libra_hpc.tools.isolation import SandboxLimits
 from libra_hpc.tools.orchestrator import SandboxRunner, ToolOrchestrator
 from libra_hpc.tools.pool import ResourceSpec
-from libra_hpc.tools.replay import ToolCall, TraceShape, TrajectoryTrace, make_trace, percentile, replay
+from libra_hpc.tools.replay import (
+    ToolCall,
+    TraceShape,
+    TrajectoryTrace,
+    make_trace,
+    percentile,
+    replay,
+)
 from libra_hpc.tools.scheduling import DurationEstimator, make_scheduler
 
 POLICIES = ("dedicated", "tangram")

@@ -11,7 +11,11 @@ import pytest
 from libra_hpc.config import validate_config
 from libra_hpc.tools.endpoint import EndpointError, EndpointRunner, serve_scorer
 from libra_hpc.tools.isolation import SandboxLimits
-from libra_hpc.tools.orchestrator import SandboxRunner, ToolOrchestrator, orchestrator_from_config
+from libra_hpc.tools.orchestrator import (
+    SandboxRunner,
+    ToolOrchestrator,
+    orchestrator_from_config,
+)
 from libra_hpc.tools.pool import ResourceSpec
 from libra_hpc.tools.procs import owned_pids
 from libra_hpc.tools.scheduling import make_scheduler

@@ -11,7 +11,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from libra_hpc.tools.pool import ElasticPool, ResourceSpec
-from libra_hpc.tools.replay import ToolCall, TrajectoryTrace, TraceShape, make_trace, replay
+from libra_hpc.tools.replay import (
+    ToolCall,
+    TraceShape,
+    TrajectoryTrace,
+    make_trace,
+    replay,
+)
 from libra_hpc.tools.scheduling import Action, DurationEstimator, make_scheduler
 
 POLICIES = ["tangram", "dedicated"]

@@ -8,7 +8,11 @@ Importing this package starts nothing and imports neither MPI nor torch.
 
 from libra_hpc.tools.endpoint import EndpointRunner, serve_scorer
 from libra_hpc.tools.isolation import SandboxLimits
-from libra_hpc.tools.orchestrator import SandboxRunner, ToolOrchestrator, orchestrator_from_config
+from libra_hpc.tools.orchestrator import (
+    SandboxRunner,
+    ToolOrchestrator,
+    orchestrator_from_config,
+)
 from libra_hpc.tools.pool import ResourceSpec
 from libra_hpc.tools.replay import TraceShape, make_trace, replay
 from libra_hpc.tools.sandbox import ClassifyRules, Sandbox, ToolResult

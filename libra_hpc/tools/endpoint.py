@@ -72,7 +72,7 @@ def serve_scorer(score: Callable[[Any], Any]) -> ScorerServer:
     holder: dict[str, ScorerServer] = {}
 
     class Handler(BaseHTTPRequestHandler):
-        def do_POST(self):  # noqa: N802 - http.server's naming
+        def do_POST(self):
             srv = holder["server"]
             with lock:
                 srv.in_flight += 1
@@ -81,7 +81,7 @@ def serve_scorer(score: Callable[[Any], Any]) -> ScorerServer:
                 payload = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))))
                 try:
                     status, answer = 200, json.dumps(score(payload)).encode()
-                except Exception as err:  # reported to the client as a 500 with the reason
+                except Exception as err:  # noqa: BLE001 - any scorer error goes back to the client as a 500 with the reason
                     status, answer = 500, f"scorer failed: {type(err).__name__}: {err}".encode()
                 self.send_response(status)
                 self.send_header("Content-Length", str(len(answer)))

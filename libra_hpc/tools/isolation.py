@@ -178,7 +178,7 @@ def bwrap_problem(python: str, probe_uid: int | None) -> str | None:
     code_dir = "/usr"  # any readable directory: the probe runs no code from it
     argv = bwrap_argv(SandboxLimits(), code_dir, python, probe_uid, "probe") + [python, "-I", "-c", "pass"]
     try:
-        done = subprocess.run(argv, capture_output=True, text=True, timeout=30, env={"PATH": os.environ.get("PATH", "")})
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=30, check=False, env={"PATH": os.environ.get("PATH", "")})
     except (OSError, subprocess.TimeoutExpired) as err:
         return f"probe failed: {err}"
     if done.returncode != 0:

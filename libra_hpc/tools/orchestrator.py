@@ -21,7 +21,12 @@ from concurrent.futures import Future
 from typing import Any, Protocol
 
 from libra_hpc.tools.isolation import SandboxLimits
-from libra_hpc.tools.sandbox import ClassifyRules, Sandbox
+from libra_hpc.tools.sandbox import (
+    DEFAULT_LIMITS,
+    DEFAULT_RULES,
+    ClassifyRules,
+    Sandbox,
+)
 from libra_hpc.tools.scheduling import ActionScheduler, Dispatch
 
 log = logging.getLogger(__name__)
@@ -36,8 +41,8 @@ class SandboxRunner:
     """CPU sandboxes. ``payload``: Python source (str) or ``{"argv": [...]}`` / ``{"code": "..."}``
     with an optional ``"tool"`` name (default ``python`` / ``shell``)."""
 
-    def __init__(self, limits: SandboxLimits = SandboxLimits(), *, uid_base: int = 200000, isolation: str = "auto",
-                 python: str = "", rules: ClassifyRules = ClassifyRules()):
+    def __init__(self, limits: SandboxLimits = DEFAULT_LIMITS, *, uid_base: int = 200000, isolation: str = "auto",
+                 python: str = "", rules: ClassifyRules = DEFAULT_RULES):
         self._make = lambda unit: Sandbox(limits, uid=uid_base + unit, isolation=isolation, python=python, rules=rules)
         self._slots: dict[int, Sandbox] = {}
         self._lock = threading.Lock()
@@ -123,7 +128,8 @@ class ToolOrchestrator:
     def _dispatch_locked(self) -> None:
         now = self._now()
         for dispatch in self.scheduler.dispatch(now):
-            thread = threading.Thread(target=self._execute, args=(dispatch,), daemon=True,
+            future, payload = self._futures[dispatch.action.aid]
+            thread = threading.Thread(target=self._execute, args=(dispatch, future, payload), daemon=True,
                                       name=f"tool-{dispatch.action.resource}-{dispatch.unit}")
             self._threads.add(thread)
             thread.start()
@@ -138,13 +144,12 @@ class ToolOrchestrator:
             self._timer = None
             self._dispatch_locked()
 
-    def _execute(self, dispatch: Dispatch) -> None:
+    def _execute(self, dispatch: Dispatch, future: Future, payload: Any) -> None:
         action = dispatch.action
-        future, payload = self._futures[action.aid]
         result = error = None
         try:
             result = self.runners[action.resource].run(dispatch.unit, payload)
-        except Exception as err:  # handed to the caller through the future, not swallowed
+        except Exception as err:  # noqa: BLE001 - handed to the caller through the future, not swallowed
             log.warning("tool %s (action %s, %s unit %d) raised %s", action.tool, action.aid, action.resource,
                         dispatch.unit, err)
             error = err

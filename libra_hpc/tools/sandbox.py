@@ -20,7 +20,6 @@ from __future__ import annotations
 import logging
 import os
 import re
-import selectors
 import shutil
 import signal
 import subprocess
@@ -33,14 +32,22 @@ from dataclasses import dataclass
 
 from libra_hpc.scheduler.state import classify
 from libra_hpc.scheduler.types import ToolState
-from libra_hpc.tools.isolation import (LEFTOVER_EXIT, MARKER_VAR, SANDBOX_CODE_DIR, SandboxLimits, bwrap_argv,
-                                       choose_isolation, leftover_check_argv, prlimit_argv, sandbox_env)
+from libra_hpc.tools.isolation import (
+    LEFTOVER_EXIT,
+    MARKER_VAR,
+    SANDBOX_CODE_DIR,
+    SandboxLimits,
+    bwrap_argv,
+    choose_isolation,
+    leftover_check_argv,
+    prlimit_argv,
+    sandbox_env,
+)
 from libra_hpc.tools.procs import kill_owned
+from libra_hpc.tools.supervise import Outcome, Supervisor
 
 log = logging.getLogger(__name__)
 
-_READ_CHUNK = 1 << 16
-_DRAIN_GRACE_S = 2.0  # after the tree is dead, how long to wait for the pipes' EOF
 
 
 def world_reachable(path: str) -> bool:
@@ -118,13 +125,17 @@ class ClassifyRules:
     error_markers: tuple[str, ...] = ("Traceback (most recent call last)", "Error:", "error:", "Exception")
 
 
+DEFAULT_LIMITS = SandboxLimits()
+DEFAULT_RULES = ClassifyRules()
+
+
 class Sandbox:
     """One sandbox slot. ``uid``: the slot's dedicated uid, used only when we run as root
     (it must belong to nobody else on the host: every live process of it is killed after
     each call). ``isolation``: ``auto``, ``bwrap`` or ``rlimit`` (isolation.py)."""
 
-    def __init__(self, limits: SandboxLimits = SandboxLimits(), *, uid: int = 200000, isolation: str = "auto",
-                 python: str = "", rules: ClassifyRules = ClassifyRules()):
+    def __init__(self, limits: SandboxLimits = DEFAULT_LIMITS, *, uid: int = 200000, isolation: str = "auto",
+                 python: str = "", rules: ClassifyRules = DEFAULT_RULES):
         self.limits = limits
         self.python = python or sys.executable
         self.uid = uid if os.geteuid() == 0 else None
@@ -192,81 +203,34 @@ class Sandbox:
         ids = {} if user is None else {"user": user, "group": user, "extra_groups": []}
         proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                 env=env, cwd=cwd, start_new_session=True, close_fds=True, **ids)
-        out, err = bytearray(), bytearray()
-        timed_out = truncated = False
-        status = rusage = None
-        leftovers = 0
-        deadline = start + self.limits.wall_time_s
-        sel = selectors.DefaultSelector()
-        sel.register(proc.stdout, selectors.EVENT_READ, out)
-        sel.register(proc.stderr, selectors.EVENT_READ, err)
-        try:
-            while sel.get_map():
-                now = time.monotonic()
-                if status is None and now >= deadline:
-                    timed_out = True
-                    status, rusage = self._kill_tree(proc, marker)
-                    deadline = time.monotonic() + _DRAIN_GRACE_S
-                elif status is not None and now >= deadline:
-                    log.warning("sandbox pipes still open %.1f s after the tree died; closing them", _DRAIN_GRACE_S)
-                    break
-                for key, _ in sel.select(timeout=min(0.05, max(0.0, deadline - now))):
-                    chunk = os.read(key.fd, _READ_CHUNK)
-                    if not chunk:
-                        sel.unregister(key.fileobj)
-                        continue
-                    room = self.limits.output_limit_bytes - len(out) - len(err)
-                    key.data.extend(chunk[:max(room, 0)])
-                    if len(chunk) > room and not truncated:
-                        truncated = True
-                        if status is None:
-                            status, rusage = self._kill_tree(proc, marker)
-                            deadline = time.monotonic() + _DRAIN_GRACE_S
-                if status is None:
-                    pid, wstatus, ru = os.wait4(proc.pid, os.WNOHANG)
-                    if pid:  # main process ended: kill what it left, so the pipes reach EOF
-                        status, rusage = wstatus, ru
-                        leftovers = kill_owned(self.uid, marker)
-                        if leftovers:
-                            log.info("sandbox (%s): killed %d processes left behind", tool, leftovers)
-                        deadline = time.monotonic() + _DRAIN_GRACE_S
-        finally:
-            sel.close()
-            proc.stdout.close()
-            proc.stderr.close()
-        if status is None:  # pipes closed early (the snippet closed its stdout/stderr)
-            status, rusage = self._wait_or_kill(proc, marker, deadline)
-            timed_out = timed_out or status is None
-            if status is None:
-                status, rusage = self._kill_tree(proc, marker)
-        proc.returncode = os.waitstatus_to_exitcode(status)
-        leftovers += kill_owned(self.uid, marker)  # verify: nothing of this run is alive
-        wall = time.monotonic() - start
-        stdout, stderr = out.decode("utf-8", "replace"), err.decode("utf-8", "replace")
-        if truncated:
+        outcome = Supervisor(proc, self.limits.wall_time_s, self.limits.output_limit_bytes,
+                             kill_tree=lambda p: self._kill_tree(p, marker),
+                             kill_leftovers=lambda: kill_owned(self.uid, marker)).run()
+        proc.returncode = os.waitstatus_to_exitcode(outcome.status)
+        if outcome.leftovers:
+            log.info("sandbox (%s): killed %d processes left behind", tool, outcome.leftovers)
+        return self._result(tool, proc.returncode, outcome, time.monotonic() - start)
+
+    def _result(self, tool: str, exit_code: int, outcome: Outcome, wall_s: float) -> ToolResult:
+        """The ToolResult and its C-MLFQ state. A run that was cut for its output or left
+        processes behind is a failure even if its main process exited 0."""
+        stdout, stderr = outcome.stdout.decode("utf-8", "replace"), outcome.stderr.decode("utf-8", "replace")
+        if outcome.truncated:
             stderr += f"\n[libra_hpc sandbox: output exceeded {self.limits.output_limit_bytes} bytes; the tool was killed]\n"
-        if timed_out:
+        if outcome.timed_out:
             stderr += f"\n[libra_hpc sandbox: wall-time limit of {self.limits.wall_time_s} s reached; the tool was killed]\n"
-        exit_code = proc.returncode
+        leftovers = outcome.leftovers
         if self.isolation == "bwrap" and exit_code == LEFTOVER_EXIT:
             found = re.search(r"\[libra_hpc sandbox: (\d+) processes left behind\]\n$", stderr)
             leftovers = max(leftovers, int(found.group(1)) if found else 0)  # our scan may have caught the same ones
         if leftovers and exit_code == 0:
-            exit_code = LEFTOVER_EXIT  # left a daemon behind: a failure, even if the main process succeeded
-        # a run cut for its output is a failure even if its main process managed to exit 0
-        state_code = -signal.SIGKILL if truncated and exit_code == 0 else exit_code
-        state = classify(tool, stdout + stderr, state_code, timed_out, self.rules.size_thresholds, self.rules.error_markers)
-        return ToolResult(tool, stdout, stderr, exit_code, timed_out, truncated, wall,
-                          rusage.ru_utime + rusage.ru_stime if rusage else 0.0, state, self.isolation, leftovers)
-
-    def _wait_or_kill(self, proc, marker, deadline):
-        while time.monotonic() < deadline:
-            pid, wstatus, ru = os.wait4(proc.pid, os.WNOHANG)
-            if pid:
-                kill_owned(self.uid, marker)
-                return wstatus, ru
-            time.sleep(0.01)
-        return None, None
+            exit_code = LEFTOVER_EXIT
+        state_code = -signal.SIGKILL if outcome.truncated and exit_code == 0 else exit_code
+        state = classify(tool, stdout + stderr, state_code, outcome.timed_out, self.rules.size_thresholds,
+                         self.rules.error_markers)
+        cpu_s = outcome.rusage.ru_utime + outcome.rusage.ru_stime if outcome.rusage else 0.0
+        return ToolResult(tool, stdout, stderr, exit_code, outcome.timed_out, outcome.truncated, wall_s, cpu_s,
+                          state, self.isolation, leftovers)
 
     def _kill_tree(self, proc, marker):
         """SIGKILL the process group (bwrap's monitor; its pid-namespace init follows by

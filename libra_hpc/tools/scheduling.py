@@ -97,7 +97,7 @@ class ActionScheduler:
         self.estimator = estimator or DurationEstimator()
         self.running: dict[str, tuple[Dispatch, int]] = {}  # aid -> (dispatch, unit index)
         self.running_per_tool: dict[str, int] = {}
-        self.known: set[str] = set()
+        self.known: set[str] = set()  # ids queued or running (completed ones are forgotten: bounded memory)
         self._ids = itertools.count()
 
     # ---------------------------------------------------------------- interface
@@ -114,7 +114,7 @@ class ActionScheduler:
             raise ValueError(f"action {action.aid} (tool {action.tool!r}) needs resource {action.resource!r}; "
                              f"configured resources are {sorted(self.pools)}")
         if action.aid in self.known:
-            raise ValueError(f"action id {action.aid!r} submitted twice")
+            raise ValueError(f"action id {action.aid!r} is already queued or running")
         if action.expected_s < 0:
             raise ValueError(f"action {action.aid}: expected_s must be >= 0, got {action.expected_s}")
         self.known.add(action.aid)
@@ -134,6 +134,7 @@ class ActionScheduler:
         if aid not in self.running:
             raise KeyError(f"action {aid!r} is not running (completed twice, or never dispatched)")
         dispatch, index = self.running.pop(aid)
+        self.known.discard(aid)
         action = dispatch.action
         unit = self.pools[action.resource].units[index]
         unit.busy, unit.idle_since = None, now
