@@ -1,0 +1,115 @@
+"""Cluster simulator: every policy on the paper scenario, and the event loop's speed.
+
+    python benchmarks/bench_sim.py [--config configs/sim/a800-swe.yaml] [--steps N] [--out DIR]
+    python benchmarks/bench_sim.py --engine     # heapq loop vs the alternatives considered
+
+Runs the scenario (48 A800-80G, Qwen3-14B, SWE-style agent, 100 RL steps by default) for
+every policy of the scenario file, prints the comparison table and the critical-path floor
+of the batches (the serial time of the longest trajectory alone on the fastest instance
+shape: no policy's rollout can beat it), and writes the report folder. The last line is one
+JSON object: libra_vs_colocated, libra_vs_async_static, libra_vs_oracle (throughput
+ratios), sim_wall_s (wall time of the whole comparison), and per policy tokens/s and
+sim wall seconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import bisect
+import heapq
+import json
+import queue
+import random
+import time
+
+from libra_hpc.sim.config import load_sim_config
+from libra_hpc.sim.report import ratios, table, write_outputs
+from libra_hpc.sim.run import run_scenario
+
+
+def engine_bench(live: int, n: int = 200_000) -> dict:
+    """push+pop pairs per second with ``live`` events pending, three priority queues."""
+    rng = random.Random(0)
+    out = {}
+    heap = [(rng.random(), 0, i, None) for i in range(live)]
+    heapq.heapify(heap)
+    t0 = time.perf_counter()
+    for i in range(n):
+        t, k, _, e = heapq.heappop(heap)
+        heapq.heappush(heap, (t + rng.random(), k, live + i, e))
+    out["heapq"] = n / (time.perf_counter() - t0)
+    lst = sorted((rng.random(), 0, i) for i in range(live))
+    t0 = time.perf_counter()
+    for i in range(n):
+        t, k, _ = lst.pop(0)
+        bisect.insort(lst, (t + rng.random(), k, live + i))
+    out["bisect_sorted_list"] = n / (time.perf_counter() - t0)
+    pq: queue.PriorityQueue = queue.PriorityQueue()
+    for i in range(live):
+        pq.put((rng.random(), 0, i))
+    t0 = time.perf_counter()
+    for i in range(n):
+        t, k, _ = pq.get()
+        pq.put((t + rng.random(), k, live + i))
+    out["queue_PriorityQueue"] = n / (time.perf_counter() - t0)
+    return out
+
+
+def critical_path(cfg) -> dict:
+    """Per sample batch: the longest serial time of one trajectory alone on the fastest
+    instance (prefill + decode at batch 1 + tools), s."""
+    from libra_hpc.sim.context import Context
+    ctx = Context(cfg)
+    model = ctx.step_models[max(ctx.step_models)]
+    out = {}
+    for step in (0, cfg.rl.steps // 2, cfg.rl.steps - 1):
+        worst = 0.0
+        for t in ctx.batch(step):
+            context, total = t.prompt_tokens, model.prefill_s(t.prompt_tokens)
+            for i, tokens in enumerate(t.turns):
+                total += tokens * model.step_s(1, context + tokens / 2)
+                context += tokens
+                if i < len(t.calls):
+                    total += t.calls[i].latency_s + model.prefill_s(t.calls[i].output_tokens)
+                    context += t.calls[i].output_tokens
+            worst = max(worst, total)
+        out[step] = round(worst, 1)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--config", default="configs/sim/a800-swe.yaml")
+    parser.add_argument("--steps", type=int, help="override rl.steps")
+    parser.add_argument("--out", default="logs/bench-sim", help="report folder")
+    parser.add_argument("--engine", action="store_true", help="only the event-queue micro-benchmark")
+    args = parser.parse_args()
+    if args.engine:
+        print(f"{'live events':>12} {'heapq':>12} {'bisect list':>12} {'PriorityQueue':>14}  (push+pop pairs/s)")
+        rows = {}
+        for live in (1_000, 10_000, 100_000):
+            r = engine_bench(live, n=50_000 if live >= 100_000 else 200_000)
+            rows[live] = {k: round(v) for k, v in r.items()}
+            print(f"{live:>12} {r['heapq']:>12.0f} {r['bisect_sorted_list']:>12.0f} {r['queue_PriorityQueue']:>14.0f}")
+        print(json.dumps({"engine_pairs_per_s": rows}))
+        return
+    cfg = load_sim_config(args.config, {"rl.steps": args.steps} if args.steps else None)
+    t0 = time.perf_counter()
+    result = run_scenario(cfg)
+    wall = time.perf_counter() - t0
+    write_outputs(result, args.out)
+    floor = critical_path(cfg)
+    print(f"== {cfg.name}: {cfg.cluster.nodes}×{cfg.cluster.gpus_per_node} {cfg.cluster.hardware}, "
+          f"{cfg.cluster.model}, {cfg.rl.steps} steps, seed {cfg.seed} ==")
+    print("\n".join(table(result)))
+    print(f"critical-path floor of one batch's rollout (s) at steps {list(floor)}: {list(floor.values())}")
+    print(f"report: {args.out}/report.md")
+    r = ratios(result)
+    print(json.dumps({**{k: (round(v, 3) if v is not None else None) for k, v in r.items()},
+                      "sim_wall_s": round(wall, 1), "steps": cfg.rl.steps, "critical_path_s": floor,
+                      "policies": {n: {"tokens_per_s": round(rec.summary["tokens_per_s"], 1),
+                                       "wall_s": round(rec.summary["wall_s"], 1)} for n, rec in result.runs.items()}}))
+
+
+if __name__ == "__main__":
+    main()
