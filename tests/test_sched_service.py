@@ -97,13 +97,14 @@ def test_submit_places_the_first_turn_and_ask_leases_it():
 
 
 def test_ask_caps_at_max_batch_and_drains_siblings_of_its_bucket_only():
-    service, _ = make_service(max_batch=3)
+    service, router = make_service(max_batch=3)
     for i in range(6):
         service.submit(f"t{i}", "p")  # round-robin: t0,t2,t4 on instance 0; t1,t3,t5 on 1
     assert [t["tid"] for t in ask(service, 0, max=100)] == ["t0", "t2", "t4"]
     assert [t["tid"] for t in ask(service, 0, max=2)] == ["t1", "t3"]  # own queue empty: sibling's
     assert ask(service, 2) == []  # instance 2 is in another bucket
     assert [t["tid"] for t in ask(service, 1)] == ["t5"]
+    assert router.turns == Counter({0: 5, 1: 1})  # the load moved with the turns instance 0 took from 1
 
 
 def test_tool_return_classifies_records_and_places_the_next_turn():
@@ -175,7 +176,7 @@ def test_expired_lease_requeues_at_the_front_and_refuses_the_late_report():
     assert service.expire(LEASE_S - 0.001) == 0
     reply = service.handle({"op": "heartbeat", "instance": 1}, LEASE_S)  # any request expires leases first
     assert reply == {"ok": True, "leases": 0}
-    assert router.turns[0] == 0 and len(router.views) == 3  # re-placed by the router
+    assert router.turns == Counter({0: 1, 1: 1}) and len(router.views) == 3  # re-placed, queued on 0 again
     stats = service.stats()
     assert stats["requeued_on_expiry"] == 1 and stats["leased"] == 0 and stats["queued"]["tp1"] == 2
     late = service.handle(finish(lease), LEASE_S + 1)
@@ -199,7 +200,7 @@ def test_heartbeat_and_ask_renew_every_lease_of_the_instance():
     ask(service, 0, now=15.0)  # asking renews too
     assert service.expire(24.9) == 0
     assert service.expire(25.0) == 3
-    assert router.turns[0] == 0
+    assert sum(router.turns.values()) == 3  # placed again: their load is on the queues they wait in
 
 
 def test_expiry_heap_stays_bounded_by_live_leases():
@@ -430,7 +431,7 @@ class QueueMachine(RuleBasedStateMachine):
         observed = Counter(f.prompt_id for f in self.router.observed)
         assert sum(observed.values()) == len(self.completed) == self.service.stats()["completed"]
         assert all(n >= 0 for n in self.router.turns.values())
-        assert sum(self.router.turns.values()) == len(self.held)
+        assert sum(self.router.turns.values()) == len(phases)  # each active trajectory: one turn, queued or leased
 
 
 QueueMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=60, deadline=None,
@@ -529,3 +530,13 @@ def test_routers_skip_silent_instances_while_any_is_live(policy):
     assert router.place(TrajectoryView("t10", "p", true_remaining=100)).instance == 1
     with pytest.raises(KeyError, match="unknown rollout instance 7"):
         router.set_down(7, True)
+
+
+def test_least_load_sees_queued_turns_not_only_running_ones():
+    router = make_router("least_load", BUCKETS, window=8, min_samples=1, rebuild_every=10)
+    service, _ = make_service(router)
+    placed = Counter(service.submit(f"t{i}", "p").instance for i in range(6))
+    assert placed == Counter({0: 2, 1: 2, 2: 2})  # each queued turn counts where it waits
+    assert router.outstanding == {0: 512, 1: 512, 2: 512}
+    ask(service, 0, max=16)  # instance 0 takes its two and instance 1's two: their load moves with them
+    assert router.outstanding == {0: 1024, 1: 0, 2: 512}

@@ -58,10 +58,13 @@ it has one) places nothing there while another instance can take the turn — ot
 bucket whose only instance died would hold its work forever. Its next ``ask`` or
 ``heartbeat`` brings it back.
 
-Load accounting. ``router.turn_started(instance, e)`` when a turn is handed out and
-``router.turn_ended(instance, e)`` when its lease ends (report or expiry), with the same
-``e``: the mean turn length (output tokens) reported so far, ``default_turn_tokens``
-before the first report.
+Load accounting. ``router.turn_started(instance, e)`` when a turn is placed (queued on
+``instance``) and ``router.turn_ended(instance, e)`` when its lease ends (report or
+expiry) or it leaves the queue otherwise (a sibling instance asked for it first: ended
+here, started there; its instance fell silent), with the same ``e``: the mean turn
+length (output tokens) reported so far when it was placed, ``default_turn_tokens``
+before the first report. So an instance's outstanding work counts its queue, not only
+the turns it is generating: least-load choices see a long queue.
 
 Cost per request: O(1) for heartbeat; O(batch · log leases + bucket instances) for ask;
 O(depth + log leases) plus the router's cost for tool_return and finish. Nothing scans
@@ -121,8 +124,8 @@ class CompletedTrajectory(NamedTuple):
 
 
 class _Trajectory:
-    __slots__ = ("bucket", "generated", "instance", "migrated", "migrations", "phase", "prev_instance", "prompt_id",
-                 "requeues", "states", "tid", "true_remaining", "turn_tokens")
+    __slots__ = ("bucket", "expected", "generated", "instance", "migrated", "migrations", "phase", "prev_instance",
+                 "prompt_id", "requeues", "states", "tid", "true_remaining", "turn_tokens")
 
     def __init__(self, tid: str, prompt_id: str, true_remaining: int | None):
         self.tid = tid
@@ -133,6 +136,7 @@ class _Trajectory:
         self.generated = 0
         self.bucket: str | None = None  # of the current turn
         self.instance = -1  # queued on / leased to
+        self.expected = 0  # tokens its current turn is charged to that instance (load accounting)
         self.prev_instance: int | None = None  # where the previous turn ran
         self.migrated = False
         self.phase = QUEUED
@@ -291,6 +295,8 @@ class QueueService:
         queue.clear()
         if taken:
             self._depth[self._bucket_of[instance]] -= len(taken)
+        for traj in taken:
+            self._router.turn_ended(instance, traj.expected)
         log.warning("rollout instance %d is silent (a lease expired at t=%.3f without a renewal): %d queued turns "
                     "placed again, no new work for it until it asks or sends a heartbeat", instance, now, len(taken))
         return taken
@@ -446,6 +452,8 @@ class QueueService:
                               f"instance {placement.instance} of bucket {placement.bucket!r}; instances by bucket: "
                               f"{self._bucket_of}")
         self._counts["placements"] += 1
+        traj.expected = self._turn_tokens_total // self._turns_total if self._turns_total else self._default_turn_tokens
+        self._router.turn_started(placement.instance, traj.expected)
         if placement.migrated:
             self._counts["migrations"] += 1
             traj.migrations += 1
@@ -462,9 +470,11 @@ class QueueService:
         self._depth[traj.bucket] -= 1
         lid = self._next_lease
         self._next_lease += 1
-        expected = self._turn_tokens_total // self._turns_total if self._turns_total else self._default_turn_tokens
+        if traj.instance != instance:  # a sibling's queue: the turn's load moves here
+            self._router.turn_ended(traj.instance, traj.expected)
+            self._router.turn_started(instance, traj.expected)
         deadline = now + self._lease_s
-        self._leases[lid] = _Lease(lid, traj, instance, expected, deadline)
+        self._leases[lid] = _Lease(lid, traj, instance, traj.expected, deadline)
         heapq.heappush(self._expiry, (deadline, lid))
         if len(self._expiry) > 4 * len(self._leases) + 4096:  # mostly ended leases: compact (amortised O(1))
             self._expiry = [(lease.deadline, lease.lid) for lease in self._leases.values()]
@@ -473,7 +483,6 @@ class QueueService:
         traj.phase = LEASED
         traj.instance = instance
         self._counts["handed_out"] += 1
-        self._router.turn_started(instance, expected)
         return {"lease": lid, "tid": traj.tid, "prompt_id": traj.prompt_id, "turn": len(traj.states),
                 "bucket": traj.bucket, "migrated": traj.migrated, "prev_instance": traj.prev_instance,
                 "lease_s": self._lease_s}
