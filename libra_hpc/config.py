@@ -113,9 +113,13 @@ class ModelConfig(_Section):
     name: str = "tiny"
     """A label for logs and reports; ``tiny`` is the small model built locally. *Validated; not used by the runtime until the engines land.*"""
     path: str | None = None
-    """Directory of a Hugging Face checkpoint; null builds the tiny local model. *Validated; not used by the runtime until the engines land.*"""
+    """Directory of a Hugging Face checkpoint (``config.json``, ``*.safetensors``, tokenizer
+    files); null: the tiny local model (``libra_hpc/engines/tiny.py``), built once under
+    ``~/.cache/libra_hpc/tiny-<fingerprint>``. ``engines.resolve_model`` checks it and the
+    engines load it. *The runtime does not start the engines yet.*"""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    """Parameter and activation dtype. *Validated; not used by the runtime until the engines land.*"""
+    """Parameter and activation dtype of both engines (vLLM rollout, Megatron training).
+    *The runtime does not start the engines yet.*"""
 
 
 class TrainingConfig(_Section):
@@ -169,6 +173,12 @@ class RolloutConfig(_Section):
     """Generation cap per turn, in tokens. *Validated; not used by the runtime until the engines land.*"""
     temperature: float = Field(1.0, ge=0)
     """Sampling temperature. *Validated; not used by the runtime until the engines land.*"""
+    kv_cache_gib: float = Field(0.25, gt=0)
+    """KV cache of a rollout instance per GPU slot (per TP rank), in GiB: a fixed size, not a
+    share of memory, so instances sharing a machine do not compete for it. The tiny model
+    keeps 1 KiB per token in fp32, so 0.25 GiB holds 256k tokens; on GPUs set it to what
+    the slot has left after the weights. *Read by ``VllmRolloutEngine.from_config``; the
+    runtime does not start the engines yet.*"""
 
 
 class LengthPrior(_Section):

@@ -8,6 +8,7 @@ import sys
 
 import pytest
 
+from libra_hpc.config import ModelConfig, RolloutConfig, TrainingConfig
 from libra_hpc.engines.rollout.options import (
     check_options, check_prompts, check_weights, checkpoint_shapes, default_cpus, engine_env,
 )
@@ -227,8 +228,11 @@ def test_shutdown_frees_memory_and_a_new_engine_starts(engine, tiny, hf):
     with pytest.raises(RuntimeError, match="shut down"):
         engine.score([[1, 2]])
     seqs = _seqs(6)
-    with VllmRolloutEngine(tiny, max_model_len=256, kv_cache_gib=0.125) as again:
-        assert again.stats().weight_version == 0
+    yaml = dict(model_cfg=ModelConfig(), rollout_cfg=RolloutConfig(kv_cache_gib=0.125),
+                training_cfg=TrainingConfig(seq_len=256))
+    with VllmRolloutEngine.from_config(tiny, **yaml, tp=1) as again:
+        assert again.max_model_len == 256 and again.stats().weight_version == 0
+        assert again.kv_capacity_tokens == pytest.approx(engine.kv_capacity_tokens / 2, rel=0.02)
         assert _max_diff(again.score(seqs), score(seqs, weights)) < TOL  # the checkpoint, not the update
 
 

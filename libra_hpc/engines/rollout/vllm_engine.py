@@ -32,8 +32,7 @@ log = logging.getLogger(__name__)
 class VllmRolloutEngine:
     """A running vLLM instance serving token-id prompts.
 
-    ``kv_cache_gib``: KV cache size of the instance in GiB (fixed, not a fraction of
-    memory). ``max_model_len``: context limit in tokens (prompt + generated).
+    ``kv_cache_gib``: KV cache size per TP rank in GiB (fixed, not a fraction of memory). ``max_model_len``: context limit in tokens (prompt + generated).
     ``cpus``: on CPU with ``tp > 1``, the core ids of each TP worker (default: this
     process's cores split evenly). ``devices``: on CUDA, the GPU ids lent to the instance
     (default: whatever ``CUDA_VISIBLE_DEVICES`` already says). ``seed``: the engine's
@@ -88,6 +87,19 @@ class VllmRolloutEngine:
         self.kv_capacity_tokens = int(cache.num_gpu_blocks) * int(cache.block_size)
         log.info("rollout engine up in %.1f s: %s, tp=%d on %s, %s, KV cache %d tokens",
                  time.perf_counter() - started, self.model_path, tp, device, dtype, self.kv_capacity_tokens)
+
+    @classmethod
+    def from_config(cls, model_path: str | os.PathLike, model_cfg: Any, rollout_cfg: Any, training_cfg: Any, *,
+                    tp: int, device: str = "cpu", seed: int = 0, cpus: Sequence[Sequence[int]] | None = None,
+                    devices: Sequence[int] | None = None) -> VllmRolloutEngine:
+        """The instance the experiment YAML describes, of TP size ``tp`` (its place in
+        ``rollout.tp_per_node``): ``model.dtype``, ``rollout.kv_cache_gib``, and a context of
+        ``training.seq_len`` tokens (no longer trajectory can be trained on), capped by the
+        checkpoint's ``max_position_embeddings``."""
+        positions = checkpoint_config(model_path).get("max_position_embeddings", training_cfg.seq_len)
+        return cls(model_path, tp=tp, device=device, dtype=model_cfg.dtype, seed=seed,
+                   max_model_len=min(training_cfg.seq_len, positions), kv_cache_gib=rollout_cfg.kv_cache_gib,
+                   cpus=cpus, devices=devices)
 
     @staticmethod
     def _apply_env(env: dict[str, str]) -> None:
