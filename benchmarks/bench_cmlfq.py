@@ -32,7 +32,12 @@ from pathlib import Path
 
 from libra_hpc.scheduler.routers import make_router
 from libra_hpc.scheduler.service import QueueService
-from libra_hpc.scheduler.synthetic import default_buckets, evaluate_routing, generate, split_by_sample
+from libra_hpc.scheduler.synthetic import (
+    default_buckets,
+    evaluate_routing,
+    generate,
+    split_by_sample,
+)
 from libra_hpc.scheduler.types import TrajectoryView
 
 THRESHOLDS, MARKERS = [256, 4096], ["Traceback (most recent call last)", "Error:"]
@@ -334,8 +339,8 @@ def main() -> None:
              "the limit"),
             ("MPI service, batch op (an engine step's reports + ask)",
              f"{results['batched_decisions_per_s']:,.0f} decisions/s", f"≥ {results['raw_msgs_per_s'] / 2:,.0f} (50% raw)"),
-            ("  requests / decisions per request", f"{results['batched_requests_per_s']:,.0f} req/s / "
-             f"{results['batched_decisions_per_request']:.1f}", ""),
+            ("  requests / decisions per request", (f"{results['batched_requests_per_s']:,.0f} req/s / "
+                                                    f"{results['batched_decisions_per_request']:.1f}"), ""),
             ("  batch round trip p50 / p99", f"{results['batched_p50_ms']:.3f} / {results['batched_p99_ms']:.3f} ms", ""),
             ("MPI service, one request per report", f"{results['single_decisions_per_s']:,.0f} decisions/s", ""),
             ("  decision latency p50 / p99", f"{results['single_p50_ms']:.3f} / {results['single_p99_ms']:.3f} ms", "")]

@@ -11,11 +11,23 @@ from collections import Counter
 import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import Bundle, RuleBasedStateMachine, invariant, precondition, rule
+from hypothesis.stateful import (
+    Bundle,
+    RuleBasedStateMachine,
+    invariant,
+    precondition,
+    rule,
+)
 
 from libra_hpc.scheduler.routers import make_router
 from libra_hpc.scheduler.service import QueueService, RouterError
-from libra_hpc.scheduler.types import BucketSpec, FinishedTrajectory, Placement, ToolState, TrajectoryView
+from libra_hpc.scheduler.types import (
+    BucketSpec,
+    FinishedTrajectory,
+    Placement,
+    ToolState,
+    TrajectoryView,
+)
 
 BUCKETS = (BucketSpec("tp1", 1, 1024, (0, 1)), BucketSpec("tp4", 4, 1 << 30, (2,)))
 THRESHOLDS = [256, 4096]
@@ -478,7 +490,7 @@ def test_an_absurd_token_count_is_refused_before_it_reaches_the_tree():
 
 
 def test_turns_expiring_together_come_back_in_their_order_and_keep_their_migration():
-    service, router = make_service()
+    service, _ = make_service()
     for tid in ("a", "b", "c"):
         service.submit(tid, "p")
     # Move each to tp4 (one tool return: the stub's level 1), where instance 2 takes them all.

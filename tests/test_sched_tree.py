@@ -256,3 +256,36 @@ def test_a_saved_trajectory_with_an_unusable_tool_name_is_refused_on_load(tmp_pa
     data["recent"][0]["states"][0][0] = "a|b"  # would become a broken tree key at the next rebuild
     with pytest.raises(CausalTreeFormatError, match="a|b"):
         CausalIndex.from_json(data)
+
+
+def test_trees_stop_at_max_depth_so_very_long_trajectories_save_and_load(tmp_path):
+    from libra_hpc.scheduler.tree import MAX_DEPTH
+    deep = 10 * MAX_DEPTH  # an agent that called tools 640 times
+    states = tuple(OK if i % 2 else FAIL for i in range(deep))
+    index = CausalIndex(window=4, min_samples=1, retain=8)
+    index.observe(FinishedTrajectory("p", states, tuple(range(deep, -1, -1))))
+    found = index.match("p", states)
+    assert found.depth == MAX_DEPTH and found.stats.samples == (deep - MAX_DEPTH,)
+    assert index.match("p", states[:MAX_DEPTH]) == found  # what lies beyond the cap does not matter
+    assert index.prompt_trees["p"].node_count() == MAX_DEPTH + 1
+    index.save(tmp_path / "index.json")
+    loaded = CausalIndex.load(tmp_path / "index.json")
+    assert loaded.match("p", states).stats.samples == (deep - MAX_DEPTH,)
+    loaded.rebuild()  # the retained trajectory, full length, rebuilds the same capped tree
+    assert loaded.prompt_trees["p"].node_count() == MAX_DEPTH + 1
+
+
+def test_a_saved_tree_nested_beyond_max_depth_is_refused(tmp_path):
+    from libra_hpc.scheduler.tree import MAX_DEPTH
+    index = CausalIndex(window=4, min_samples=1, retain=8)
+    data = index.to_json()
+    node = data["global"]
+    for _ in range(MAX_DEPTH + 1):
+        child = {"count": 1, "samples": [1], "children": {}}
+        node["children"][OK.key()] = child
+        node = child
+    with pytest.raises(CausalTreeFormatError, match="deeper than MAX_DEPTH"):
+        CausalIndex.from_json(data)
+    (tmp_path / "deep.json").write_text('{"global":' * 5000 + "1" + "}" * 5000)
+    with pytest.raises(CausalTreeFormatError, match="nested too deep"):
+        CausalIndex.load(tmp_path / "deep.json")

@@ -4,11 +4,21 @@ Pure logic (no MPI, no torch): tool-return states, the causal prefix tree, the r
 the leased queue service. ``mpi_service`` is the thin MPI transport (imported on its own).
 """
 
-from libra_hpc.scheduler.routers import buckets_from_instances, make_router, router_from_config
+from libra_hpc.scheduler.routers import (
+    buckets_from_instances,
+    make_router,
+    router_from_config,
+)
 from libra_hpc.scheduler.service import CompletedTrajectory, QueueService
 from libra_hpc.scheduler.state import classify
 from libra_hpc.scheduler.tree import CausalIndex
-from libra_hpc.scheduler.types import BucketSpec, FinishedTrajectory, Placement, ToolState, TrajectoryView
+from libra_hpc.scheduler.types import (
+    BucketSpec,
+    FinishedTrajectory,
+    Placement,
+    ToolState,
+    TrajectoryView,
+)
 
 __all__ = [
     "BucketSpec", "CausalIndex", "CompletedTrajectory", "FinishedTrajectory", "Placement", "QueueService",

@@ -16,7 +16,7 @@ import logging
 import os
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Self
 
 from mpi4py import MPI
 
@@ -132,7 +132,7 @@ class _Collector:
     def __init__(self, every_s: float, clock: Callable[[], float], counters: dict):
         self.every_s, self.clock, self.counters = every_s, clock, counters
 
-    def __enter__(self) -> _Collector:
+    def __enter__(self) -> Self:
         self.thresholds = gc.get_threshold()
         gc.collect()
         gc.freeze()
@@ -158,7 +158,7 @@ def _save(save: Callable[[], None], counters: dict, clock: Callable[[], float]) 
     try:
         save()
         counters["saves"] += 1
-    except Exception:  # noqa: BLE001 - a failed save must not stop serving; logged with its traceback, retried
+    except Exception:
         counters["save_failures"] += 1
         log.exception("queue service: saving the routing state failed; retrying in the next period")
     return clock()

@@ -81,7 +81,14 @@ from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 from libra_hpc.scheduler.state import Classifier
-from libra_hpc.scheduler.types import BucketSpec, FinishedTrajectory, Placement, Router, ToolState, TrajectoryView
+from libra_hpc.scheduler.types import (
+    BucketSpec,
+    FinishedTrajectory,
+    Placement,
+    Router,
+    ToolState,
+    TrajectoryView,
+)
 
 log = logging.getLogger(__name__)
 

@@ -15,8 +15,8 @@ branches, so each node needs proportionally more samples before it is trusted.
 from __future__ import annotations
 
 from bisect import bisect_right
-from functools import lru_cache
 from collections.abc import Sequence
+from functools import lru_cache
 
 from libra_hpc.scheduler.types import Status, ToolState
 

@@ -24,7 +24,7 @@ import time
 from array import array
 from bisect import bisect_left, bisect_right, insort
 from collections import deque
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import NamedTuple
@@ -35,6 +35,12 @@ logger = logging.getLogger(__name__)
 
 FORMAT = "libra_hpc.causal_index"
 VERSION = 1
+MAX_DEPTH = 64
+"""Tool returns a tree follows. Deeper nodes would hold too few samples to be trusted, so a
+longer trajectory is routed on its node at this depth (conditioned on what it generated
+since) and teaches the trees its first ``MAX_DEPTH`` tool returns only. This also bounds
+the cost of a lookup or an update, and the nesting of the saved JSON (a recursive
+format: Python's JSON and this module recurse once per level)."""
 STATUSES = ("success", "failure", "timeout")
 
 
@@ -142,8 +148,9 @@ class _Node(NodeStats):
         return self
 
 
-def _keys(states: Iterable[ToolState]) -> list[str]:
-    return [state.key() for state in states]
+def _keys(states: Sequence[ToolState]) -> list[str]:
+    """Tree keys of the first :data:`MAX_DEPTH` states."""
+    return [state.key() for state in states[:MAX_DEPTH]]
 
 
 class CausalTree:
@@ -159,7 +166,7 @@ class CausalTree:
         if len(remaining_after) != len(states) + 1:
             raise ValueError(f"remaining_after has {len(remaining_after)} entries for "
                              f"{len(states)} tool returns; expected {len(states) + 1}")
-        self._observe_keys(_keys(states), remaining_after)
+        self._observe_keys(_keys(tuple(states)), remaining_after)
 
     def _observe_keys(self, keys: Sequence[str], remaining_after: Sequence[int]) -> None:
         node = self.root
@@ -177,22 +184,20 @@ class CausalTree:
     def lookup(self, states: Sequence[ToolState], min_samples: int) -> NodeStats | None:
         """The deepest node on the path of ``states`` (exact match as far as the tree
         goes) whose window holds at least ``min_samples`` samples, or None."""
-        found = self.deepest(_keys(states), min_samples)
+        found = self.deepest(_keys(tuple(states)), min_samples)
         return found[0] if found else None
 
     def deepest(self, keys: Sequence[str], min_samples: int) -> tuple[NodeStats, int] | None:
         """Like :meth:`lookup` on pre-computed keys, also returning the node's depth."""
         node = self.root
         best = (node, 0) if len(node._ring) >= min_samples else None
-        depth = 0
-        for key in keys:
+        for depth, key in enumerate(keys, start=1):
             children = node.children
             if children is None:
                 break
             node = children.get(key)
             if node is None:
                 break
-            depth += 1
             if len(node._ring) >= min_samples:
                 best = (node, depth)
         return best
@@ -263,7 +268,7 @@ class CausalIndex:
         trusted node (samples of the same prompt are the closest evidence), unless the
         global tree has a trusted node strictly deeper on the path (a longer causal
         context beats prompt identity); None when neither tree has a trusted node."""
-        keys = _keys(states)
+        keys = _keys(tuple(states))
         tree = self.prompt_trees.get(prompt_id)
         own = tree.deepest(keys, self.min_samples) if tree is not None else None
         shared = self.global_tree.deepest(keys, self.min_samples)
@@ -353,6 +358,9 @@ class CausalIndex:
             return cls.from_json(json.loads(text))
         except json.JSONDecodeError as error:
             raise CausalTreeFormatError(f"{path}: not valid JSON: {error}") from error
+        except RecursionError:
+            raise CausalTreeFormatError(f"{path}: nested too deep to be a causal index "
+                                        f"(trees stop at MAX_DEPTH={MAX_DEPTH})") from None
         except CausalTreeFormatError as error:
             raise CausalTreeFormatError(f"{path}: {error}") from error
 
@@ -398,8 +406,10 @@ def _node_to_json(node: _Node) -> dict:
             "children": {key: _node_to_json(child) for key, child in (node.children or {}).items()}}
 
 
-def _node_from_json(data: object, window: int, where: str) -> _Node:
+def _node_from_json(data: object, window: int, where: str, depth: int = 0) -> _Node:
     data = _expect(data, dict, where)
+    if depth > MAX_DEPTH:
+        raise CausalTreeFormatError(f"{where}: deeper than MAX_DEPTH={MAX_DEPTH} tool returns")
     node = _Node(window)
     samples = [_int(s, f"{where}.samples[{i}]") for i, s in enumerate(_expect(data.get("samples"), list, f"{where}.samples"))]
     count = _int(data.get("count"), f"{where}.count")
@@ -413,7 +423,7 @@ def _node_from_json(data: object, window: int, where: str) -> _Node:
         _check_key(key, f"{where}.children")
         if node.children is None:
             node.children = {}
-        node.children[key] = _node_from_json(child, window, f"{where}.children[{key!r}]")
+        node.children[key] = _node_from_json(child, window, f"{where}.children[{key!r}]", depth + 1)
     return node
 
 
