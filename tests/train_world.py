@@ -3,7 +3,9 @@
 ``tp2`` (2 ranks): both ranks form the training torch world at TP=2. Log-probs of a fixed
 batch before and after ``STEPS`` policy-gradient steps, the step losses, and the
 exported HF weights' log-probs under plain transformers (rank 0); then a dist checkpoint
-(OUT/ckpt) that the test loads at TP=1.
+(OUT/ckpt) that the test loads at TP=1. The same processes then re-initialise megatron as
+PP=2 (load that checkpoint, one step, per-stage export) and as DP=2 (one step on half the
+batch per rank).
 
 ``sync`` (3 ranks): ranks 0-1 train at TP=2, rank 2 is a rollout instance leader. After
 the steps, rank 0 (the export holder) pushes the HF weights to rank 2 over an MPI
@@ -85,9 +87,13 @@ def scenario_tp2(comm, model_dir: Path, out: Path) -> None:
     engine, tokens, before, stats, after = _training(comm, model_dir)
     exported = engine.export_hf()
     save_checkpoint(engine, out / "ckpt")
+    placement = engine.placement
+    engine.shutdown()
+    pp2 = _pp2(model_dir, out / "ckpt", tokens, after)
+    dp2 = _dp2(model_dir, tokens)
     if comm.Get_rank() == 0:
-        result = {
-            "placement": engine.placement.__dict__,
+        result = {**pp2, **dp2,
+            "placement": placement.__dict__,
             "losses": [s.loss for s in stats], "grad_norms": [s.grad_norm for s in stats],
             "tokens": [s.tokens for s in stats], "step_s": [s.seconds for s in stats],
             "init_vs_hf": (before - hf_logprobs(model_dir, tokens)).abs().max().item(),
@@ -96,7 +102,47 @@ def scenario_tp2(comm, model_dir: Path, out: Path) -> None:
             "before": before.tolist(), "after": after.tolist(),
         }
         (out / "result.json").write_text(json.dumps(result))
+
+
+def _pp2(model_dir: Path, ckpt: Path, tokens: torch.Tensor, trained: torch.Tensor) -> dict:
+    """Re-initialised in the same processes as PP=2 (one layer per stage): load the TP=2
+    checkpoint (resharded across stages), then one step; each stage exports its own
+    layers and rank 0 joins them for transformers."""
+    import torch.distributed as dist
+
+    from libra_hpc.engines.train.checkpoint import load_checkpoint
+    from libra_hpc.engines.train.engine import MegatronTrainEngine
+    from libra_hpc.engines.train.loss import PolicyBatch
+
+    engine = MegatronTrainEngine(model_dir, tp=1, pp=2, lr=LR, micro_batch_size=2)
+    load_checkpoint(engine, ckpt)
+    restored = engine.logprobs(tokens)
+    _, mask, advantages = fixed_batch(engine.shape.vocab_size)
+    stats = engine.train_step(PolicyBatch(tokens, mask, advantages, old_logprobs=restored))
+    after = engine.logprobs(tokens)
+    parts = [None, None]
+    dist.all_gather_object(parts, engine.export_hf())
     engine.shutdown()
+    if dist.get_rank() != 0:
+        return {}
+    joined = {**parts[0], **parts[1]}
+    return {"pp2_restored_vs_tp2": (restored - trained).abs().max().item(), "pp2_loss": stats.loss,
+            "pp2_stage_tensors": [len(p) for p in parts],
+            "pp2_export_vs_hf": (after - hf_logprobs(model_dir, tokens, joined)).abs().max().item()}
+
+
+def _dp2(model_dir: Path, tokens: torch.Tensor) -> dict:
+    """DP=2: each rank steps on half the batch; the step must be the full batch's."""
+    from libra_hpc.engines.train.engine import MegatronTrainEngine
+    from libra_hpc.engines.train.loss import PolicyBatch
+
+    engine = MegatronTrainEngine(model_dir, tp=1, pp=1, lr=LR, micro_batch_size=1)
+    _, mask, advantages = fixed_batch(engine.shape.vocab_size)
+    half = slice(2 * engine.placement.dp_rank, 2 * engine.placement.dp_rank + 2)
+    stats = engine.train_step(PolicyBatch(tokens[half], mask[half], advantages[half]))
+    dp = engine.placement.dp
+    engine.shutdown()
+    return {"dp2": {"dp": dp, "loss": stats.loss, "grad_norm": stats.grad_norm, "tokens": stats.tokens}}
 
 
 def _wait(comm) -> None:

@@ -31,14 +31,20 @@ def transformer_config(shape: ModelShape, *, tp: int, pp: int, dtype: torch.dtyp
         bias_activation_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False,
         apply_rope_fusion=False, gradient_accumulation_fusion=False, persist_layer_norm=False,
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, sequence_parallel=False,
-        params_dtype=dtype, bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16,
-        attention_softmax_in_fp32=True, use_cpu_initialization=cpu_init, perform_initialization=False,
+        params_dtype=dtype, pipeline_dtype=dtype, bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16,
+        attention_softmax_in_fp32=True, use_cpu_initialization=cpu_init, perform_initialization=True,
         calculate_per_token_loss=True)
 
 
 def build_gpt(shape: ModelShape, config, *, pre_process: bool, post_process: bool):
-    """An uninitialised GPTModel for this rank's pipeline stage (weights come from the
-    converted checkpoint, so initialisation is skipped)."""
+    """A GPTModel for this rank's pipeline stage; its random initial weights are replaced
+    by the converted checkpoint.
+
+    Initialisation is *not* skipped (``perform_initialization=True``) although the weights
+    are overwritten: in megatron-core 0.16.1 the parallel linear layers set their
+    ``tensor_model_parallel`` attributes only inside the initialisers, and without them
+    every TP rank but 0 counts its weight shards as duplicates, so the global gradient
+    norm (and clipping) silently leaves them out at TP > 1."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
