@@ -152,7 +152,7 @@ def test_rebuild_equals_an_incremental_build_from_the_same_window():
 
 
 def test_rebuild_forgets_prompts_outside_the_window():
-    index = CausalIndex(window=4, min_samples=1, retain=2)
+    index = CausalIndex(window=2, min_samples=1, retain=2)
     index.observe(_finished("old", [FAIL], [10, 5]))
     index.observe(_finished("new", [OK], [10, 5]))
     index.observe(_finished("new", [OK], [10, 5]))
@@ -215,7 +215,8 @@ def _corrupt(mutate) -> dict:
      r"prompts\['a'\]\.children\['python\|L\|failure'\]\.count"),
     (_corrupt(lambda d: d["recent"][0].update(remaining_after=[30])), r"recent\[0\]"),
     (_corrupt(lambda d: d["recent"][0].update(states=[["python", "L", "crashed"]])), "status"),
-    (_corrupt(lambda d: (d.update(retain=1), d["recent"].append(d["recent"][0]))), "more than retain=1"),
+    (_corrupt(lambda d: d["recent"].extend([d["recent"][0]] * 4)), "more than retain=4"),
+    (_corrupt(lambda d: d.update(retain=1)), r"retain=1 .* >= the tree window"),
 ])
 def test_malformed_json_is_refused_naming_the_field(data, message):
     with pytest.raises(CausalTreeFormatError, match=message):
@@ -289,3 +290,8 @@ def test_a_saved_tree_nested_beyond_max_depth_is_refused(tmp_path):
     (tmp_path / "deep.json").write_text('{"global":' * 5000 + "1" + "}" * 5000)
     with pytest.raises(CausalTreeFormatError, match="nested too deep"):
         CausalIndex.load(tmp_path / "deep.json")
+
+
+def test_retaining_fewer_trajectories_than_the_window_is_refused():
+    with pytest.raises(ValueError, match=r"retain=3 .* >= the tree window \(4\)"):
+        CausalIndex(window=4, min_samples=1, retain=3)

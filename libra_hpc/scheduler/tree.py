@@ -240,8 +240,9 @@ class CausalIndex:
         if not 1 <= min_samples <= window:
             raise ValueError(f"min_samples={min_samples} must be between 1 and the tree window "
                              f"({window}): a node never holds more than window samples")
-        if retain < 1:
-            raise ValueError(f"retain={retain} finished trajectories must be >= 1")
+        if retain < window:
+            raise ValueError(f"retain={retain} finished trajectories must be >= the tree window ({window}): "
+                             "a rebuild from fewer would leave even the root's window short")
         self.window = window
         self.min_samples = min_samples
         self.retain = retain
