@@ -69,6 +69,27 @@ def test_plain_snippet_returns_output_and_state(bwrap_sandbox):
     assert 0 < result.wall_s < LIMITS.wall_time_s
 
 
+def test_cpu_time_of_the_snippet_is_measured_inside_the_namespace(bwrap_sandbox):
+    result = bwrap_sandbox.run_python("import time\nt = time.process_time()\nwhile time.process_time() - t < 0.3: pass")
+    assert result.state.status == "success" and 0.3 <= result.cpu_s <= result.wall_s + 0.05
+    assert result.stderr == ""  # the wrapper reports on its own channel, not in the snippet's output
+
+
+def test_command_line_probe_and_run():
+    import json
+    import subprocess
+    import sys
+    probe = subprocess.run([sys.executable, "-m", "libra_hpc.tools", "--probe"], capture_output=True, text=True,
+                           check=True, cwd=ROOT)
+    assert json.loads(probe.stdout)["configured"] == "auto"
+    run = subprocess.run([sys.executable, "-m", "libra_hpc.tools", "-c", "print(6 * 7)"], capture_output=True,
+                         text=True, check=False, cwd=ROOT)
+    assert run.returncode == 0 and json.loads(run.stdout)["stdout"] == "42\n"
+    bad = subprocess.run([sys.executable, "-m", "libra_hpc.tools", "-c", "raise SystemExit(3)"], capture_output=True,
+                         text=True, check=False, cwd=ROOT)
+    assert bad.returncode == 1 and json.loads(bad.stdout)["state"].endswith("|failure")
+
+
 def test_traceback_with_exit_zero_is_a_failure_state(bwrap_sandbox):
     result = bwrap_sandbox.run_python("import traceback\ntry:\n    1/0\nexcept Exception:\n    traceback.print_exc()")
     assert result.exit_code == 0 and result.state.status == "failure"

@@ -35,6 +35,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -145,21 +146,36 @@ LEFTOVER_EXIT = 125
 """Exit status of a bwrap sandbox whose command exited but left processes running (they
 die with the pid namespace; the status makes the call a failure for C-MLFQ)."""
 
-# Runs inside a bwrap sandbox as the parent of the command: after the command exits, counts
-# the live processes of the pid namespace other than bwrap's init (1) and itself. Shell
-# builtins only: a forked helper would count itself.
-_LEFTOVER_CHECK = (
-    '"$@"; rc=$?; n=0; '
+# Runs inside a bwrap sandbox as the parent of the command, with the *status channel* (the
+# write end of a pipe from the supervisor) as its fd 0; the command gets /dev/null as stdin.
+# After the command exits it reports the command's CPU time (``times``: the second line is
+# the children's user and system time) and the number of live processes of the pid
+# namespace other than bwrap's init (1) and itself. Shell builtins only: a forked helper
+# would count itself. A snippet could write to the channel too; it would only misreport
+# its own CPU time and leftovers.
+_WRAPPER = (
+    '"$@" </dev/null; rc=$?; times >&0; n=0; '
     'for d in /proc/[0-9]*; do p=${d#/proc/}; [ "$p" = 1 ] || [ "$p" = $$ ] && continue; '
     'while read -r k v _; do [ "$k" = State: ] && { [ "$v" = Z ] || n=$((n+1)); break; }; done < "$d/status" 2>/dev/null; '
-    'done; '
-    f'if [ $n -gt 0 ]; then echo "[libra_hpc sandbox: $n processes left behind]" >&2; exit {LEFTOVER_EXIT}; fi; '
-    'exit $rc')
+    'done; echo "leftovers $n" >&0; '
+    f'if [ $n -gt 0 ]; then exit {LEFTOVER_EXIT}; fi; exit $rc')
 
 
-def leftover_check_argv() -> list[str]:
-    """Prefix for the command inside a bwrap sandbox (see _LEFTOVER_CHECK)."""
-    return ["/bin/sh", "-c", _LEFTOVER_CHECK, "sh"]
+def wrapper_argv() -> list[str]:
+    """Prefix for the command inside a bwrap sandbox (see _WRAPPER)."""
+    return ["/bin/sh", "-c", _WRAPPER, "sh"]
+
+
+def parse_wrapper_report(text: str) -> tuple[float | None, int]:
+    """(CPU seconds of the command, leftover processes) from the wrapper's status channel;
+    (None, 0) for what a killed wrapper did not write."""
+    cpu = None
+    times = re.findall(r"^(\d+)m([\d.]+)s (\d+)m([\d.]+)s$", text, flags=re.MULTILINE)
+    if len(times) >= 2:
+        um, us, sm, ss = times[1]
+        cpu = 60 * (int(um) + int(sm)) + float(us) + float(ss)
+    left = re.search(r"^leftovers (\d+)$", text, flags=re.MULTILINE)
+    return cpu, int(left.group(1)) if left else 0
 
 
 def missing_tools(mode: str) -> list[str]:

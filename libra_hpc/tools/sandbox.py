@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 import shutil
 import signal
 import subprocess
@@ -39,15 +38,25 @@ from libra_hpc.tools.isolation import (
     SandboxLimits,
     bwrap_argv,
     choose_isolation,
-    leftover_check_argv,
+    parse_wrapper_report,
     prlimit_argv,
     sandbox_env,
+    wrapper_argv,
 )
 from libra_hpc.tools.procs import kill_owned
 from libra_hpc.tools.supervise import Outcome, Supervisor
 
 log = logging.getLogger(__name__)
 
+
+
+def _read_available(fd: int, limit: int = 4096) -> str:
+    """What is in a pipe right now (at most ``limit`` bytes), without blocking."""
+    os.set_blocking(fd, False)
+    try:
+        return os.read(fd, limit).decode("ascii", "replace")
+    except BlockingIOError:
+        return ""
 
 
 def world_reachable(path: str) -> bool:
@@ -103,8 +112,9 @@ class ToolResult:
     output_truncated: bool
     wall_s: float
     """Seconds from start to the last process reaped."""
-    cpu_s: float
-    """User + system CPU seconds of the reaped tree."""
+    cpu_s: float | None
+    """User + system CPU seconds of the command's reaped tree; None when it was killed
+    before this could be measured (bwrap: the in-sandbox wrapper reports it)."""
     state: ToolState
     isolation: str
     leftovers_killed: int = 0
@@ -183,7 +193,7 @@ class Sandbox:
             os.chmod(os.path.join(host_dir, code_name), 0o644)
             if self.isolation == "bwrap":
                 argv = bwrap_argv(self.limits, host_dir, self.python, self.uid, marker.split("=", 1)[1])
-                argv += leftover_check_argv() + command(f"{SANDBOX_CODE_DIR}/{code_name}")
+                argv += wrapper_argv() + command(f"{SANDBOX_CODE_DIR}/{code_name}")
                 env, cwd, user = {"PATH": os.environ.get("PATH", "/usr/bin:/bin")}, None, None
             else:
                 work = os.path.join(host_dir, "work")
@@ -201,17 +211,28 @@ class Sandbox:
     def _supervise(self, argv, env, cwd, user, marker, tool) -> ToolResult:
         start = time.monotonic()
         ids = {} if user is None else {"user": user, "group": user, "extra_groups": []}
-        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                env=env, cwd=cwd, start_new_session=True, close_fds=True, **ids)
-        outcome = Supervisor(proc, self.limits.wall_time_s, self.limits.output_limit_bytes,
-                             kill_tree=lambda p: self._kill_tree(p, marker),
-                             kill_leftovers=lambda: kill_owned(self.uid, marker)).run()
+        report_r, report_w = os.pipe() if self.isolation == "bwrap" else (None, None)  # the wrapper's status channel
+        try:
+            proc = subprocess.Popen(argv, stdin=report_w if report_w is not None else subprocess.DEVNULL,
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, cwd=cwd,
+                                    start_new_session=True, close_fds=True, **ids)
+        finally:
+            if report_w is not None:
+                os.close(report_w)
+        try:
+            outcome = Supervisor(proc, self.limits.wall_time_s, self.limits.output_limit_bytes,
+                                 kill_tree=lambda p: self._kill_tree(p, marker),
+                                 kill_leftovers=lambda: kill_owned(self.uid, marker)).run()
+            report = _read_available(report_r) if report_r is not None else ""
+        finally:
+            if report_r is not None:
+                os.close(report_r)
         proc.returncode = os.waitstatus_to_exitcode(outcome.status)
         if outcome.leftovers:
             log.info("sandbox (%s): killed %d processes left behind", tool, outcome.leftovers)
-        return self._result(tool, proc.returncode, outcome, time.monotonic() - start)
+        return self._result(tool, proc.returncode, outcome, report, time.monotonic() - start)
 
-    def _result(self, tool: str, exit_code: int, outcome: Outcome, wall_s: float) -> ToolResult:
+    def _result(self, tool: str, exit_code: int, outcome: Outcome, report: str, wall_s: float) -> ToolResult:
         """The ToolResult and its C-MLFQ state. A run that was cut for its output or left
         processes behind is a failure even if its main process exited 0."""
         stdout, stderr = outcome.stdout.decode("utf-8", "replace"), outcome.stderr.decode("utf-8", "replace")
@@ -219,16 +240,15 @@ class Sandbox:
             stderr += f"\n[libra_hpc sandbox: output exceeded {self.limits.output_limit_bytes} bytes; the tool was killed]\n"
         if outcome.timed_out:
             stderr += f"\n[libra_hpc sandbox: wall-time limit of {self.limits.wall_time_s} s reached; the tool was killed]\n"
-        leftovers = outcome.leftovers
-        if self.isolation == "bwrap" and exit_code == LEFTOVER_EXIT:
-            found = re.search(r"\[libra_hpc sandbox: (\d+) processes left behind\]\n$", stderr)
-            leftovers = max(leftovers, int(found.group(1)) if found else 0)  # our scan may have caught the same ones
+        cpu_s, inside = parse_wrapper_report(report)
+        leftovers = max(outcome.leftovers, inside)  # our scan may have caught the same ones
+        if self.isolation != "bwrap":
+            cpu_s = outcome.rusage.ru_utime + outcome.rusage.ru_stime if outcome.rusage else None
         if leftovers and exit_code == 0:
             exit_code = LEFTOVER_EXIT
         state_code = -signal.SIGKILL if outcome.truncated and exit_code == 0 else exit_code
         state = classify(tool, stdout + stderr, state_code, outcome.timed_out, self.rules.size_thresholds,
                          self.rules.error_markers)
-        cpu_s = outcome.rusage.ru_utime + outcome.rusage.ru_stime if outcome.rusage else 0.0
         return ToolResult(tool, stdout, stderr, exit_code, outcome.timed_out, outcome.truncated, wall_s, cpu_s,
                           state, self.isolation, leftovers)
 
