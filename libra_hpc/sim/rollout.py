@@ -158,6 +158,8 @@ class RolloutSide:
         self.bucket_name = {i: b.name for b in buckets for i in b.instances}
         self._scheduled = {}
         self.mode = dict.fromkeys(self.instances, "serve")
+        self.queued = {b.name: 0 for b in buckets}  # turns waiting in the service, per bucket
+        self.room = {b.name: set(b.instances) for b in buckets}  # serving instances that could take a turn
 
     def _limits(self, layout: tuple[InstanceSpec, ...], lengths: list[int] | None) -> dict[int, int]:
         fixed = self.sched.bucket_token_limits
@@ -188,6 +190,7 @@ class RolloutSide:
             if self.mode[iid] == "serve":
                 self.router.turn_started(iid, BLOCK)
             self.mode[iid] = "drain"
+            self._note(self.instances[iid])
             if self._drained(iid):
                 self.mode[iid] = "lent"
                 empty.append(iid)
@@ -201,6 +204,7 @@ class RolloutSide:
                 self.router.turn_ended(iid, BLOCK)
                 self.mode[iid] = "serve"
                 self._fill(self.instances[iid], now)
+                self._note(self.instances[iid])
                 self._schedule(self.instances[iid], events)
         return events
 
@@ -211,7 +215,17 @@ class RolloutSide:
         return self.instances[iid].load == 0 and not self._bucket_queued(iid)
 
     def _bucket_queued(self, iid: int) -> int:
-        return self.service.stats()["queued"][self.bucket_name[iid]]
+        """Turns queued in ``iid``'s bucket, from the service's replies (placements add, asks
+        take; leases never expire here)."""
+        return self.queued[self.bucket_name[iid]]
+
+    def _note(self, inst: RolloutInstance) -> None:
+        """Keep ``room`` (instances a poke may ask) in step with ``inst``."""
+        room = self.room[self.bucket_name[inst.iid]]
+        if self.mode[inst.iid] == "serve" and inst.free_seats > 0 and not inst.waiting:
+            room.add(inst.iid)
+        else:
+            room.discard(inst.iid)
 
     # ------------------------------------------------------------------ batches
     def submit(self, batch_id: int, trajectories: list[Trajectory], now: float) -> list[Event]:
@@ -224,6 +238,7 @@ class RolloutSide:
             a = _Active(t, batch_id)
             self.active[t.tid] = a
             placement = self.service.submit(t.tid, t.prompt_id, true_remaining=t.gen_tokens)
+            self.queued[placement.bucket] += 1
             self._poke(placement.instance, now, events)
         return events
 
@@ -254,6 +269,7 @@ class RolloutSide:
         for run in finished:
             self._turn_end(run, now, events)
         self._fill(inst, now)
+        self._note(inst)
         self._schedule(inst, events)
         if self.mode[ev.iid] == "drain" and self._drained(ev.iid):
             self.mode[ev.iid] = "lent"
@@ -278,6 +294,7 @@ class RolloutSide:
         if not reply["ok"]:
             raise RuntimeError(f"queue service refused the tool return of {a.traj.tid}: {reply}")
         self.counts["migrations"] += reply["migrated"]
+        self.queued[reply["bucket"]] += 1
         a.context += a.traj.turns[a.turn] + call.output_tokens
         a.turn += 1
         self._poke(reply["instance"], now, events)
@@ -332,18 +349,15 @@ class RolloutSide:
         if self._fill(inst, now):
             self._schedule(inst, events)
             return
-        for sibling in self.bucket_of[iid]:
+        for sibling in sorted(self.room[self.bucket_name[iid]]):
             other = self.instances[sibling]
-            if other is not inst and self.mode[sibling] == "serve" and self._fill(other, now):
+            if other is not inst and self._fill(other, now):
                 self._schedule(other, events)
                 return
 
     def _fill(self, inst: RolloutInstance, now: float) -> int:
         """Ask the service for as many turns as ``inst`` can take; returns how many came."""
-        if inst.waiting or inst.free_seats <= 0:
-            return 0
-        mode = self.mode[inst.iid]
-        if mode == "lent" or (mode == "drain" and not self._bucket_queued(inst.iid)):
+        if inst.waiting or inst.free_seats <= 0 or self.mode[inst.iid] == "lent" or not self._bucket_queued(inst.iid):
             return 0
         need = self._need_sum / self._need_n if self._need_n else 1.0
         room = inst.model.kv_capacity - inst.reserved
@@ -355,6 +369,7 @@ class RolloutSide:
             return 0
         runs = []
         for turn in turns:
+            self.queued[turn["bucket"]] -= 1
             a = self.active[turn["tid"]]
             a.lease = turn["lease"]
             tokens = a.traj.turns[a.turn]
@@ -364,6 +379,7 @@ class RolloutSide:
             self._need_sum += a.context + tokens
             self._need_n += 1
         inst.offer(runs, now)
+        self._note(inst)
         return len(runs)
 
     def _schedule(self, inst: RolloutInstance, events: list[Event]) -> None:
