@@ -284,6 +284,8 @@ class ToolsConfig(_Section):
     """Largest file a call may write (RLIMIT_FSIZE), in MiB. *Used by libra_hpc.tools; the runtime does not drive tool calls yet.*"""
     max_open_files: int = Field(64, ge=8)
     """Open file descriptors per process (RLIMIT_NOFILE). *Used by libra_hpc.tools; the runtime does not drive tool calls yet.*"""
+    call_memory_mb: int = Field(1024, ge=0)
+    """Memory of all processes of one call together (tmpfs pages included), in MiB, through a cgroup per call when the host allows one (root, writable memory and pids controllers); the kernel's OOM killer then acts inside the call. 0: no cgroup (a call may then take memory_mb × max_processes). *Used by libra_hpc.tools; the runtime does not drive tool calls yet.*"""
     workdir_mb: int = Field(64, ge=1)
     """Size of the private tmpfs working directory (bwrap isolation), in MiB. *Used by libra_hpc.tools; the runtime does not drive tool calls yet.*"""
     output_limit_bytes: int = Field(65536, ge=1)

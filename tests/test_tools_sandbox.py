@@ -7,6 +7,7 @@ are skipped with the reason, except in CI (CI=true), where they fail.
 
 from __future__ import annotations
 
+import dataclasses
 import glob
 import os
 import socket
@@ -14,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from libra_hpc.tools.cgroups import CallCgroup
 from libra_hpc.tools.isolation import SandboxLimits, bwrap_problem
 from libra_hpc.tools.procs import owned_pids
 from libra_hpc.tools.sandbox import Sandbox
@@ -113,6 +115,23 @@ def test_memory_bomb(bwrap_sandbox):
     result = bwrap_sandbox.run_python("x = []\nwhile True:\n    x.append(bytearray(16 << 20))")
     assert "MemoryError" in result.stderr
     assert_contained(bwrap_sandbox, result)
+
+
+def test_many_processes_together_are_held_to_the_call_memory_limit(bwrap_sandbox):
+    """Each child stays under RLIMIT_AS; together they exceed the call's cgroup limit."""
+    probe = CallCgroup.create(64 << 20, 8)
+    if probe is None:
+        pytest.skip("no cgroup can be created on this host (needs root and writable memory/pids controllers)")
+    probe.remove()
+    limits = dataclasses.replace(LIMITS, call_memory_mb=256, wall_time_s=10.0)
+    sandbox = Sandbox(limits, uid=UID + 3, isolation="bwrap")
+    code = ("import os, time\nfor _ in range(6):\n    if os.fork() == 0:\n        b = bytearray(200 << 20)\n"
+            "        time.sleep(2)\n        os._exit(0)\nstatuses = [os.wait()[1] for _ in range(6)]\n"
+            "print('killed', sum(s != 0 for s in statuses))")
+    result = sandbox.run_python(code)
+    assert int(result.stdout.split()[1]) >= 1 and "memory limit of 256 MiB" in result.stderr
+    assert result.state.status == "failure" and not result.timed_out
+    assert_contained(sandbox, result)
 
 
 def test_infinite_loop_times_out_at_wall_limit(bwrap_sandbox):

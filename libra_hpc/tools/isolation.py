@@ -66,12 +66,16 @@ class SandboxLimits:
     max_open_files: int = 64
     workdir_mb: int = 64
     output_limit_bytes: int = 65536
+    call_memory_mb: int = 1024
+    """All processes of one call together (cgroup, when available; 0: no cgroup)."""
 
     def __post_init__(self):
         for name in ("wall_time_s", "cpu_time_s", "memory_mb", "max_processes", "max_file_mb",
                      "max_open_files", "workdir_mb", "output_limit_bytes"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"tools.{name} must be > 0, got {getattr(self, name)!r}")
+        if self.call_memory_mb < 0:
+            raise ValueError(f"tools.call_memory_mb must be >= 0, got {self.call_memory_mb!r}")
 
 
 def prlimit_argv(limits: SandboxLimits) -> list[str]:
@@ -137,9 +141,15 @@ def bwrap_argv(limits: SandboxLimits, code_dir: str, python: str, uid: int | Non
         argv += ["--setenv", key, value]
     if uid is not None:
         argv += ["--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID", "--cap-add", "CAP_SETPCAP", "--",
-                 "setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--inh-caps=-all",
-                 "--bounding-set=-all", "--no-new-privs"]
+                 *setpriv_argv(uid)]
     return argv + ["--"] + prlimit_argv(limits)
+
+
+def setpriv_argv(uid: int) -> list[str]:
+    """Drop from root to ``uid`` (as its own group), with no capabilities left anywhere and
+    no-new-privs (a setuid binary cannot give them back)."""
+    return ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--inh-caps=-all",
+            "--bounding-set=-all", "--no-new-privs"]
 
 
 LEFTOVER_EXIT = 125
@@ -180,7 +190,7 @@ def parse_wrapper_report(text: str) -> tuple[float | None, int]:
 
 def missing_tools(mode: str) -> list[str]:
     """Executables ``mode`` needs that are not on PATH."""
-    need = ["prlimit"] + (["bwrap"] + (["setpriv"] if os.geteuid() == 0 else []) if mode == "bwrap" else [])
+    need = ["prlimit"] + (["setpriv"] if os.geteuid() == 0 else []) + (["bwrap"] if mode == "bwrap" else [])
     return [tool for tool in need if shutil.which(tool) is None]
 
 

@@ -173,7 +173,7 @@ def limits_from_config(tools) -> SandboxLimits:
     return SandboxLimits(wall_time_s=tools.wall_time_s, cpu_time_s=tools.cpu_time_s, memory_mb=tools.memory_mb,
                          max_processes=tools.max_processes, max_file_mb=tools.max_file_mb,
                          max_open_files=tools.max_open_files, workdir_mb=tools.workdir_mb,
-                         output_limit_bytes=tools.output_limit_bytes)
+                         output_limit_bytes=tools.output_limit_bytes, call_memory_mb=tools.call_memory_mb)
 
 
 def orchestrator_from_config(tools, scheduler_cfg=None, clock: Callable[[], float] = time.monotonic) -> ToolOrchestrator:

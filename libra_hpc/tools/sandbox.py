@@ -31,6 +31,7 @@ from dataclasses import dataclass
 
 from libra_hpc.scheduler.state import classify
 from libra_hpc.scheduler.types import ToolState
+from libra_hpc.tools.cgroups import CallCgroup
 from libra_hpc.tools.isolation import (
     LEFTOVER_EXIT,
     MARKER_VAR,
@@ -41,6 +42,7 @@ from libra_hpc.tools.isolation import (
     parse_wrapper_report,
     prlimit_argv,
     sandbox_env,
+    setpriv_argv,
     wrapper_argv,
 )
 from libra_hpc.tools.procs import kill_owned
@@ -185,43 +187,62 @@ class Sandbox:
     def _run(self, code: str | None, command, tool: str) -> ToolResult:
         marker = f"{MARKER_VAR}={uuid.uuid4().hex}"
         host_dir = tempfile.mkdtemp(prefix="libra-sbx-")
+        cgroup = self._call_cgroup()
         try:
             os.chmod(host_dir, 0o755)
-            code_name = "main.py"
-            with open(os.path.join(host_dir, code_name), "w", encoding="utf-8") as f:
+            code_path = os.path.join(host_dir, "main.py")
+            with open(code_path, "w", encoding="utf-8") as f:
                 f.write(code or "")
-            os.chmod(os.path.join(host_dir, code_name), 0o644)
+            os.chmod(code_path, 0o644)
             if self.isolation == "bwrap":
                 argv = bwrap_argv(self.limits, host_dir, self.python, self.uid, marker.split("=", 1)[1])
-                argv += wrapper_argv() + command(f"{SANDBOX_CODE_DIR}/{code_name}")
-                env, cwd, user = {"PATH": os.environ.get("PATH", "/usr/bin:/bin")}, None, None
+                argv += wrapper_argv() + command(f"{SANDBOX_CODE_DIR}/main.py")
+                env, cwd = {"PATH": os.environ.get("PATH", "/usr/bin:/bin")}, None
             else:
-                work = os.path.join(host_dir, "work")
-                os.mkdir(work, 0o700)
+                cwd = os.path.join(host_dir, "work")
+                os.mkdir(cwd, 0o700)
+                drop = []
                 if self.uid is not None:
-                    os.chown(work, self.uid, self.uid)
-                argv = prlimit_argv(self.limits) + command(os.path.join(host_dir, code_name))
-                env, cwd, user = sandbox_env(marker.split("=", 1)[1], work), work, self.uid
-            return self._supervise(argv, env, cwd, user, marker, tool)
+                    os.chown(cwd, self.uid, self.uid)
+                    drop = [*setpriv_argv(self.uid), "--"]
+                argv = drop + prlimit_argv(self.limits) + command(code_path)
+                env = sandbox_env(marker.split("=", 1)[1], cwd)
+            if cgroup is not None:
+                argv = cgroup.join_argv() + argv
+            return self._supervise(argv, env, cwd, marker, tool, cgroup)
         finally:
+            if cgroup is not None:
+                cgroup.remove()
             shutil.rmtree(host_dir, ignore_errors=True)
             if self.isolation == "rlimit" and self.uid is not None:
                 _remove_files_of(self.uid)
 
-    def _supervise(self, argv, env, cwd, user, marker, tool) -> ToolResult:
+    _cgroup_warned = False
+
+    def _call_cgroup(self) -> CallCgroup | None:
+        """The call's cgroup (aggregate memory and process limits), when we can make one."""
+        if self.limits.call_memory_mb == 0 or os.geteuid() != 0:
+            return None
+        cgroup = CallCgroup.create(self.limits.call_memory_mb << 20, self.limits.max_processes + 4)
+        if cgroup is None and not Sandbox._cgroup_warned:
+            Sandbox._cgroup_warned = True
+            log.warning("tool sandbox: no cgroup can be created here; a call's processes together may use up to "
+                        "tools.memory_mb x tools.max_processes = %d MiB", self.limits.memory_mb * self.limits.max_processes)
+        return cgroup
+
+    def _supervise(self, argv, env, cwd, marker, tool, cgroup) -> ToolResult:
         start = time.monotonic()
-        ids = {} if user is None else {"user": user, "group": user, "extra_groups": []}
         report_r, report_w = os.pipe() if self.isolation == "bwrap" else (None, None)  # the wrapper's status channel
         try:
             proc = subprocess.Popen(argv, stdin=report_w if report_w is not None else subprocess.DEVNULL,
                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, cwd=cwd,
-                                    start_new_session=True, close_fds=True, **ids)
+                                    start_new_session=True, close_fds=True)
         finally:
             if report_w is not None:
                 os.close(report_w)
         try:
             outcome = Supervisor(proc, self.limits.wall_time_s, self.limits.output_limit_bytes,
-                                 kill_tree=lambda p: self._kill_tree(p, marker),
+                                 kill_tree=lambda p: self._kill_tree(p, marker, cgroup),
                                  kill_leftovers=lambda: kill_owned(self.uid, marker)).run()
             report = _read_available(report_r) if report_r is not None else ""
         finally:
@@ -230,9 +251,10 @@ class Sandbox:
         proc.returncode = os.waitstatus_to_exitcode(outcome.status)
         if outcome.leftovers:
             log.info("sandbox (%s): killed %d processes left behind", tool, outcome.leftovers)
-        return self._result(tool, proc.returncode, outcome, report, time.monotonic() - start)
+        oom = cgroup is not None and cgroup.oom_killed()
+        return self._result(tool, proc.returncode, outcome, report, oom, time.monotonic() - start)
 
-    def _result(self, tool: str, exit_code: int, outcome: Outcome, report: str, wall_s: float) -> ToolResult:
+    def _result(self, tool: str, exit_code: int, outcome: Outcome, report: str, oom: bool, wall_s: float) -> ToolResult:
         """The ToolResult and its C-MLFQ state. A run that was cut for its output or left
         processes behind is a failure even if its main process exited 0."""
         stdout, stderr = outcome.stdout.decode("utf-8", "replace"), outcome.stderr.decode("utf-8", "replace")
@@ -240,6 +262,10 @@ class Sandbox:
             stderr += f"\n[libra_hpc sandbox: output exceeded {self.limits.output_limit_bytes} bytes; the tool was killed]\n"
         if outcome.timed_out:
             stderr += f"\n[libra_hpc sandbox: wall-time limit of {self.limits.wall_time_s} s reached; the tool was killed]\n"
+        if oom:
+            stderr += (f"\n[libra_hpc sandbox: the call's memory limit of {self.limits.call_memory_mb} MiB was reached; "
+                       "the kernel killed a process]\n")
+            exit_code = exit_code or -signal.SIGKILL
         cpu_s, inside = parse_wrapper_report(report)
         leftovers = max(outcome.leftovers, inside)  # our scan may have caught the same ones
         if self.isolation != "bwrap":
@@ -252,10 +278,12 @@ class Sandbox:
         return ToolResult(tool, stdout, stderr, exit_code, outcome.timed_out, outcome.truncated, wall_s, cpu_s,
                           state, self.isolation, leftovers)
 
-    def _kill_tree(self, proc, marker):
-        """SIGKILL the process group (bwrap's monitor; its pid-namespace init follows by
-        PDEATHSIG and takes the namespace down), then every process of the run by uid or
-        marker; reap the main process. Returns its (wait status, rusage)."""
+    def _kill_tree(self, proc, marker, cgroup):
+        """SIGKILL the call's cgroup, the process group (bwrap's monitor; its pid-namespace
+        init follows by PDEATHSIG and takes the namespace down), then every process of the
+        run by uid or marker; reap the main process. Returns its (wait status, rusage)."""
+        if cgroup is not None:
+            cgroup.kill_all()
         try:
             os.killpg(proc.pid, signal.SIGKILL)
         except ProcessLookupError:
