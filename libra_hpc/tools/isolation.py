@@ -27,7 +27,9 @@ bwrap cannot run, and say so in the run's report. As non-root it runs under our 
 ``kill -9 -1`` in a snippet would kill all of our processes.
 
 In both modes ``prlimit`` (util-linux) applies the resource limits right before the
-interpreter starts; it needs no ``preexec_fn`` (unsafe in a threaded orchestrator).
+interpreter starts; it needs no ``preexec_fn`` (unsafe in a threaded orchestrator). When
+run as root on a host with writable cgroup controllers, each call also gets its own cgroup
+(cgroups.py) that bounds the memory and process count of all its processes together.
 """
 
 from __future__ import annotations
