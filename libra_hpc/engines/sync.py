@@ -92,13 +92,20 @@ def push_weights(comm: Any, weights: Mapping[str, torch.Tensor], *, root: int,
     entries, sizes = plan_buckets(weights, bucket_bytes)
     comm.bcast((entries, sizes), root=root)
     for index, size in enumerate(sizes):
-        buffer = torch.empty(size, dtype=torch.uint8)
-        for entry in entries:
-            if entry.bucket == index:
-                source = weights[entry.name].detach().contiguous().cpu().reshape(-1).view(torch.uint8)
-                buffer[entry.offset:entry.offset + entry.nbytes].copy_(source)
+        members = [e for e in entries if e.bucket == index]
+        if len(members) == 1:  # a bucket of one tensor goes out from the tensor itself, no copy
+            buffer = _bytes(weights[members[0].name])
+        else:
+            buffer = torch.empty(size, dtype=torch.uint8)
+            for entry in members:
+                buffer[entry.offset:entry.offset + entry.nbytes].copy_(_bytes(weights[entry.name]))
         comm.Bcast(buffer.numpy(), root=root)
     return SyncStats(len(entries), sum(e.nbytes for e in entries), len(sizes), time.perf_counter() - start)
+
+
+def _bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor's bytes as a flat uint8 CPU tensor (a view when already contiguous on CPU)."""
+    return tensor.detach().contiguous().cpu().reshape(-1).view(torch.uint8)
 
 
 def pull_weights(comm: Any, *, root: int, device: torch.device | str = "cpu",
