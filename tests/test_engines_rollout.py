@@ -134,6 +134,20 @@ def test_a_bad_model_path_is_named(tmp_path):
         VllmRolloutEngine(tmp_path)
 
 
+def test_an_existing_torch_world_is_refused(tiny, tmp_path):
+    """vLLM would take the caller's torch world over and destroy it at shutdown."""
+    import torch.distributed as dist
+
+    from libra_hpc.engines.rollout import VllmRolloutEngine
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        with pytest.raises(RuntimeError, match=r"torch.distributed is already initialised .*world size 1"):
+            VllmRolloutEngine(tiny)
+    finally:
+        dist.destroy_process_group()
+
+
 # --- one engine for the module -----------------------------------------------------------
 
 def test_score_matches_transformers(engine, hf):
@@ -225,6 +239,10 @@ def test_shutdown_frees_memory_and_a_new_engine_starts(engine, tiny, hf):
     engine.shutdown()
     engine.shutdown()  # harmless twice
     assert rss - psutil.Process().memory_info().rss > 0.8 * 0.25 * (1 << 30)  # the KV cache went back
+    import torch
+
+    assert not torch.distributed.is_initialized()  # vLLM's world is gone with it
+    assert torch.set_num_threads.__name__ == "set_num_threads"  # vLLM's no-op replacement undone
     with pytest.raises(RuntimeError, match="shut down"):
         engine.score([[1, 2]])
     seqs = _seqs(6)

@@ -8,7 +8,9 @@ workers to cores or GPUs differ. vLLM and torch are imported when an engine star
 Process-wide side effects, all made here and nowhere else (see ``options.engine_env``):
 environment variables vLLM reads; vLLM's CPU worker replaces ``torch.set_num_threads`` with
 a no-op while an engine lives (``shutdown`` restores it and the thread count); an engine of
-TP > 1 starts one worker process per TP rank.
+TP > 1 starts one worker process per TP rank; the engine owns ``torch.distributed`` of its
+process (vLLM initialises the default group, or takes over one already there, and destroys
+it at shutdown), so it refuses to start where a torch world already exists.
 """
 
 from __future__ import annotations
@@ -69,6 +71,13 @@ class VllmRolloutEngine:
         self._apply_env(engine_env(device=device, tp=tp, cpus=cpus, devices=devices))
 
         import torch
+
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            raise RuntimeError(
+                f"rollout engine: torch.distributed is already initialised in this process (world size "
+                f"{torch.distributed.get_world_size()}); vLLM would build its groups over that world (collectives "
+                "every rank of it must join) and destroy it at shutdown. Start the engine in a process without "
+                "a torch world, or destroy_process_group() first")
         from vllm import LLM
 
         self._torch_threads = (torch.set_num_threads, torch.get_num_threads())
