@@ -383,3 +383,23 @@ def test_engine_from_the_experiment_config(tiny, torch_world):
         engine.shutdown()
     with pytest.raises(ValidationError, match="ppo_clip"):
         TrainingConfig(ppo_clip=1.5)
+
+
+def test_bf16_parameters_step_through_the_mixed_precision_optimizer(tiny, torch_world):
+    """bf16 weights with fp32 main weights in the optimizer: on CPU this path runs the
+    optimizer's CUDA type-name checks through the shims."""
+    from libra_hpc.engines.train.loss import PolicyBatch
+
+    tokens, mask, advantages = fixed_batch(1024)
+    norms = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        engine = _engine(tiny, dtype=dtype)
+        try:
+            inner = engine.optimizer.chained_optimizers[0]
+            norms[dtype] = engine.train_step(PolicyBatch(tokens, mask, advantages)).grad_norm
+            exported = engine.export_hf()
+        finally:
+            engine.shutdown()
+    assert type(inner).__name__ == "Float16OptimizerWithFloat16Params"
+    assert norms[torch.bfloat16] == pytest.approx(norms[torch.float32], rel=0.02)
+    assert exported["lm_head.weight"].dtype == torch.bfloat16
