@@ -48,3 +48,26 @@ def test_three_rank_queue_completes_every_trajectory_exactly_once(tmp_path):
     clients = dict(enumerate(summary["clients"], start=1))
     assert clients[1]["malformed"] == 1 and clients[2]["malformed"] == 1 and clients[2]["duplicate_report"] == 1
     assert clients[1].get("late_report", 0) + clients[2]["late_report"] == stats["late_reports"]
+
+
+def test_serve_keeps_collections_off_the_request_path_and_restores_the_collector():
+    import gc
+
+    from libra_hpc.scheduler.mpi_service import _Collector
+    clock = iter([0.0, 5.0, 20.0, 20.0]).__next__
+    thresholds, counters = gc.get_threshold(), {"full_collections": 0}
+    with pytest.raises(RuntimeError), _Collector(10.0, clock, counters) as collector:
+        assert gc.get_freeze_count() > 0 and gc.get_threshold()[2] == 1 << 30
+        assert not collector.due(idle=True)  # t=5: not yet
+        assert collector.due(idle=False)  # t=20: twice the period, even between requests
+        raise RuntimeError("a router bug")
+    assert counters["full_collections"] == 1
+    assert gc.get_threshold() == thresholds and gc.get_freeze_count() == 0
+    gc.freeze()  # frozen by someone else: left frozen
+    try:
+        frozen = gc.get_freeze_count()
+        with _Collector(10.0, lambda: 0.0, counters):
+            pass
+        assert gc.get_freeze_count() == frozen
+    finally:
+        gc.unfreeze()

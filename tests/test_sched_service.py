@@ -552,3 +552,39 @@ def test_least_load_sees_queued_turns_not_only_running_ones():
     assert router.outstanding == {0: 512, 1: 512, 2: 512}
     ask(service, 0, max=16)  # instance 0 takes its two and instance 1's two: their load moves with them
     assert router.outstanding == {0: 1024, 1: 0, 2: 512}
+
+
+def test_turns_queued_while_every_instance_was_silent_move_when_one_comes_back():
+    buckets = (BucketSpec("tp1", 1, 1024, (0,)), BucketSpec("tp4", 4, 1 << 30, (1,)))
+    router = make_router("least_load", buckets, window=8, min_samples=1, rebuild_every=10)
+    service, _ = make_service(router)
+    for i in range(4):
+        service.submit(f"t{i}", "p")
+    ask(service, 0, now=0.0)
+    ask(service, 1, now=0.0)
+    service.expire(LEASE_S)  # both silent: the expired turns still need a queue, on a silent instance
+    assert service.stats()["silent"] == [0, 1] and service.stats()["active"] == 4
+    done = 0
+    for k in range(5):  # instance 1 comes back and works; nothing may stay stranded on instance 0
+        for turn in ask(service, 1, now=LEASE_S + 1 + k):
+            done += service.handle(finish(turn["lease"]), LEASE_S + 1 + k)["ok"]
+    assert done == 4 and service.stats()["active"] == 0 and service.stats()["silent"] == [0]
+
+
+def test_an_instance_that_dies_holding_no_lease_falls_silent_once_work_waits_for_it():
+    buckets = (BucketSpec("tp1", 1, 1024, (0,)), BucketSpec("tp4", 4, 1 << 30, (1,)))
+    router = make_router("least_load", buckets, window=8, min_samples=1, rebuild_every=10)
+    service, _ = make_service(router)
+    service.maintain(0.0)
+    assert ask(service, 1, now=0.0) == []  # instance 1 asks, finds nothing, then its engine dies
+    for i in range(4):
+        service.submit(f"t{i}", "p")  # least load: two of them queued on instance 1
+    assert service.stats()["queued"] == {"tp1": 2, "tp4": 2}
+    service.maintain(LEASE_S - 0.01)
+    assert service.stats()["silent"] == []  # not yet: it may still ask
+    later = LEASE_S * 1.25  # the check runs at most every lease_s / 4
+    service.handle({"op": "heartbeat", "instance": 0}, later)
+    service.maintain(later)
+    assert service.stats()["silent"] == [1] and service.stats()["queued"] == {"tp1": 4, "tp4": 0}
+    turns = ask(service, 0, now=later)
+    assert sorted(t["tid"] for t in turns) == ["t0", "t1", "t2", "t3"]

@@ -113,7 +113,7 @@ def test_observe_refuses_inconsistent_trajectories_naming_the_prompt():
     index = CausalIndex(window=4, min_samples=1, retain=4)
     with pytest.raises(ValueError, match="'p7'"):
         index.observe(_finished("p7", [FAIL], [10]))
-    with pytest.raises(ValueError, match="negative"):
+    with pytest.raises(ValueError, match="must lie between 0 and"):
         index.observe(_finished("p7", [FAIL], [10, -1]))
 
 
@@ -295,3 +295,17 @@ def test_a_saved_tree_nested_beyond_max_depth_is_refused(tmp_path):
 def test_retaining_fewer_trajectories_than_the_window_is_refused():
     with pytest.raises(ValueError, match=r"retain=3 .* >= the tree window \(4\)"):
         CausalIndex(window=4, min_samples=1, retain=3)
+
+
+def test_a_sample_beyond_64_bits_is_refused_not_overflowed(tmp_path):
+    from libra_hpc.scheduler.tree import MAX_SAMPLE
+    data = _valid_json()
+    data["global"]["samples"] = [MAX_SAMPLE + 1]
+    with pytest.raises(CausalTreeFormatError, match="global.samples"):
+        CausalIndex.from_json(data)
+    data = _valid_json()
+    data["recent"][0]["remaining_after"] = [1 << 63, 0]
+    with pytest.raises(CausalTreeFormatError, match=r"recent\[0\]"):
+        CausalIndex.from_json(data)
+    with pytest.raises(ValueError, match="must lie between 0 and"):
+        CausalIndex(window=4, min_samples=1, retain=4).observe(FinishedTrajectory("p", (OK,), (1 << 63, 0)))

@@ -127,15 +127,18 @@ class _Collector:
     by reference counting) and automatic full collections deferred (young generations
     are untouched). :meth:`due` runs a full collection every ``every_s`` when idle, or
     after ``2 * every_s`` when the loop never idles. On exit the settings are restored
-    and the frozen objects handed back to the collector."""
+    and the frozen objects handed back to the collector. When something was frozen
+    before (the caller, or an outer serve), freezing is left to its owner."""
 
     def __init__(self, every_s: float, clock: Callable[[], float], counters: dict):
         self.every_s, self.clock, self.counters = every_s, clock, counters
 
     def __enter__(self) -> Self:
         self.thresholds = gc.get_threshold()
-        gc.collect()
-        gc.freeze()
+        self.froze = gc.get_freeze_count() == 0  # the caller (or an outer serve) may manage it already
+        if self.froze:
+            gc.collect()
+            gc.freeze()
         gc.set_threshold(self.thresholds[0], self.thresholds[1], 1 << 30)
         self.last = self.clock()
         return self
@@ -151,7 +154,8 @@ class _Collector:
 
     def __exit__(self, *exc) -> None:
         gc.set_threshold(*self.thresholds)
-        gc.unfreeze()
+        if self.froze:
+            gc.unfreeze()
 
 
 def _save(save: Callable[[], None], counters: dict, clock: Callable[[], float]) -> float:

@@ -10,7 +10,8 @@ shortest remaining work. Every policy is registered by name (``SchedulerConfig.p
 - ``oracle``: :class:`OracleRouter`, the true remaining length (a bound).
 
 All share the load accounting (:meth:`RouterBase.turn_started` / ``turn_ended``: the
-expected tokens of the turns each instance is running) and the counters ``decisions``,
+expected tokens of the turns queued on or running on each instance), the silent
+instances they skip (:meth:`RouterBase.set_down`) and the counters ``decisions``,
 ``migrations`` (the bucket changed: the KV cache is recomputed at the destination) and
 ``fallbacks`` (the chosen bucket had no unsaturated instance, a neighbour took the turn).
 
@@ -130,14 +131,15 @@ class RouterBase:
 
     # --- load accounting ---
     def turn_started(self, instance: int, expected_tokens: int) -> None:
-        """A turn of ``expected_tokens`` was handed to ``instance``."""
+        """A turn of ``expected_tokens`` now waits on or runs on ``instance``."""
         load = self.outstanding.get(instance)
         if load is None or expected_tokens < 0:
             self._check(instance, expected_tokens)
         self.outstanding[instance] = load + expected_tokens
 
     def turn_ended(self, instance: int, expected_tokens: int) -> None:
-        """That turn ended (done, failed or its lease expired); pass the same tokens."""
+        """That turn left ``instance`` (done, expired, taken by a sibling, instance
+        silent); pass the same tokens."""
         load = self.outstanding.get(instance)
         if load is None or expected_tokens < 0:
             self._check(instance, expected_tokens)

@@ -52,11 +52,13 @@ stamps the instance, and a popped deadline that a renewal pushed back is pushed 
 Entries of leases ended by a report stay in the heap until popped; when they outnumber
 live leases 3 to 1 (plus 4096) the heap is rebuilt, which is amortised O(1).
 
-Silent instances. An instance whose lease expires is *silent* (maybe dead): the turns
-queued on it are placed again with the expired ones, and the router (``set_down``, when
-it has one) places nothing there while another instance can take the turn — otherwise a
-bucket whose only instance died would hold its work forever. Its next ``ask`` or
-``heartbeat`` brings it back.
+Silent instances. An instance is *silent* (maybe dead) when one of its leases expires,
+or when turns are queued on it and it has not asked or sent a heartbeat for ``lease_s``
+(checked by :meth:`QueueService.maintain`): the turns queued on it are placed again
+(with the expired ones), and the router (``set_down``, when it has one) places nothing
+there while another instance can take the turn — otherwise a bucket whose only instance
+died would hold its work forever. Its next ``ask`` or ``heartbeat`` brings it back, and
+turns that had to be queued on silent instances meanwhile are placed again.
 
 Load accounting. ``router.turn_started(instance, e)`` when a turn is placed (queued on
 ``instance``) and ``router.turn_ended(instance, e)`` when its lease ends (report or
@@ -165,8 +167,9 @@ class _Lease:
 class QueueService:
     """Owns trajectories, per-instance turn queues and leases; asks ``router`` where turns
     run. ``buckets`` defaults to ``router.buckets``; the instances of the buckets are the
-    only ones that may ask. ``remember_leases``: over how many of the latest lease ids a
-    late report is told from a duplicate one. ``classify``: replaces
+    only ones that may ask. ``remember_leases``: over how many of the latest lease ids
+    *issued* a late report is told from a duplicate one (a report for an older lease is
+    refused as late, ended too long ago). ``classify``: replaces
     :func:`~libra_hpc.scheduler.state.classify` (same arguments)."""
 
     def __init__(self, router: Router, *, lease_s: float, max_batch: int, size_thresholds: Sequence[int],
@@ -207,6 +210,8 @@ class QueueService:
         self._trajs: dict[str, _Trajectory] = {}
         self._leases: dict[int, _Lease] = {}
         self._down: set[int] = set()  # silent instances (see _silent)
+        self._first_seen: float | None = None  # time of the first maintenance
+        self._next_liveness = float("-inf")
         self._expired: set[int] = set()  # lease ids that expired, within the remembered window
         self._prune_expired_at = 1024
         self._expiry: list[tuple[float, int]] = []
@@ -279,24 +284,36 @@ class QueueService:
             lost.append(traj)
             expired += 1
             if lease.instance not in self._down:
-                lost.extend(self._silent(lease.instance, now))
-        for traj in reversed(lost):  # to the queue fronts, oldest lease first
+                lost.extend(self._silent(lease.instance, now, "let a lease expire"))
+        self._requeue(lost)  # oldest lease first
+        return expired
+
+    def _requeue(self, trajs: list[_Trajectory]) -> None:
+        """Place turns again, at the queue fronts, the first of ``trajs`` ahead."""
+        for traj in reversed(trajs):
             moved = traj.migrated  # its KV cache was never built where the turn now goes
             self._place(traj, front=True)
             traj.migrated = traj.migrated or moved
-        return expired
 
-    def _silent(self, instance: int, now: float) -> list[_Trajectory]:
-        """``instance`` let a lease expire without asking or sending a heartbeat: tell the
-        router to place nothing there while another instance can take it, and take back
-        the turns queued on it (returned, oldest first, to be placed again): a bucket of
-        one dead instance would keep them forever. It is back at its next ask or
-        heartbeat (:meth:`_back`)."""
-        self._down.add(instance)
-        self._counts["instances_silent"] += 1
-        set_down = getattr(self._router, "set_down", None)
-        if set_down is not None:
-            set_down(instance, True)
+    def _check_liveness(self, now: float) -> None:
+        """An instance with queued turns that has not asked or sent a heartbeat for
+        ``lease_s`` (since the service's first maintenance, if ever) falls silent too:
+        one that died holding no lease never lets one expire. Runs from :meth:`maintain`
+        at most every ``lease_s / 4``; O(instances)."""
+        if self._first_seen is None:
+            self._first_seen = now
+        if now < self._next_liveness:
+            return
+        self._next_liveness = now + self._lease_s / 4
+        lost: list[_Trajectory] = []
+        for instance, queue in self._queues.items():
+            if queue and instance not in self._down and \
+                    now - self._renewed.get(instance, self._first_seen) >= self._lease_s:
+                lost.extend(self._silent(instance, now, f"held {len(queue)} queued turns without asking"))
+        self._requeue(lost)
+
+    def _take_queue(self, instance: int) -> list[_Trajectory]:
+        """Empty ``instance``'s queue (oldest first), its load accounting included."""
         queue = self._queues[instance]
         taken = list(queue)
         queue.clear()
@@ -304,16 +321,35 @@ class QueueService:
             self._depth[self._bucket_of[instance]] -= len(taken)
         for traj in taken:
             self._router.turn_ended(instance, traj.expected)
-        log.warning("rollout instance %d is silent (a lease expired at t=%.3f without a renewal): %d queued turns "
-                    "placed again, no new work for it until it asks or sends a heartbeat", instance, now, len(taken))
+        return taken
+
+    def _silent(self, instance: int, now: float, why: str) -> list[_Trajectory]:
+        """``instance`` did not ask or send a heartbeat in time: tell the router to place
+        nothing there while another instance can take it, and take back the turns queued
+        on it (returned, oldest first, to be placed again): a bucket of one dead instance
+        would keep them forever. It is back at its next ask or heartbeat (:meth:`_back`)."""
+        self._down.add(instance)
+        self._counts["instances_silent"] += 1
+        set_down = getattr(self._router, "set_down", None)
+        if set_down is not None:
+            set_down(instance, True)
+        taken = self._take_queue(instance)
+        log.warning("rollout instance %d is silent (it %s; t=%.3f): %d queued turns placed again, no new work for "
+                    "it until it asks or sends a heartbeat", instance, why, now, len(taken))
         return taken
 
     def _back(self, instance: int) -> None:
+        """``instance`` asked or sent a heartbeat after falling silent. Turns that had to
+        be queued on silent instances (every instance was silent then) are placed again,
+        now that there is a live one."""
         self._down.discard(instance)
         set_down = getattr(self._router, "set_down", None)
         if set_down is not None:
             set_down(instance, False)
-        log.info("rollout instance %d is back", instance)
+        stranded = [traj for down in sorted(self._down) for traj in self._take_queue(down)]
+        self._requeue(stranded)
+        log.info("rollout instance %d is back; %d turns stranded on silent instances placed again", instance,
+                 len(stranded))
 
     def maintain(self, now: float, *, busy: bool = False) -> bool:
         """Work kept off the request path: expire leases, and let the router run its
@@ -321,6 +357,7 @@ class QueueService:
         this when no request is waiting (``busy=False``) and, under constant load,
         between requests (``busy=True``: the router only does overdue work)."""
         self.expire(now)
+        self._check_liveness(now)
         maintain = getattr(self._router, "maintain", None)
         return bool(maintain(busy=busy)) if maintain is not None else False
 

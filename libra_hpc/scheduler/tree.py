@@ -35,6 +35,8 @@ logger = logging.getLogger(__name__)
 
 FORMAT = "libra_hpc.causal_index"
 VERSION = 1
+MAX_SAMPLE = 1 << 48
+"""Largest remaining-token count a node takes (the samples are 64-bit integers)."""
 MAX_DEPTH = 64
 """Tool returns a tree follows. Deeper nodes would hold too few samples to be trusted, so a
 longer trajectory is routed on its node at this depth (conditioned on what it generated
@@ -391,8 +393,9 @@ def _expect(value: object, kind: type, where: str):
 
 
 def _int(value: object, where: str, minimum: int = 0) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-        raise CausalTreeFormatError(f"{where}: expected an integer >= {minimum}, found {value!r}")
+    if not isinstance(value, int) or isinstance(value, bool) or not minimum <= value <= MAX_SAMPLE:
+        raise CausalTreeFormatError(f"{where}: expected an integer between {minimum} and {MAX_SAMPLE}, "
+                                    f"found {value!r}")
     return value
 
 
@@ -434,13 +437,12 @@ def _check_finished(finished: FinishedTrajectory) -> None:
         raise ValueError(f"finished trajectory of prompt {finished.prompt_id!r}: remaining_after has "
                          f"{len(finished.remaining_after)} entries for {len(finished.states)} tool returns; "
                          f"expected {len(finished.states) + 1}")
-    if min(finished.remaining_after) < 0:
-        raise ValueError(f"finished trajectory of prompt {finished.prompt_id!r}: negative remaining "
-                         f"tokens in {finished.remaining_after}")
+    if min(finished.remaining_after) < 0 or max(finished.remaining_after) > MAX_SAMPLE:
+        raise ValueError(f"finished trajectory of prompt {finished.prompt_id!r}: remaining tokens "
+                         f"{finished.remaining_after} must lie between 0 and {MAX_SAMPLE}")
 
 
 def _finished_to_json(finished: FinishedTrajectory) -> dict:
-    """``extra`` is not saved: it is free-form and need not be JSON-safe."""
     return {"prompt_id": finished.prompt_id, "states": [[s.tool, s.size, s.status] for s in finished.states],
             "remaining_after": list(finished.remaining_after)}
 

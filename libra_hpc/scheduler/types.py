@@ -88,10 +88,12 @@ class Router(Protocol):
         ``view.bucket`` is None). Must return an instance of ``buckets``."""
 
     def turn_started(self, instance: int, expected_tokens: int) -> None:
-        """A turn was handed to ``instance`` (load accounting)."""
+        """A turn now waits on or runs on ``instance`` (load accounting: queued or leased
+        there; the service moves it when a sibling instance takes it)."""
 
     def turn_ended(self, instance: int, expected_tokens: int) -> None:
-        """That turn ended (done, failed or its lease expired)."""
+        """That turn left ``instance``: done, its lease expired, a sibling took it from the
+        queue, or the instance fell silent."""
 
     def observe(self, finished: FinishedTrajectory) -> None:
         """Learn from a finished trajectory. O(depth): called on the service's hot path."""
