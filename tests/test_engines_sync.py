@@ -5,6 +5,7 @@ must then match the trained Megatron log-probs."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import signal
@@ -75,7 +76,7 @@ def test_trained_weights_reach_the_vllm_leader_and_its_logprobs_match(tiny, tmp_
     assert result["rollout_vs_trained"] < 1e-4  # after the sync: the trained policy, to fp32 precision
     assert result["rollout_before_vs_trained"] > 1e-2  # before it: visibly the old policy
     losses = result["losses"]
-    assert all(b < a for a, b in zip(losses, losses[1:])), losses
+    assert all(b < a for a, b in itertools.pairwise(losses)), losses
     config = json.loads((tiny / "config.json").read_text())
     assert result["pull"]["tensors"] == result["push"]["tensors"] == 3 + 12 * config["num_hidden_layers"]
     assert result["pull"]["bytes"] == result["push"]["bytes"] > 0

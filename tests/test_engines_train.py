@@ -21,8 +21,10 @@ from libra_hpc.engines.train.convert import ModelShape
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-import train_world  # noqa: E402
-from train_world import STEPS, fixed_batch, hf_logprobs  # noqa: E402
+import itertools
+
+import train_world
+from train_world import STEPS, fixed_batch, hf_logprobs
 
 TOL = 1e-4  # fp32 log-prob agreement the acceptance asks for
 
@@ -30,8 +32,8 @@ TOL = 1e-4  # fp32 log-prob agreement the acceptance asks for
 # ------------------------------------------------------------------ conversion (pure)
 
 def _shape(**kw) -> ModelShape:
-    base = dict(vocab_size=16, hidden_size=8, ffn_hidden_size=12, num_layers=4, num_heads=8, num_kv_heads=4,
-                head_dim=4, qkv_bias=True, tied_embeddings=False, norm_eps=1e-6, rope_theta=1e4, max_positions=64)
+    base = {"vocab_size": 16, "hidden_size": 8, "ffn_hidden_size": 12, "num_layers": 4, "num_heads": 8, "num_kv_heads": 4,
+                "head_dim": 4, "qkv_bias": True, "tied_embeddings": False, "norm_eps": 1e-6, "rope_theta": 1e4, "max_positions": 64}
     return ModelShape(**{**base, **kw})
 
 
@@ -64,7 +66,7 @@ def test_conversion_round_trip_is_bit_exact(tp, pp, tied, bias):
     per_stage = shape.num_layers // pp
     back: dict[str, torch.Tensor] = {}
     for stage in range(pp):
-        where = dict(layer_offset=stage * per_stage, first_stage=stage == 0, last_stage=stage == pp - 1)
+        where = {"layer_offset": stage * per_stage, "first_stage": stage == 0, "last_stage": stage == pp - 1}
         shards = [convert.megatron_shard(hf, shape, tp_rank=r, tp=tp, num_layers=per_stage, **where)
                   for r in range(tp)]
         assert all(s.keys() == shards[0].keys() for s in shards)
@@ -76,7 +78,7 @@ def test_conversion_round_trip_is_bit_exact(tp, pp, tied, bias):
 def test_qkv_shard_holds_each_kv_group_after_its_query_heads():
     shape = _shape()  # 8 query heads, 4 KV groups, head_dim 4
     d, per = shape.head_dim, shape.num_heads // shape.num_kv_heads
-    rows = lambda heads, tag: torch.cat([torch.full((d, 1), tag + h, dtype=torch.float) for h in range(heads)])  # noqa: E731
+    rows = lambda heads, tag: torch.cat([torch.full((d, 1), tag + h, dtype=torch.float) for h in range(heads)])
     q, k, v = rows(shape.num_heads, 0), rows(shape.num_kv_heads, 100), rows(shape.num_kv_heads, 200)
     fused = convert.fuse_qkv(q, k, v, shape)
     rank1 = fused.chunk(2)[1][::d, 0].tolist()  # TP=2, rank 1: groups 2 and 3, one value per head
@@ -117,9 +119,9 @@ def test_shims_refuse_another_megatron_version(monkeypatch):
     from libra_hpc.engines.train import cpu_shims
 
     monkeypatch.setattr(megatron.core, "__version__", "0.17.0")
-    with pytest.raises(cpu_shims.ShimVersionError, match=r"megatron-core==0\.16\.1 but 0\.17\.0"):
-        with cpu_shims.megatron_on_cpu():
-            pass
+    with pytest.raises(cpu_shims.ShimVersionError, match=r"megatron-core==0\.16\.1 but 0\.17\.0"), \
+            cpu_shims.megatron_on_cpu():
+        pass
     assert torch.zeros(1).type() == "torch.FloatTensor"
 
 
@@ -156,9 +158,8 @@ def test_cpu_rng_tracker_forks_named_streams_and_restores_the_outer_one():
     assert not torch.equal(a1, a2)  # the named stream advances
     with pytest.raises(ValueError):
         tracker.add("c", 1)
-    with pytest.raises(KeyError, match="never added"):
-        with tracker.fork("zzz"):
-            pass
+    with pytest.raises(KeyError, match="never added"), tracker.fork("zzz"):
+        pass
 
 
 # --------------------------------------------------------------------------- loss
@@ -248,7 +249,7 @@ def test_tp2_logprobs_match_transformers_before_and_after_training(tp2_world):
     assert result["export_vs_hf"] < TOL
     assert result["moved"] > 100 * TOL  # the steps changed the policy: the comparison after them means something
     losses = result["losses"]
-    assert all(b < a for a, b in zip(losses, losses[1:])), losses
+    assert all(b < a for a, b in itertools.pairwise(losses)), losses
 
 
 @pytest.mark.mpi
@@ -264,7 +265,7 @@ def test_tp1_matches_transformers_and_tp2_and_lowers_the_loss(tiny, torch_world,
     assert (before - hf_logprobs(tiny, tokens)).abs().max() < TOL
     assert (after - hf_logprobs(tiny, tokens, exported)).abs().max() < TOL
     losses = [s.loss for s in stats]
-    assert all(b < a for a, b in zip(losses, losses[1:])), losses
+    assert all(b < a for a, b in itertools.pairwise(losses)), losses
     assert [s.tokens for s in stats] == [int(mask.sum())] * STEPS
     # TP=2 is the same model split two ways: same losses, gradient norms and policy, up to
     # float reassociation (the norm covers every TP shard once: megatron skips shards it

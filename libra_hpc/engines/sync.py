@@ -8,8 +8,15 @@ plane for weights is MPI point-to-point/collectives between roles; each role's t
 world stays its own). The wire format is a manifest (names, dtypes, shapes, offsets;
 pickled, one ``bcast``) followed by flat byte buckets (``Bcast``), each at most
 ``bucket_bytes``: leaders hand each bucket's tensors to the rollout engine
-(``update_weights`` takes an iterable of (name, tensor)) while later buckets are still
-in flight, so peak extra memory on a leader is one bucket, not the model.
+(``update_weights`` takes an iterable of (name, tensor)) as it arrives, so a consumer
+that applies tensors as they come holds one bucket at a time (``VllmRolloutEngine``
+checks the whole set before applying any, so it holds the whole model once).
+
+With PP > 1 every stage has a holder: give each its own communicator (holder + leaders)
+and let the leaders chain the pulls (``itertools.chain(pull_weights(c0, root=0), ...)``)
+into one ``update_weights``. Training and rollout never share a process: each needs its
+own torch world (megatron builds its groups from the default group; vLLM takes the
+default group over and destroys it at shutdown).
 
 No disk round trip. On GPUs the holder stages each bucket through host memory (a CUDA
 tensor's bytes are copied to the bucket) and leaders move tensors to their device; a
@@ -21,7 +28,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -100,7 +107,10 @@ def push_weights(comm: Any, weights: Mapping[str, torch.Tensor], *, root: int,
             for entry in members:
                 buffer[entry.offset:entry.offset + entry.nbytes].copy_(_bytes(weights[entry.name]))
         comm.Bcast(buffer.numpy(), root=root)
-    return SyncStats(len(entries), sum(e.nbytes for e in entries), len(sizes), time.perf_counter() - start)
+    stats = SyncStats(len(entries), sum(e.nbytes for e in entries), len(sizes), time.perf_counter() - start)
+    log.debug("pushed %d tensors, %d bytes in %d buckets, %.4f s", stats.tensors, stats.bytes, stats.buckets,
+              stats.seconds)
+    return stats
 
 
 def _bytes(tensor: torch.Tensor) -> torch.Tensor:
@@ -125,11 +135,3 @@ def pull_weights(comm: Any, *, root: int, device: torch.device | str = "cpu",
                 yield entry.name, raw.view(getattr(torch, entry.dtype)).reshape(entry.shape).to(device)
     if stats is not None:
         stats.append(SyncStats(len(entries), sum(e.nbytes for e in entries), len(sizes), time.perf_counter() - start))
-
-
-def apply_weights(rollout: Any, weights: Iterable[tuple[str, torch.Tensor]]) -> float:
-    """Hand (name, tensor) pairs to a rollout engine's ``update_weights`` (in-process path:
-    training and rollout in one process); returns the seconds it took."""
-    start = time.perf_counter()
-    rollout.update_weights(weights)
-    return time.perf_counter() - start

@@ -157,7 +157,6 @@ def hf_from_shards(shards: Sequence[Mapping[str, torch.Tensor]], shape: ModelSha
     """Full HF weights of one pipeline stage from its Megatron shards, one per TP rank in
     TP-rank order. Inverse of :func:`megatron_shard`; with tied embeddings the output
     layer is not exported (HF reads the head from ``embed_tokens``)."""
-    tp = len(shards)
     layers = sorted({int(k.split(".")[2]) for k in shards[0] if k.startswith("decoder.layers.")})
     out: Tensors = {}
     if first_stage:
@@ -178,7 +177,6 @@ def hf_from_shards(shards: Sequence[Mapping[str, torch.Tensor]], shape: ModelSha
         out["model.norm.weight"] = shards[0]["decoder.final_layernorm.weight"].clone()
         if not shape.tied_embeddings:
             out["lm_head.weight"] = _join("out", [s["output_layer.weight"] for s in shards])
-    assert tp >= 1
     return out
 
 

@@ -150,7 +150,7 @@ class MegatronTrainEngine:
             return None
         local = {k: v.detach() for k, v in self._gpt().state_dict().items() if not k.endswith("_extra_state")}
         group, tp = ps.get_tensor_model_parallel_group(), self.placement.tp
-        shards: list[dict[str, torch.Tensor]] = [dict() for _ in range(tp)]
+        shards: list[dict[str, torch.Tensor]] = [{} for _ in range(tp)]
         for name in sorted(local):
             tensor = local[name].contiguous()
             if tp == 1:
@@ -162,7 +162,9 @@ class MegatronTrainEngine:
                 shards[rank][name] = piece
         if not self.placement.holds_export:
             return None
-        from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+        from megatron.core.transformer.transformer_layer import (
+            get_transformer_layer_offset,
+        )
 
         return convert.hf_from_shards(shards, self.shape, layer_offset=get_transformer_layer_offset(self.config),
                                       first_stage=self.placement.first_stage, last_stage=self.placement.last_stage)
@@ -178,7 +180,9 @@ class MegatronTrainEngine:
         return self.model.module
 
     def _load_hf(self, model) -> None:
-        from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+        from megatron.core.transformer.transformer_layer import (
+            get_transformer_layer_offset,
+        )
         from safetensors.torch import load_file
 
         files = sorted(self.model_path.glob("*.safetensors"))
@@ -238,7 +242,11 @@ class MegatronTrainEngine:
 
 def _wrap(model, config, *, lr: float, clip_grad: float, weight_decay: float, dtype: torch.dtype):
     """Megatron DDP (gradients reduced over DP into ``main_grad``) + the Megatron optimizer."""
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+    from megatron.core.distributed import (
+        DistributedDataParallel,
+        DistributedDataParallelConfig,
+        finalize_model_grads,
+    )
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
     ddp = DistributedDataParallel(config, DistributedDataParallelConfig(
