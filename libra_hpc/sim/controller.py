@@ -105,7 +105,7 @@ class PolicyRun:
     # ------------------------------------------------------------------ run
     def run(self) -> Recorder:
         t0 = wallclock.perf_counter()
-        self.rollout.configure(self.alloc.instances, 0.0)
+        self.rollout.configure(self.alloc.instances, 0.0, self.planner.initial_lengths() if self.planner else None)
         self._record_allocation(0.0, "initial")
         self.loop.schedule_all(self._try_submit(0.0))
         self.loop.schedule(Sample(self.sample_period, self._sample))

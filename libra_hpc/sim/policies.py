@@ -133,6 +133,14 @@ class Planner:
                 best = (obj, replace(r, plan=replace(r.plan, objective=obj)))
         return best[1]
 
+    def initial_lengths(self) -> list[int]:
+        """Generated lengths the first bucket limits are placed on (the prior's, or batch
+        0's for the clairvoyant planner)."""
+        if self.setup.clairvoyant:
+            return [t.gen_tokens for t in self.ctx.batch(0)]
+        prior = self._prior()
+        return [round(g) for g, c in zip(prior.gen, prior.count) for _ in range(c)]
+
     def initial(self) -> Allocation:
         """The first allocation: from the prior (clairvoyant: from batch 0's true lengths)."""
         lengths = length_profile(self.ctx.batch(0), self.global_batch) if self.setup.clairvoyant else self._prior()

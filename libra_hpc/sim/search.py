@@ -5,10 +5,12 @@ a few RL steps spread over the run (``search.sample_steps``: the drift is seen) 
 instances, each step alone, and costing training on its training GPUs:
 
 - colocated (sync): mean of rollout + training + switch;
-- asynchronous: mean of max(rollout, training) (the pipelined step time).
+- asynchronous: mean of max(training, (rollout + weight sync + training) / (k + 1)), the
+  steady-state step of the bounded-staleness pipeline (libra_hpc/sim/controller.py).
 
-Two stages keep it cheap at 4096 GPUs: every candidate on the middle sample step, then the
-best four on every sample step. The training shape per GPU count is the fastest that fits
+Two stages keep it cheap at 4096 GPUs: every candidate is screened with the planner's cost
+model on the middle sample step (``rollout_makespan`` of the batch's lengths), then the best
+four (two above 512 GPUs) are simulated on every sample step and the best simulated wins. The training shape per GPU count is the fastest that fits
 (libra_hpc/sim/training.py). Returns the chosen allocation and every candidate's score.
 """
 
@@ -18,7 +20,8 @@ import logging
 import math
 import statistics
 
-from libra_hpc.sim.context import Allocation, Context
+from libra_hpc.planner.costs import rollout_makespan as rollout_cost_makespan
+from libra_hpc.sim.context import Allocation, Context, length_profile
 from libra_hpc.sim.engine import EventLoop
 from libra_hpc.sim.rollout import RolloutSide
 from libra_hpc.sim.training import best_shape, step_s
@@ -57,17 +60,33 @@ def _score(ctx: Context, alloc: Allocation, steps: list[int], sync: bool) -> flo
         mean_tokens = sum(t.total_tokens for t in batch) / len(batch)
         roll = rollout_makespan(ctx, alloc, s)
         train = step_s(ctx.model, ctx.hw, alloc.train, mean_tokens, ctx.cal)
+        k = ctx.cfg.rl.max_staleness  # the pipelined step (libra_hpc/sim/policies.py: step_objective)
         values.append(roll + train + ctx.cfg.costs.colocate_switch_s if sync
-                      else max(roll, train + ctx.weight_sync_s))
+                      else max(train, (roll + ctx.weight_sync_s + train) / (k + 1)))
     return statistics.fmean(values)
+
+
+def _screen(ctx: Context, alloc: Allocation, step: int, sync: bool) -> float:
+    """Stage 1: the planner's cost model (rollout makespan of the batch's length profile
+    over the allocation's instances) in place of a simulation."""
+    batch = ctx.batch(step)
+    pools: dict[int, int] = {}
+    for inst in alloc.instances:
+        pools[inst.tp] = pools.get(inst.tp, 0) + 1
+    roll = rollout_cost_makespan([(ctx.rollout_costs[tp], n) for tp, n in pools.items()],
+                                 length_profile(batch, len(batch))).makespan_s
+    train = step_s(ctx.model, ctx.hw, alloc.train, statistics.fmean(t.total_tokens for t in batch), ctx.cal)
+    k = ctx.cfg.rl.max_staleness
+    return roll + train + ctx.cfg.costs.colocate_switch_s if sync else max(train, (roll + train) / (k + 1))
 
 
 def _two_stage(ctx: Context, candidates: list[tuple[str, Allocation]], sync: bool) -> tuple[Allocation, list[dict]]:
     steps = sample_steps(ctx)
-    middle = [steps[len(steps) // 2]]
-    first = sorted(((_score(ctx, a, middle, sync), name, a) for name, a in candidates), key=lambda x: x[0])
+    middle = steps[len(steps) // 2]
+    first = sorted(((_screen(ctx, a, middle, sync), name, a) for name, a in candidates), key=lambda x: x[0])
     table = [{"candidate": name, "stage1_s": round(score, 3)} for score, name, _ in first]
-    second = sorted(((_score(ctx, a, steps, sync), name, a) for _, name, a in first[:KEEP]), key=lambda x: x[0])
+    keep = KEEP if ctx.gpus <= 512 else 2
+    second = sorted(((_score(ctx, a, steps, sync), name, a) for _, name, a in first[:keep]), key=lambda x: x[0])
     scores = {name: score for score, name, _ in second}
     for row in table:
         if row["candidate"] in scores:
@@ -98,11 +117,13 @@ def search_colocated(ctx: Context) -> tuple[Allocation, list[dict]]:
     return _two_stage(ctx, candidates, sync=True)
 
 
-def train_sizes(ctx: Context, limit: int = 15) -> list[int]:
-    """Training GPU counts tried: whole nodes, at most ``limit`` of them spread evenly."""
+def train_sizes(ctx: Context, seq_len: int, limit: int = 15) -> list[int]:
+    """Training GPU counts tried: whole nodes on which some training shape splits the
+    batch, at most ``limit`` of them spread evenly."""
     g, nodes = ctx.cfg.cluster.gpus_per_node, ctx.cfg.cluster.nodes
     top = ctx.gpus - max(ctx.cfg.planner.min_rollout_gpus, 1)
-    whole = [n * g for n in range(1, nodes) if n * g <= top]
+    whole = [n * g for n in range(1, nodes) if n * g <= top
+             and best_shape(ctx.model, ctx.hw, n * g, ctx.cfg.batch_size, seq_len, ctx.cal) is not None]
     if len(whole) <= limit:
         return whole
     return sorted({whole[round(i * (len(whole) - 1) / (limit - 1))] for i in range(limit)})
@@ -112,7 +133,7 @@ def search_async_static(ctx: Context) -> tuple[Allocation, list[dict]]:
     """Disaggregated async: training GPU count × homogeneous rollout TP, by simulation."""
     candidates = []
     seq = packed_seq_len(ctx)
-    for n in train_sizes(ctx):
+    for n in train_sizes(ctx, seq):
         shape = best_shape(ctx.model, ctx.hw, n, ctx.cfg.batch_size, seq, ctx.cal)
         if shape is None:
             continue
