@@ -96,3 +96,19 @@ def test_cli_reports_a_bad_scenario_and_writes_a_trace(tmp_path, capsys):
     assert main(["--config", str(ROOT / "configs" / "sim" / "a800-swe.yaml"), "--steps", "2",
                  "--write-trace", str(out)]) == 0
     assert len(read_trace(out)) == 2 * 320
+
+
+def test_every_scenario_field_is_documented():
+    from pydantic import BaseModel
+
+    from libra_hpc.sim.config import SimConfig
+
+    def walk(model, prefix=""):
+        for name, field in model.model_fields.items():
+            nested = field.annotation if isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel) else None
+            if nested is None:
+                assert field.description, f"{prefix}{name} has no docstring"
+            else:
+                assert nested.__doc__, f"section {prefix}{name} has no docstring"
+                walk(nested, f"{prefix}{name}.")
+    walk(SimConfig)

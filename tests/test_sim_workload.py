@@ -51,11 +51,11 @@ def test_drift_rises_to_the_peak_then_declines():
     assert drift(0, 100, d) == 1.0
     assert drift(d.peak_step, 100, d) == 1.0 + d.growth
     assert drift(99, 100, d) == 1.0 + d.growth * (1 - d.decline)
-    early = statistics.fmean(t.gen_tokens for s in range(0, 5) for t in w.batch(s))
+    early = statistics.fmean(t.gen_tokens for s in range(5) for t in w.batch(s))
     peak = statistics.fmean(t.gen_tokens for s in range(d.peak_step - 2, d.peak_step + 3) for t in w.batch(s))
     assert peak > 1.3 * early
 
 
 def test_context_never_exceeds_seq_len():
-    cfg, w = workload(**{"rl.seq_len": 4096})
+    _, w = workload(**{"rl.seq_len": 4096})
     assert max(t.total_tokens for s in (0, 60) for t in w.batch(s)) <= 4096

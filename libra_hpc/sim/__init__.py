@@ -7,7 +7,12 @@ static baselines) · workload / trace (what runs) · report (outputs).
 ``python -m libra_hpc.sim --config configs/sim/<scenario>.yaml --out logs/sim-<name>``.
 """
 
-from libra_hpc.sim.config import SimConfig, SimConfigError, load_sim_config, validate_sim_config
+from libra_hpc.sim.config import (
+           SimConfig,
+           SimConfigError,
+           load_sim_config,
+           validate_sim_config,
+)
 from libra_hpc.sim.run import ScenarioResult, run_policy, run_scenario
 
 __all__ = ["ScenarioResult", "SimConfig", "SimConfigError", "load_sim_config", "run_policy", "run_scenario",

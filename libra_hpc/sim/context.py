@@ -7,9 +7,20 @@ import logging
 from dataclasses import dataclass
 
 from libra_hpc.cluster.layout import LayoutError
-from libra_hpc.planner.costs import Calibration, LengthProfile, LengthSample, RolloutCost, TrainShape
+from libra_hpc.planner.costs import (
+    Calibration,
+    LengthProfile,
+    LengthSample,
+    RolloutCost,
+    TrainShape,
+)
 from libra_hpc.planner.hybrid import HybridPool, HybridPoolError, PhaseTimeouts
-from libra_hpc.planner.profiles import HardwareProfile, ModelProfile, load_hardware, load_model
+from libra_hpc.planner.profiles import (
+    HardwareProfile,
+    ModelProfile,
+    load_hardware,
+    load_model,
+)
 from libra_hpc.planner.search import Plan, plan_to_layout
 from libra_hpc.sim.config import SimConfig
 from libra_hpc.sim.instance import CostStepModel, StepModel

@@ -315,11 +315,11 @@ class PolicyRun:
 
     def _fetched(self, now: float, rid: int):
         if self.alloc.pool is None or rid not in self.fetching:
-            return None  # a replan replaced the pool meanwhile
+            return  # a replan replaced the pool meanwhile
         self.fetching.discard(rid)
         if self.alloc.pool.replica(rid).state == "fetching_state":
             self._progress(rid, now)  # -> zero_grad_sync, done with the next training step
-        return None
+        return
 
     def _hybrid_after_step(self, now: float) -> list[Event]:
         """A training step ended: a replica in its zero-gradient step becomes active, a

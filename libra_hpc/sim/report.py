@@ -22,30 +22,31 @@ from libra_hpc.sim.run import ScenarioResult
 log = logging.getLogger(__name__)
 
 ASSUMPTIONS = (
-    "Decode step time is the planner's roofline cost model (libra_hpc/planner/costs.py, default calibration: "
+    ("Decode step time is the planner's roofline cost model (libra_hpc/planner/costs.py, default calibration: "
     "70% of HBM bandwidth, 2 ms per-step overhead) at the running batch and its KV tokens, held constant between "
-    "changes of the batch and re-priced at least every `costs.resync_steps` steps.",
-    "Joining sequences stall the instance for their prefill (the cost model's FLOP-bound prefill). A turn that runs "
+    "changes of the batch and re-priced at least every `costs.resync_steps` steps."),
+    ("Joining sequences stall the instance for their prefill (the cost model's FLOP-bound prefill). A turn that runs "
     "where the trajectory's previous turn ran prefills only the tool output (prefix cache); a first turn, a "
-    "migrated turn or a turn on another instance recomputes the whole context.",
-    "KV admission by reservation: a sequence joins only if its context plus its whole turn fits the instance's KV "
+    "migrated turn or a turn on another instance recomputes the whole context."),
+    ("KV admission by reservation: a sequence joins only if its context plus its whole turn fits the instance's KV "
     "capacity beside the running ones (no preemption; a sequence alone always runs); at most "
-    "`costs.max_num_seqs` sequences per instance.",
-    "Training step time is the planner's Megatron cost model at the batch's mean (packed) sequence length; no "
+    "`costs.max_num_seqs` sequences per instance."),
+    ("Training step time is the planner's Megatron cost model at the batch's mean (packed) sequence length; no "
     "stragglers, no failures. Asynchronous policies pull new weights once per new version "
-    "(`costs.weight_sync_s`, default: bf16 weights over one inter-node link).",
-    "Asynchronous policies keep trajectories whole (no partial rollouts): batch i starts when training step "
-    "i - k - 1 is done (k = `rl.max_staleness`); colocated pays `costs.colocate_switch_s` per step.",
-    "A plan change drains rollout and then stalls `costs.reconfig_s`; a hybrid replica drains its instances, "
+    "(`costs.weight_sync_s`, default: bf16 weights over one inter-node link)."),
+    ("Asynchronous policies keep trajectories whole (no partial rollouts): batch i starts when training step "
+    "i - k - 1 is done (k = `rl.max_staleness`); colocated pays `costs.colocate_switch_s` per step."),
+    ("A plan change drains rollout and then stalls `costs.reconfig_s`; a hybrid replica drains its instances, "
     "fetches the training state (`costs.hybrid_fetch_s`, default: weights + gradients + Adam shard over one "
-    "inter-node link), joins with one zero-gradient step.",
-    "Tool calls run on an unbounded sandbox pool unless `costs.tool_slots` is set; tool outputs are 4 characters "
-    "per token for the size classes the scheduler sees.",
-    "Bucket token limits follow the layout's GPU shares (`scheduler.bucket_limits: share`) unless fixed.",
-    "The planner plans for pipelined rollout and training without batch overlap (its async objective "
-    "max(T_train, T_rollout)); the simulated pipeline overlaps up to k + 1 batches.",
-    "The workload is synthetic (libra_hpc/sim/workload.py); every number in the scenario file says whether it is "
-    "sourced or an assumption.",
+    "inter-node link), joins with one zero-gradient step."),
+    ("Tool calls run on an unbounded sandbox pool unless `costs.tool_slots` is set; tool outputs are 4 characters "
+    "per token for the size classes the scheduler sees."),
+    ("Bucket token limits follow the layout's GPU shares (`scheduler.bucket_limits: share`) unless fixed."),
+    ("plan()'s async objective max(T_train, T_rollout) assumes one batch in flight; the simulated pipeline "
+    "overlaps up to k + 1 batches, so the simulator takes the better of plan()'s async and sync plans under the "
+    "pipelined step max(T_train, (T_rollout + T_train) / (k + 1)) (libra_hpc/sim/policies.py)."),
+    ("The workload is synthetic (libra_hpc/sim/workload.py); every number in the scenario file says whether it is "
+    "sourced or an assumption."),
 )
 
 
@@ -77,8 +78,7 @@ def ratios(result: ScenarioResult) -> dict:
 
 def _jsonl(path: Path, rows: list[dict]) -> None:
     with open(path, "w", encoding="utf-8") as f:
-        for row in rows:
-            f.write(json.dumps(row, default=str) + "\n")
+        f.writelines(json.dumps(row, default=str) + "\n" for row in rows)
 
 
 def table(result: ScenarioResult) -> list[str]:
@@ -98,21 +98,21 @@ def table(result: ScenarioResult) -> list[str]:
 def render(result: ScenarioResult, images: list[str]) -> str:
     cfg = result.cfg
     c = cfg.cluster
-    lines = [f"# Simulator report: {cfg.name}", "",
-             f"{c.nodes} × {c.gpus_per_node} {c.hardware} GPUs, {c.model}, {cfg.rl.steps} RL steps of "
+    intro = (f"{c.nodes} × {c.gpus_per_node} {c.hardware} GPUs, {c.model}, {cfg.rl.steps} RL steps of "
              f"{cfg.rl.prompts_per_step} prompts × {cfg.rl.group_size} samples, staleness {cfg.rl.max_staleness}, "
              f"seed {cfg.seed}. Workload: {'trace ' + cfg.trace if cfg.trace else 'synthetic'}. "
-             f"Simulated in {result.wall_s:.1f} s of wall time.", "",
+             f"Simulated in {result.wall_s:.1f} s of wall time.")
+    lines = [f"# Simulator report: {cfg.name}", "", intro, "",
              "## Comparison", "", *table(result), ""]
     r = ratios(result)
-    lines += ["Throughput ratios (generated tokens/s): "
-              + ", ".join(f"{k} = {v:.2f}" for k, v in r.items() if v is not None), ""]
+    lines += [("Throughput ratios (generated tokens/s): "
+               + ", ".join(f"{k} = {v:.2f}" for k, v in r.items() if v is not None)), ""]
     lines += ["Starting allocation of each policy:", ""]
     lines += [f"- {name}: {desc}" for name, desc in result.initial.items()] + [""]
     w = result.workload
     if w:
-        lines += ["## Workload", "", "| batch | trajectories | gen median | p90 | p99 | p99/median | mean turns | "
-                  "tool failure share | mean tool s |", "|---|---|---|---|---|---|---|---|---|"]
+        lines += ["## Workload", "", ("| batch | trajectories | gen median | p90 | p99 | p99/median | mean turns | "
+                                      "tool failure share | mean tool s |"), "|---|---|---|---|---|---|---|---|---|"]
         for k, v in w.items():
             lines.append(f"| {k} | {v['trajectories']} | {v['gen_median']} | {v['gen_p90']} | {v['gen_p99']} | "
                          f"{v['p99_over_median']:.1f} | {v['mean_turns']:.1f} | {v['failure_share']:.2f} | "

@@ -37,7 +37,12 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
-from libra_hpc.scheduler import BucketSpec, QueueService, buckets_from_instances, make_router
+from libra_hpc.scheduler import (
+    BucketSpec,
+    QueueService,
+    buckets_from_instances,
+    make_router,
+)
 from libra_hpc.sim.config import CostSpec, SchedulerSpec
 from libra_hpc.sim.engine import Event
 from libra_hpc.sim.instance import RolloutInstance, Run, StepModel

@@ -36,7 +36,6 @@ def rollout_makespan(ctx: Context, alloc: Allocation, step: int, router: str = "
 
     def finished(batch: int, now: float):
         done[batch] = now
-        return None
 
     loop = EventLoop()
     side = RolloutSide(ctx.step_models, ctx.cfg.scheduler, ctx.cfg.costs, router, ctx.cfg.seed, finished)
