@@ -1,7 +1,8 @@
 """Weight sync training → rollout: the bucket plan alone, then for real in a 3-rank MPI
-world (tests/train_world.py sync): ranks 0-1 train the tiny model at TP=2, the export
-holder pushes the HF weights over MPI to rank 2, a vLLM rollout leader, whose score()
-must then match the trained Megatron log-probs."""
+world (tests/train_world.py sync): ranks 0-1 train the tiny model at PP=2, each stage's
+holder pushes its HF weights over MPI to rank 2, a vLLM rollout leader that chains both
+streams into one update_weights; its score() must then match the trained Megatron
+log-probs. (TP export gathering is checked against transformers in test_engines_train.)"""
 
 from __future__ import annotations
 
@@ -77,8 +78,11 @@ def test_trained_weights_reach_the_vllm_leader_and_its_logprobs_match(tiny, tmp_
     assert result["rollout_before_vs_trained"] > 1e-2  # before it: visibly the old policy
     losses = result["losses"]
     assert all(b < a for a, b in itertools.pairwise(losses)), losses
+    assert result["placement"]["pp"] == 2  # two stage holders, each pushing its own layers
     config = json.loads((tiny / "config.json").read_text())
-    assert result["pull"]["tensors"] == result["push"]["tensors"] == 3 + 12 * config["num_hidden_layers"]
-    assert result["pull"]["bytes"] == result["push"]["bytes"] > 0
+    pulls, pushes = result["pulls"], result["pushes"]
+    assert [p["tensors"] for p in pulls] == [p["tensors"] for p in pushes] == [1 + 12, 12 + 2]
+    assert sum(p["tensors"] for p in pulls) == 3 + 12 * config["num_hidden_layers"]
+    assert [p["bytes"] for p in pulls] == [p["bytes"] for p in pushes]
     assert result["mixed_exact"] == result["mixed_names"] and len(result["mixed_names"]) == 7
     assert result["push_mixed_buckets"] > 1

@@ -7,11 +7,11 @@ exported HF weights' log-probs under plain transformers (rank 0); then a dist ch
 PP=2 (load that checkpoint, one step, per-stage export) and as DP=2 (one step on half the
 batch per rank).
 
-``sync`` (3 ranks): ranks 0-1 train at TP=2, rank 2 is a rollout instance leader. After
-the steps, rank 0 (the export holder) pushes the HF weights to rank 2 over an MPI
-communicator {0, 2}; rank 2 loads them into its vLLM rollout engine (started while ranks
-0-1 train) and scores the batch; then a
-mixed-dtype push with tiny buckets checks the wire format bit for bit.
+``sync`` (3 ranks): ranks 0-1 train at PP=2 (one stage each), rank 2 is a rollout
+instance leader. After the steps each stage holder pushes its stage's HF weights to rank
+2 over its own MPI communicator {holder, 2}; rank 2 chains both streams into one
+``update_weights`` of its vLLM engine (started while 0-1 train) and scores the batch;
+then a mixed-dtype push with tiny buckets checks the wire format bit for bit.
 
 Rank 0 writes OUT/result.json. Helpers used by both this script and the tests live here
 (no MPI import at module level, so the tests can import them).
@@ -70,12 +70,12 @@ def train(engine, tokens, mask, advantages):
     return before, stats, engine.logprobs(tokens)
 
 
-def _training(comm, model_dir: Path):
+def _training(comm, model_dir: Path, *, tp: int = 2, pp: int = 1):
     from libra_hpc.engines.train.engine import MegatronTrainEngine
     from libra_hpc.engines.train.parallel import start_torch_world
 
     start_torch_world(comm)
-    engine = MegatronTrainEngine(model_dir, tp=2, lr=LR, micro_batch_size=2)
+    engine = MegatronTrainEngine(model_dir, tp=tp, pp=pp, lr=LR, micro_batch_size=2)
     tokens, mask, advantages = fixed_batch(engine.shape.vocab_size)
     before, stats, after = train(engine, tokens, mask, advantages)
     return engine, tokens, before, stats, after
@@ -165,6 +165,8 @@ def _mixed_tensors() -> dict[str, torch.Tensor]:
 
 
 def scenario_sync(comm, model_dir: Path, out: Path) -> None:
+    import itertools
+
     from mpi4py import MPI
 
     from libra_hpc.engines.sync import pull_weights, push_weights
@@ -172,18 +174,24 @@ def scenario_sync(comm, model_dir: Path, out: Path) -> None:
     rank = comm.Get_rank()
     training = rank < 2
     train_comm = comm.Split(0 if training else 1, rank)
-    sync_comm = comm.Split(0 if rank in (0, 2) else MPI.UNDEFINED, rank)
+    # one sync communicator per stage holder: {holder, leader}, the holder is rank 0 in it
+    stage_comms = [comm.Split(0 if rank in (holder, 2) else MPI.UNDEFINED, 0 if rank == holder else 1)
+                   for holder in (0, 1)]
     if training:
-        engine, tokens, before, stats, after = _training(train_comm, model_dir)
-        exported = engine.export_hf()
+        engine, tokens, before, stats, after = _training(train_comm, model_dir, tp=1, pp=2)
+        exported = engine.export_hf()  # this stage's layers only
+        sync_comm = stage_comms[rank]
+        _wait(sync_comm)  # the leader's engine is up: the push below times the transfer alone
+        sync = push_weights(sync_comm, exported, root=0)
         if rank == 0:
-            _wait(sync_comm)  # the leader's engine is up: the push below times the transfer alone
-            sync = push_weights(sync_comm, exported, root=0)
             comm.send({"after": after}, dest=2)
             mixed = push_weights(sync_comm, _mixed_tensors(), root=0, bucket_bytes=128)
             result = comm.recv(source=2)
-            result.update({"push": sync.__dict__, "push_mixed_buckets": mixed.buckets,
+            result.update({"placement": engine.placement.__dict__, "push_mixed_buckets": mixed.buckets,
                            "losses": [s.loss for s in stats]})
+        pushes = comm.gather(sync.__dict__, root=0) if rank < 2 else None
+        if rank == 0:
+            result["pushes"] = pushes[:2]  # rank 2 gathers None
             (out / "result.json").write_text(json.dumps(result))
         engine.shutdown()
         return
@@ -192,19 +200,20 @@ def scenario_sync(comm, model_dir: Path, out: Path) -> None:
     engine = VllmRolloutEngine(str(model_dir), tp=1, dtype="float32", seed=0)  # starts while ranks 0-1 train
     tokens, _, _ = fixed_batch(engine.vocab_size)
     before = _as_tensor(engine.score(tokens.tolist()))
-    _wait(sync_comm)
+    for sync_comm in stage_comms:
+        _wait(sync_comm)
     pulled: list = []
-    engine.update_weights(pull_weights(sync_comm, root=0, stats=pulled))
+    engine.update_weights(itertools.chain(*(pull_weights(c, root=0, stats=pulled) for c in stage_comms)))
     after = _as_tensor(engine.score(tokens.tolist()))
     engine.shutdown()
     got = comm.recv(source=0)
-    mixed = dict(pull_weights(sync_comm, root=0))
+    mixed = dict(pull_weights(stage_comms[0], root=0))
     expected = _mixed_tensors()
     exact = sorted(k for k in expected if mixed[k].dtype == expected[k].dtype and torch.equal(mixed[k], expected[k]))
     comm.send({"rollout": type(engine).__name__, "rollout_vs_trained": (after - got["after"]).abs().max().item(),
                "rollout_before_vs_trained": (before - got["after"]).abs().max().item(),
-               "pull": pulled[0].__dict__ if pulled else None,
-               "mixed_exact": exact, "mixed_names": sorted(mixed)}, dest=0)
+               "pulls": [p.__dict__ for p in pulled], "mixed_exact": exact, "mixed_names": sorted(mixed)}, dest=0)
+    comm.gather(None, root=0)
 
 
 def main() -> None:
