@@ -404,3 +404,23 @@ def test_bf16_parameters_step_through_the_mixed_precision_optimizer(tiny, torch_
     assert type(inner).__name__ == "Float16OptimizerWithFloat16Params"
     assert norms[torch.bfloat16] == pytest.approx(norms[torch.float32], rel=0.02)
     assert exported["lm_head.weight"].dtype == torch.bfloat16
+
+
+def test_tied_embeddings_train_and_export_like_transformers(tmp_path, torch_world):
+    """A tied head is the embedding itself on a single stage: nothing separate to load or
+    export, and the log-probs still match transformers before and after steps."""
+    from libra_hpc.engines.tiny import build_tiny_model
+
+    tied = build_tiny_model(tmp_path / "tied", seed=0, tie_word_embeddings=True)
+    engine = _engine(tied)
+    try:
+        assert engine._gpt().output_layer.weight is None  # shares the embedding's parameter
+        tokens, mask, advantages = fixed_batch(engine.shape.vocab_size)
+        before, stats, after = train_world.train(engine, tokens, mask, advantages)
+        exported = engine.export_hf()
+    finally:
+        engine.shutdown()
+    assert "lm_head.weight" not in exported
+    assert (before - hf_logprobs(tied, tokens)).abs().max() < TOL
+    assert (after - hf_logprobs(tied, tokens, exported)).abs().max() < TOL
+    assert (after - before).abs().max() > 100 * TOL

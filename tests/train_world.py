@@ -54,6 +54,8 @@ def hf_logprobs(model_dir, tokens: torch.Tensor, state: dict | None = None) -> t
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     if state is not None:
+        if model.config.tie_word_embeddings:  # the export has no lm_head: it is the embedding
+            state = {**state, "lm_head.weight": state["model.embed_tokens.weight"]}
         model.load_state_dict(state, strict=True)
     with torch.no_grad():
         logits = model(tokens).logits.float()

@@ -15,7 +15,8 @@ same bits. Megatron's layout, for the local spec (``get_gpt_layer_local_spec``):
 
 A pipeline stage numbers its layers from 0; ``layer_offset`` maps them to the global HF
 layer index. The first stage holds the embedding, the last the final norm and the output
-layer (or, with tied embeddings, a copy of the embedding that is not exported).
+layer. With tied embeddings the output layer *is* the embedding when one stage holds both;
+with PP > 1 the last stage holds a copy (megatron keeps the two in step), not exported.
 """
 
 from __future__ import annotations
@@ -147,8 +148,10 @@ def megatron_shard(hf: Mapping[str, torch.Tensor], shape: ModelShape, *, tp_rank
         out[f"{ml}.mlp.linear_fc1.weight"] = torch.cat([gate, up], dim=0)
     if last_stage:
         out["decoder.final_layernorm.weight"] = _get(hf, "model.norm.weight").clone()
-        head = "model.embed_tokens.weight" if shape.tied_embeddings else "lm_head.weight"
-        out["output_layer.weight"] = _split("out", _get(hf, head), tp_rank, tp)
+        if not shape.tied_embeddings:
+            out["output_layer.weight"] = _split("out", _get(hf, "lm_head.weight"), tp_rank, tp)
+        elif not first_stage:  # tied, PP > 1: the last stage keeps its own copy of the embedding
+            out["output_layer.weight"] = _split("out", _get(hf, "model.embed_tokens.weight"), tp_rank, tp)
     return out
 
 

@@ -150,17 +150,18 @@ class MegatronTrainEngine:
             return None
         local = {k: v.detach() for k, v in self._gpt().state_dict().items() if not k.endswith("_extra_state")}
         group, tp = ps.get_tensor_model_parallel_group(), self.placement.tp
+        holder = self.placement.holds_export
         shards: list[dict[str, torch.Tensor]] = [{} for _ in range(tp)]
         for name in sorted(local):
             tensor = local[name].contiguous()
             if tp == 1:
                 shards[0][name] = tensor.clone()
                 continue
-            pieces = [torch.empty_like(tensor) for _ in range(tp)]
-            dist.all_gather(pieces, tensor, group=group)
-            for rank, piece in enumerate(pieces):
+            pieces = [torch.empty_like(tensor) for _ in range(tp)] if holder else None
+            dist.gather(tensor, pieces, dst=ps.get_tensor_model_parallel_src_rank(), group=group)
+            for rank, piece in enumerate(pieces or []):
                 shards[rank][name] = piece
-        if not self.placement.holds_export:
+        if not holder:
             return None
         from megatron.core.transformer.transformer_layer import (
             get_transformer_layer_offset,
