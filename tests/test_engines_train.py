@@ -416,7 +416,7 @@ def test_tied_embeddings_train_and_export_like_transformers(tmp_path, torch_worl
     try:
         assert engine._gpt().output_layer.weight is None  # shares the embedding's parameter
         tokens, mask, advantages = fixed_batch(engine.shape.vocab_size)
-        before, stats, after = train_world.train(engine, tokens, mask, advantages)
+        before, _, after = train_world.train(engine, tokens, mask, advantages)
         exported = engine.export_hf()
     finally:
         engine.shutdown()
