@@ -206,7 +206,8 @@ def test_a_bad_update_is_refused_and_leaves_the_weights(engine, hf):
     assert engine.score(seqs) == before
 
 
-def test_stats_report_kv_and_throughput(engine):
+def test_stats_report_kv_and_throughput(engine, hf):
+    score, _, weights = hf
     long_prompt = _seqs(5, (300,))[0]
     engine.generate([long_prompt], max_tokens=8, temperature=1.0, seed=1)
     out = engine.generate([long_prompt, long_prompt[:20]], max_tokens=16, temperature=1.0, seed=2)
@@ -219,6 +220,7 @@ def test_stats_report_kv_and_throughput(engine):
     assert stats.last_batch_kv_fraction == pytest.approx((320 + stats.last_generated_tokens)
                                                          / stats.kv_capacity_tokens)
     assert 0.5 < stats.last_prefix_cached_fraction < 1  # the long prompt's first blocks were cached
+    assert _max_diff(engine.score([long_prompt]), score([long_prompt], weights)) < TOL  # cached or not
 
 
 def test_one_engine_per_process(engine, tiny):

@@ -173,8 +173,10 @@ class VllmRolloutEngine:
         check_prompts(sequences, vocab_size=self.vocab_size, max_model_len=self.max_model_len, what="score")
         params = SamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False)
         outputs = llm.generate([TokensPrompt(prompt_token_ids=list(s)) for s in sequences], params, use_tqdm=False)
-        return [[float(lp[t].logprob) for lp, t in zip(out.prompt_logprobs[1:], seq[1:])]
-                for out, seq in zip(outputs, sequences)]
+        # strict: every position must have its log-prob (vLLM computes prompt log-probs
+        # without the prefix cache; a cached prefix would otherwise leave holes)
+        return [[float(lp[t].logprob) for lp, t in zip(out.prompt_logprobs[1:], seq[1:], strict=True)]
+                for out, seq in zip(outputs, sequences, strict=True)]
 
     def update_weights(self, named_tensors: Iterable[tuple[str, Any]]) -> None:
         """Load new weights in place, without restarting, then drop the prefix cache (its KV
