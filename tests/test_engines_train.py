@@ -54,14 +54,16 @@ def _hf_weights(shape: ModelShape, seed: int = 0) -> dict[str, torch.Tensor]:
         if shape.qkv_bias:
             shapes.update({p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
                            p + "self_attn.v_proj.bias": (kv,)})
+        if shape.qk_norm:
+            shapes.update({p + "self_attn.q_norm.weight": (d,), p + "self_attn.k_norm.weight": (d,)})
     return {name: torch.randn(s, generator=gen) for name, s in shapes.items()}
 
 
 @pytest.mark.parametrize("tp", [1, 2, 4])
 @pytest.mark.parametrize("pp", [1, 2])
-@pytest.mark.parametrize("tied,bias", [(False, True), (True, False)])
-def test_conversion_round_trip_is_bit_exact(tp, pp, tied, bias):
-    shape = _shape(tied_embeddings=tied, qkv_bias=bias)
+@pytest.mark.parametrize("tied,bias,qk_norm", [(False, True, False), (True, False, True)])
+def test_conversion_round_trip_is_bit_exact(tp, pp, tied, bias, qk_norm):
+    shape = _shape(tied_embeddings=tied, qkv_bias=bias, qk_norm=qk_norm)
     hf = _hf_weights(shape)
     per_stage = shape.num_layers // pp
     back: dict[str, torch.Tensor] = {}
@@ -105,8 +107,12 @@ def test_shape_refuses_what_it_cannot_convert_and_says_which_field():
         shape.check_tp(3)
     with pytest.raises(ValueError, match=r"x\.json: model_type='gpt2'"):
         ModelShape.from_hf_config({**config, "model_type": "gpt2"}, "x.json")
-    with pytest.raises(ValueError, match="rope_scaling"):
+    with pytest.raises(ValueError, match="RoPE scaling"):
         ModelShape.from_hf_config({**config, "rope_scaling": {"type": "yarn"}})
+    with pytest.raises(ValueError, match="RoPE scaling"):
+        ModelShape.from_hf_config({**config, "rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5}})
+    qwen3 = ModelShape.from_hf_config({**config, "model_type": "qwen3", "rope_parameters": {"rope_theta": 1e6}})
+    assert qwen3.qk_norm and not qwen3.qkv_bias and qwen3.rope_theta == 1e6
     with pytest.raises(KeyError, match="model.embed_tokens.weight"):
         convert.megatron_shard({}, shape)
 
@@ -423,4 +429,40 @@ def test_tied_embeddings_train_and_export_like_transformers(tmp_path, torch_worl
     assert "lm_head.weight" not in exported
     assert (before - hf_logprobs(tied, tokens)).abs().max() < TOL
     assert (after - hf_logprobs(tied, tokens, exported)).abs().max() < TOL
+    assert (after - before).abs().max() > 100 * TOL
+
+
+def _random_hf_checkpoint(kind: str, out: Path) -> Path:
+    """A small random checkpoint of another architecture, written by transformers itself
+    (all weights, norms included, drawn from one seeded generator so no norm is all-ones)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(kind, vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                  num_attention_heads=4, num_key_value_heads=2, head_dim=32, rms_norm_eps=1e-6,
+                                  max_position_embeddings=128, tie_word_embeddings=False, rope_theta=5e5)
+    model = AutoModelForCausalLM.from_config(config)
+    gen = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            noise = torch.randn(param.shape, generator=gen)
+            param.copy_(1 + 0.1 * noise if name.endswith("norm.weight") else noise / param.shape[-1] ** 0.5)
+    model.save_pretrained(out)
+    return out
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+def test_other_architectures_match_transformers(kind, tmp_path, torch_world):
+    """Llama (no biases) and Qwen3 (per-head q/k RMSNorm, no biases, the family real runs use)."""
+    path = _random_hf_checkpoint(kind, tmp_path / kind)
+    engine = _engine(path)
+    try:
+        assert engine.shape.qk_norm == (kind == "qwen3") and not engine.shape.qkv_bias
+        assert engine.shape.rope_theta == 5e5  # not the default: RoPE must follow the config
+        tokens, mask, advantages = fixed_batch(engine.shape.vocab_size)
+        before, _, after = train_world.train(engine, tokens, mask, advantages)
+        exported = engine.export_hf()
+    finally:
+        engine.shutdown()
+    assert (before - hf_logprobs(path, tokens)).abs().max() < TOL
+    assert (after - hf_logprobs(path, tokens, exported)).abs().max() < TOL
     assert (after - before).abs().max() > 100 * TOL

@@ -1,4 +1,4 @@
-"""Hugging Face Qwen2/Llama weights ⇄ Megatron-Core GPTModel shards, exactly.
+"""Hugging Face Qwen2/Qwen3/Llama weights ⇄ Megatron-Core GPTModel shards, exactly.
 
 Pure tensor reshuffling (cat, chunk, view; no arithmetic), so a round trip returns the
 same bits. Megatron's layout, for the local spec (``get_gpt_layer_local_spec``):
@@ -46,19 +46,23 @@ class ModelShape:
     norm_eps: float
     rope_theta: float
     max_positions: int
+    qk_norm: bool = False
+    """RMSNorm over each query and key head before RoPE (Qwen3)."""
 
     @classmethod
     def from_hf_config(cls, config: Mapping[str, Any], source: str = "config.json") -> ModelShape:
-        """Read a Qwen2 or Llama ``config.json`` dict; anything else is refused by name."""
+        """Read a Qwen2, Qwen3 or Llama ``config.json`` dict; anything else is refused by name."""
         kind = config.get("model_type")
-        if kind not in ("qwen2", "llama"):
-            raise ValueError(f"{source}: model_type={kind!r}; the Megatron conversion knows 'qwen2' and 'llama'")
+        if kind not in _KINDS:
+            raise ValueError(f"{source}: model_type={kind!r}; the Megatron conversion knows {sorted(_KINDS)}")
         if config.get("hidden_act", "silu") != "silu":
             raise ValueError(f"{source}: hidden_act={config['hidden_act']!r}; only SwiGLU (silu) is converted")
-        if config.get("rope_scaling"):
-            raise ValueError(f"{source}: rope_scaling={config['rope_scaling']!r} is not converted (plain RoPE only)")
+        rope = config.get("rope_parameters") or {}
+        scaling = config.get("rope_scaling") or ({} if rope.get("rope_type", "default") == "default" else rope)
+        if scaling:
+            raise ValueError(f"{source}: RoPE scaling {scaling!r} is not converted (plain RoPE only)")
         heads = config["num_attention_heads"]
-        theta = config.get("rope_theta", (config.get("rope_parameters") or {}).get("rope_theta", 10000.0))
+        theta = config.get("rope_theta", rope.get("rope_theta", 10000.0))
         return cls(
             vocab_size=config["vocab_size"], hidden_size=config["hidden_size"],
             ffn_hidden_size=config["intermediate_size"], num_layers=config["num_hidden_layers"],
@@ -67,7 +71,7 @@ class ModelShape:
             qkv_bias=kind == "qwen2" or bool(config.get("attention_bias", False)),
             tied_embeddings=bool(config.get("tie_word_embeddings", False)),
             norm_eps=config["rms_norm_eps"], rope_theta=float(theta),
-            max_positions=config.get("max_position_embeddings", 4096))
+            max_positions=config.get("max_position_embeddings", 4096), qk_norm=kind == "qwen3")
 
     def check_tp(self, tp: int) -> None:
         """Raise unless every split dimension divides by ``tp`` (the vocabulary is not
@@ -79,12 +83,19 @@ class ModelShape:
                                  f"choose a TP size that divides it")
 
 
-def _layer_pairs(hf_layer: str, mg_layer: str) -> list[tuple[str, str]]:
+_KINDS = ("llama", "qwen2", "qwen3")
+
+
+def _layer_pairs(hf_layer: str, mg_layer: str, shape: ModelShape) -> list[tuple[str, str]]:
     """Name pairs (HF, Megatron) that map one-to-one up to TP splitting."""
-    return [(f"{hf_layer}.input_layernorm.weight", f"{mg_layer}.input_layernorm.weight"),
-            (f"{hf_layer}.post_attention_layernorm.weight", f"{mg_layer}.pre_mlp_layernorm.weight"),
-            (f"{hf_layer}.self_attn.o_proj.weight", f"{mg_layer}.self_attention.linear_proj.weight"),
-            (f"{hf_layer}.mlp.down_proj.weight", f"{mg_layer}.mlp.linear_fc2.weight")]
+    pairs = [(f"{hf_layer}.input_layernorm.weight", f"{mg_layer}.input_layernorm.weight"),
+             (f"{hf_layer}.post_attention_layernorm.weight", f"{mg_layer}.pre_mlp_layernorm.weight"),
+             (f"{hf_layer}.self_attn.o_proj.weight", f"{mg_layer}.self_attention.linear_proj.weight"),
+             (f"{hf_layer}.mlp.down_proj.weight", f"{mg_layer}.mlp.linear_fc2.weight")]
+    if shape.qk_norm:  # per-head norms of head_dim, replicated over TP
+        pairs += [(f"{hf_layer}.self_attn.q_norm.weight", f"{mg_layer}.self_attention.q_layernorm.weight"),
+                  (f"{hf_layer}.self_attn.k_norm.weight", f"{mg_layer}.self_attention.k_layernorm.weight")]
+    return pairs
 
 
 _ROW_PARALLEL = ("linear_proj.weight", "linear_fc2.weight")
@@ -136,7 +147,7 @@ def megatron_shard(hf: Mapping[str, torch.Tensor], shape: ModelShape, *, tp_rank
         out["embedding.word_embeddings.weight"] = _split("emb", _get(hf, "model.embed_tokens.weight"), tp_rank, tp)
     for local in range(num_layers):
         hl, ml = f"model.layers.{layer_offset + local}", f"decoder.layers.{local}"
-        for hf_name, mg_name in _layer_pairs(hl, ml):
+        for hf_name, mg_name in _layer_pairs(hl, ml, shape):
             out[mg_name] = _split(mg_name, _get(hf, hf_name), tp_rank, tp)
         att = f"{hl}.self_attn"
         kinds = ("weight", "bias") if shape.qkv_bias else ("weight",)
@@ -166,7 +177,7 @@ def hf_from_shards(shards: Sequence[Mapping[str, torch.Tensor]], shape: ModelSha
         out["model.embed_tokens.weight"] = _join("emb", [s["embedding.word_embeddings.weight"] for s in shards])
     for local in layers:
         hl, ml = f"model.layers.{layer_offset + local}", f"decoder.layers.{local}"
-        for hf_name, mg_name in _layer_pairs(hl, ml):
+        for hf_name, mg_name in _layer_pairs(hl, ml, shape):
             out[hf_name] = _join(mg_name, [s[mg_name] for s in shards])
         kinds = ("weight", "bias") if shape.qkv_bias else ("weight",)
         for kind in kinds:

@@ -1,9 +1,9 @@
-"""A Megatron-Core GPTModel with exactly the Hugging Face Qwen2/Llama architecture.
+"""A Megatron-Core GPTModel with exactly the Hugging Face Qwen2/Qwen3/Llama architecture.
 
 RMSNorm (eps from the config), SwiGLU MLP without biases, rotary embeddings with the HF
 theta (non-interleaved halves, as HF's ``rotate_half``), grouped-query attention with
-``head_dim`` from the config, Q/K/V biases when the architecture has them (Qwen2), tied or
-untied output head. Dropout is off: RL log-probs must be reproducible, and the rollout
+``head_dim`` from the config, Q/K/V biases when the architecture has them (Qwen2),
+per-head RMSNorm of queries and keys before RoPE (Qwen3), tied or untied output head. Dropout is off: RL log-probs must be reproducible, and the rollout
 engine has none. Built with megatron's local (pure torch) layer spec so it runs on CPU;
 on GPUs the same spec runs with CUDA tensors.
 """
@@ -49,7 +49,8 @@ def build_gpt(shape: ModelShape, config, *, pre_process: bool, post_process: boo
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     return GPTModel(
-        config=config, transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
+        config=config, transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm",
+                                                                           qk_layernorm=shape.qk_norm),
         vocab_size=shape.vocab_size, max_sequence_length=shape.max_positions, pre_process=pre_process,
         post_process=post_process, parallel_output=True,
         share_embeddings_and_output_weights=shape.tied_embeddings, position_embedding_type="rope",
