@@ -52,7 +52,8 @@ def start_torch_world(comm: Any, *, timeout_s: float = 300.0) -> str:
     """Collective over the MPI communicator ``comm`` of the training ranks: start the torch
     default group over exactly those ranks (NCCL with CUDA, else gloo), rank = rank in
     ``comm``. The store listens on ``comm`` rank 0's host (loopback when every rank shares
-    one host: emulated node names do not resolve). Returns the backend."""
+    one host: emulated node names do not resolve). On GPUs select this rank's device
+    (``torch.cuda.set_device``) first. Returns the backend."""
     import socket
 
     hosts = comm.allgather(socket.gethostname())
