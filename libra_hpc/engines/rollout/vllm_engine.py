@@ -8,7 +8,8 @@ workers to cores or GPUs differ. vLLM and torch are imported when an engine star
 Process-wide side effects, all made here and nowhere else (see ``options.engine_env``):
 environment variables vLLM reads; vLLM's CPU worker replaces ``torch.set_num_threads`` with
 a no-op while an engine lives (``shutdown`` restores it and the thread count); an engine of
-TP > 1 starts one worker process per TP rank; the engine owns ``torch.distributed`` of its
+TP > 1 starts one worker process per TP rank (on CPU vLLM always spawns them, so the
+launching script needs an ``if __name__ == "__main__":`` guard); the engine owns ``torch.distributed`` of its
 process (vLLM initialises the default group, or takes over one already there, and destroys
 it at shutdown), so it refuses to start where a torch world already exists.
 """
