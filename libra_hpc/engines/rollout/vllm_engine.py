@@ -6,12 +6,14 @@ instance leader. The same class runs on GPUs (``device="cuda"``, vLLM) and on CP
 workers to cores or GPUs differ. vLLM and torch are imported when an engine starts.
 
 Process-wide side effects, all made here and nowhere else (see ``options.engine_env``):
-environment variables vLLM reads; vLLM's CPU worker replaces ``torch.set_num_threads`` with
-a no-op while an engine lives (``shutdown`` restores it and the thread count); an engine of
-TP > 1 starts one worker process per TP rank (on CPU vLLM always spawns them, so the
-launching script needs an ``if __name__ == "__main__":`` guard); the engine owns ``torch.distributed`` of its
-process (vLLM initialises the default group, or takes over one already there, and destroys
-it at shutdown), so it refuses to start where a torch world already exists.
+- environment variables vLLM reads;
+- torch intra-op threads (``cpu_threads``) and ``torch.set_num_threads``, which vLLM's CPU
+  worker replaces with a no-op while an engine lives; ``shutdown`` restores both;
+- an engine of TP > 1 starts one worker process per TP rank (on CPU vLLM always spawns
+  them, so the launching script needs an ``if __name__ == "__main__":`` guard);
+- ``torch.distributed``: vLLM initialises the default group (or takes over one already
+  there) and destroys it at shutdown, so the engine refuses to start where a torch world
+  already exists.
 """
 
 from __future__ import annotations
