@@ -8,9 +8,10 @@ import sys
 
 import pytest
 
+from libra_hpc.cluster.layout import Group, Slot
 from libra_hpc.config import ModelConfig, RolloutConfig, TrainingConfig
 from libra_hpc.engines.rollout.options import (
-    check_options, check_prompts, check_weights, checkpoint_shapes, default_cpus, engine_env,
+    check_options, check_prompts, check_weights, checkpoint_shapes, default_cpus, engine_env, instance_devices,
 )
 from libra_hpc.engines.tiny import build_tiny_model
 
@@ -99,6 +100,15 @@ def test_cpu_workers_get_disjoint_cores_and_the_env_says_so():
     assert env == {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_OMP_THREADS_BIND": "0,1|2"}
     assert engine_env(device="cuda", tp=2, cpus=None, devices=[4, 5])["CUDA_VISIBLE_DEVICES"] == "4,5"
     assert "VLLM_CPU_OMP_THREADS_BIND" not in engine_env(device="cpu", tp=1, cpus=None, devices=None)
+
+
+def test_an_instance_runs_on_the_gpus_of_its_layout_slots():
+    tp2 = Group(gid=2, role="rollout", slots=(Slot(3, 2), Slot(3, 3)), tp=2)
+    assert instance_devices(tp2, "cuda") == [2, 3] and instance_devices(tp2, "cpu") is None
+    with pytest.raises(ValueError, match="rollout-2 spans nodes \\[3, 4\\]"):
+        instance_devices(Group(gid=2, role="rollout", slots=(Slot(3, 3), Slot(4, 0)), tp=2), "cuda")
+    with pytest.raises(ValueError, match="training group of 2 slots"):
+        instance_devices(Group(gid=0, role="training", slots=(Slot(0, 0), Slot(0, 1)), tp=2), "cuda")
 
 
 def test_prompts_and_weight_sets_are_checked(tiny):
@@ -250,7 +260,8 @@ def test_shutdown_frees_memory_and_a_new_engine_starts(engine, tiny, hf):
     seqs = _seqs(6)
     yaml = dict(model_cfg=ModelConfig(), rollout_cfg=RolloutConfig(kv_cache_gib=0.125),
                 training_cfg=TrainingConfig(seq_len=256))
-    with VllmRolloutEngine.from_config(tiny, **yaml, tp=1) as again:
+    instance = Group(gid=3, role="rollout", slots=(Slot(1, 0),), tp=1)
+    with VllmRolloutEngine.from_config(tiny, **yaml, instance=instance) as again:
         assert again.max_model_len == 256 and again.stats().weight_version == 0
         assert again.kv_capacity_tokens == pytest.approx(engine.kv_capacity_tokens / 2, rel=0.02)
         assert _max_diff(again.score(seqs), score(seqs, weights)) < TOL  # the checkpoint, not the update

@@ -151,3 +151,16 @@ def checkpoint_shapes(model_path: str | os.PathLike) -> dict[str, tuple[int, ...
             header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
         shapes.update({name: tuple(meta["shape"]) for name, meta in header.items() if name != "__metadata__"})
     return shapes
+
+
+def instance_devices(instance: Any, device: str) -> list[int] | None:
+    """The GPU ids a rollout instance (a layout ``Group``) runs on: its slots' local GPU
+    indices on cuda (a TP group never crosses a node), None on cpu, where slots are
+    emulated and the engine splits the process's cores."""
+    if instance.role != "rollout" or len(instance.slots) != instance.tp:
+        raise ValueError(f"rollout engine: {instance.name} is a {instance.role} group of {len(instance.slots)} "
+                         f"slots with tp={instance.tp}; a rollout instance has exactly tp slots")
+    nodes = sorted({slot.node for slot in instance.slots})
+    if len(nodes) != 1:
+        raise ValueError(f"rollout engine: {instance.name} spans nodes {nodes}; a TP group must stay on one node")
+    return [slot.gpu for slot in instance.slots] if device == "cuda" else None

@@ -28,6 +28,7 @@ from typing import Any
 
 from libra_hpc.engines.rollout.options import (
     check_options, check_prompts, check_weights, checkpoint_config, checkpoint_shapes, engine_env, engine_kwargs,
+    instance_devices,
 )
 from libra_hpc.engines.rollout.types import Generation, RolloutStats
 
@@ -107,16 +108,16 @@ class VllmRolloutEngine:
 
     @classmethod
     def from_config(cls, model_path: str | os.PathLike, model_cfg: Any, rollout_cfg: Any, training_cfg: Any, *,
-                    tp: int, device: str = "cpu", seed: int = 0, cpus: Sequence[Sequence[int]] | None = None,
-                    devices: Sequence[int] | None = None) -> VllmRolloutEngine:
-        """The instance the experiment YAML describes, of TP size ``tp`` (its place in
-        ``rollout.tp_per_node``): ``model.dtype``, ``rollout.kv_cache_gib``, and a context of
-        ``training.seq_len`` tokens (no longer trajectory can be trained on), capped by the
-        checkpoint's ``max_position_embeddings``."""
+                    instance: Any, device: str = "cpu", seed: int = 0) -> VllmRolloutEngine:
+        """The rollout instance ``instance`` (a ``Group`` of the current layout) as the
+        experiment YAML describes it: TP = ``instance.tp`` on the GPUs of its slots (cuda),
+        ``model.dtype``, ``rollout.kv_cache_gib``, and a context of ``training.seq_len``
+        tokens (no longer trajectory can be trained on), capped by the checkpoint's
+        ``max_position_embeddings``."""
         positions = checkpoint_config(model_path).get("max_position_embeddings", training_cfg.seq_len)
-        return cls(model_path, tp=tp, device=device, dtype=model_cfg.dtype, seed=seed,
+        return cls(model_path, tp=instance.tp, device=device, dtype=model_cfg.dtype, seed=seed,
                    max_model_len=min(training_cfg.seq_len, positions), kv_cache_gib=rollout_cfg.kv_cache_gib,
-                   cpus=cpus, devices=devices)
+                   devices=instance_devices(instance, device))
 
     @staticmethod
     def _apply_env(env: dict[str, str]) -> None:
