@@ -466,3 +466,16 @@ def test_other_architectures_match_transformers(kind, tmp_path, torch_world):
     assert (before - hf_logprobs(path, tokens)).abs().max() < TOL
     assert (after - hf_logprobs(path, tokens, exported)).abs().max() < TOL
     assert (after - before).abs().max() > 100 * TOL
+
+
+def test_engine_cycles_do_not_leak_process_group_sockets(tiny, torch_world):
+    """Relayouts start and stop engines in a live process: every cycle must give back the
+    sockets of the gloo groups megatron created."""
+    def open_fds() -> int:
+        return len(os.listdir("/proc/self/fd"))
+
+    counts = []
+    for _ in range(3):
+        _engine(tiny).shutdown()
+        counts.append(open_fds())
+    assert counts[2] == counts[1] == counts[0], counts
