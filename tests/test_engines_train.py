@@ -479,3 +479,19 @@ def test_engine_cycles_do_not_leak_process_group_sockets(tiny, torch_world):
         _engine(tiny).shutdown()
         counts.append(open_fds())
     assert counts[2] == counts[1] == counts[0], counts
+
+
+def test_export_is_a_copy_not_a_view_of_the_parameters(tiny, torch_world):
+    from libra_hpc.engines.train.loss import PolicyBatch
+
+    engine = _engine(tiny)
+    try:
+        exported = engine.export_hf()
+        frozen = {k: v.clone() for k, v in exported.items()}
+        tokens, mask, advantages = fixed_batch(engine.shape.vocab_size)
+        engine.train_step(PolicyBatch(tokens, mask, advantages))
+        moved = engine.export_hf()
+    finally:
+        engine.shutdown()
+    assert all(torch.equal(exported[k], frozen[k]) for k in frozen)  # training did not reach into it
+    assert any(not torch.equal(moved[k], frozen[k]) for k in frozen)

@@ -155,8 +155,8 @@ class MegatronTrainEngine:
         shards: list[dict[str, torch.Tensor]] = [{} for _ in range(tp)]
         for name in sorted(local):
             tensor = local[name].contiguous()
-            if tp == 1:
-                shards[0][name] = tensor.clone()
+            if tp == 1:  # the conversion below copies: the export never aliases the parameters
+                shards[0][name] = tensor
                 continue
             pieces = [torch.empty_like(tensor) for _ in range(tp)] if holder else None
             dist.gather(tensor, pieces, dst=ps.get_tensor_model_parallel_src_rank(), group=group)
