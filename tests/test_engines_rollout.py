@@ -11,7 +11,13 @@ import pytest
 from libra_hpc.cluster.layout import Group, Slot
 from libra_hpc.config import ModelConfig, RolloutConfig, TrainingConfig
 from libra_hpc.engines.rollout.options import (
-    check_options, check_prompts, check_weights, checkpoint_shapes, default_cpus, engine_env, instance_devices,
+    check_options,
+    check_prompts,
+    check_weights,
+    checkpoint_shapes,
+    default_cpus,
+    engine_env,
+    instance_devices,
 )
 from libra_hpc.engines.tiny import build_tiny_model
 
@@ -81,13 +87,13 @@ def _max_diff(a, b):
 # --- pure parts: no engine ---------------------------------------------------------------
 
 def test_options_are_checked_with_the_option_named():
-    ok = dict(tp=1, device="cpu", dtype="float32", max_model_len=512, kv_cache_gib=0.25, max_positions=2048,
-              cpus=None, devices=None)
+    ok = {"tp": 1, "device": "cpu", "dtype": "float32", "max_model_len": 512, "kv_cache_gib": 0.25,
+          "max_positions": 2048, "cpus": None, "devices": None}
     check_options(**ok)
-    for bad, match in [(dict(device="tpu"), "device='tpu'"), (dict(dtype="int8"), "dtype='int8'"),
-                       (dict(tp=0), "tp=0"), (dict(max_model_len=4096), "max_position_embeddings=2048"),
-                       (dict(kv_cache_gib=0), "kv_cache_gib=0"), (dict(tp=2, cpus=[[0]]), "cpus="),
-                       (dict(devices=[0]), "devices="), (dict(cpu_threads=0), "cpu_threads=0")]:
+    for bad, match in [({"device": "tpu"}, "device='tpu'"), ({"dtype": "int8"}, "dtype='int8'"),
+                       ({"tp": 0}, "tp=0"), ({"max_model_len": 4096}, "max_position_embeddings=2048"),
+                       ({"kv_cache_gib": 0}, "kv_cache_gib=0"), ({"tp": 2, "cpus": [[0]]}, "cpus="),
+                       ({"devices": [0]}, "devices="), ({"cpu_threads": 0}, "cpu_threads=0")]:
         with pytest.raises(ValueError, match=match):
             check_options(**{**ok, **bad})
 
@@ -258,8 +264,8 @@ def test_shutdown_frees_memory_and_a_new_engine_starts(engine, tiny, hf):
     with pytest.raises(RuntimeError, match="shut down"):
         engine.score([[1, 2]])
     seqs = _seqs(6)
-    yaml = dict(model_cfg=ModelConfig(), rollout_cfg=RolloutConfig(kv_cache_gib=0.125),
-                training_cfg=TrainingConfig(seq_len=256))
+    yaml = {"model_cfg": ModelConfig(), "rollout_cfg": RolloutConfig(kv_cache_gib=0.125),
+            "training_cfg": TrainingConfig(seq_len=256)}
     instance = Group(gid=3, role="rollout", slots=(Slot(1, 0),), tp=1)
     with VllmRolloutEngine.from_config(tiny, **yaml, instance=instance) as again:
         assert again.max_model_len == 256 and again.stats().weight_version == 0

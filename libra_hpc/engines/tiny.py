@@ -26,8 +26,9 @@ import os
 import random
 import shutil
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 log = logging.getLogger(__name__)
 
@@ -72,16 +73,20 @@ _BUILD_VERSION = 1  # bump when the bytes a given spec produces change
 _MARKER = "build.json"
 
 
-_NOUNS = ("warehouse crate train station river bridge garden farmer basket apple orange ticket printer "
-          "server cluster node queue request packet buffer cache memory kernel thread process file folder "
-          "record table column invoice budget market price salary village museum library student teacher "
-          "question answer matrix vector triangle circle square rectangle angle distance speed minute "
-          "hour account balance sensor reading battery engine signal report sandbox container").split()
-_VERBS = ("check compute verify count measure compare collect filter parse sort merge split multiply divide "
-          "subtract add round estimate inspect search read write open close restart retry schedule "
-          "allocate release migrate update convert validate summarise record").split()
-_ADJS = ("first second last previous next total remaining average largest smallest empty full broken "
-         "correct wrong partial careful quick slow careful expected observed missing valid invalid").split()
+_NOUNS = ["warehouse", "crate", "train", "station", "river", "bridge", "garden", "farmer", "basket", "apple",
+          "orange", "ticket", "printer", "server", "cluster", "node", "queue", "request", "packet", "buffer",
+          "cache", "memory", "kernel", "thread", "process", "file", "folder", "record", "table", "column",
+          "invoice", "budget", "market", "price", "salary", "village", "museum", "library", "student",
+          "teacher", "question", "answer", "matrix", "vector", "triangle", "circle", "square", "rectangle",
+          "angle", "distance", "speed", "minute", "hour", "account", "balance", "sensor", "reading",
+          "battery", "engine", "signal", "report", "sandbox", "container"]
+_VERBS = ["check", "compute", "verify", "count", "measure", "compare", "collect", "filter", "parse", "sort",
+          "merge", "split", "multiply", "divide", "subtract", "add", "round", "estimate", "inspect", "search",
+          "read", "write", "open", "close", "restart", "retry", "schedule", "allocate", "release", "migrate",
+          "update", "convert", "validate", "summarise", "record"]
+_ADJS = ["first", "second", "last", "previous", "next", "total", "remaining", "average", "largest",
+         "smallest", "empty", "full", "broken", "correct", "wrong", "partial", "careful", "quick", "slow",
+         "careful", "expected", "observed", "missing", "valid", "invalid"]
 _TOOLS = {"calculator": "expression", "run_python": "code", "grep": "pattern", "read_file": "path",
           "web_search": "query", "list_dir": "path", "sql_query": "statement"}
 

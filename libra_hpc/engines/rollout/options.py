@@ -48,10 +48,9 @@ def check_options(*, tp: int, device: str, dtype: str, max_model_len: int, kv_ca
         raise ValueError(f"rollout engine: kv_cache_gib={kv_cache_gib}; must be > 0 (GiB of KV cache per instance)")
     if cpu_threads < 1:
         raise ValueError(f"rollout engine: cpu_threads={cpu_threads}; must be >= 1")
-    if cpus is not None:
-        if device != "cpu" or len(cpus) != tp or not all(cpus):
-            raise ValueError(f"rollout engine: cpus={cpus}; on device cpu give one non-empty list of core ids "
-                             f"per TP rank ({tp}), and nothing on {device}")
+    if cpus is not None and (device != "cpu" or len(cpus) != tp or not all(cpus)):
+        raise ValueError(f"rollout engine: cpus={cpus}; on device cpu give one non-empty list of core ids "
+                         f"per TP rank ({tp}), and nothing on {device}")
     if devices is not None and (device != "cuda" or len(devices) != tp):
         raise ValueError(f"rollout engine: devices={devices}; on device cuda give exactly tp={tp} GPU ids "
                          "(the slots the layout lends this instance), and nothing on cpu")
@@ -132,7 +131,8 @@ def check_weights(shapes: dict[str, tuple[int, ...]], expected: dict[str, tuple[
     reload of a partial or misnamed set leaves the engine half-updated."""
     missing = sorted(set(expected) - set(shapes))
     unknown = sorted(set(shapes) - set(expected))
-    wrong = sorted(f"{n}: {shapes[n]} != {expected[n]}" for n in set(shapes) & set(expected) if shapes[n] != expected[n])
+    wrong = sorted(f"{n}: {shapes[n]} != {expected[n]}"
+                   for n in set(shapes) & set(expected) if shapes[n] != expected[n])
     if missing or unknown or wrong:
         raise ValueError("rollout engine: update_weights needs the full Hugging Face state dict of the checkpoint; "
                          f"missing {missing[:5]}{'…' if len(missing) > 5 else ''}, unknown {unknown[:5]}, "

@@ -24,10 +24,16 @@ import os
 import time
 from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 from libra_hpc.engines.rollout.options import (
-    check_options, check_prompts, check_weights, checkpoint_config, checkpoint_shapes, engine_env, engine_kwargs,
+    check_options,
+    check_prompts,
+    check_weights,
+    checkpoint_config,
+    checkpoint_shapes,
+    engine_env,
+    engine_kwargs,
     instance_devices,
 )
 from libra_hpc.engines.rollout.types import Generation, RolloutStats
@@ -38,8 +44,8 @@ log = logging.getLogger(__name__)
 class VllmRolloutEngine:
     """A running vLLM instance serving token-id prompts.
 
-    ``kv_cache_gib``: KV cache size per TP rank in GiB (fixed, not a fraction of memory). ``max_model_len``: context limit in tokens (prompt + generated).
-    ``cpus``: on CPU with ``tp > 1``, the core ids of each TP worker (default: this
+    ``kv_cache_gib``: KV cache size per TP rank in GiB (fixed, not a fraction of memory).
+    ``max_model_len``: context limit in tokens (prompt + generated). ``cpus``: on CPU with ``tp > 1``, the core ids of each TP worker (default: this
     process's cores split evenly). ``devices``: on CUDA, the GPU ids lent to the instance
     (default: whatever ``CUDA_VISIBLE_DEVICES`` already says). ``seed``: the engine's
     sampling seed for requests that bring none. ``cpu_threads``: torch intra-op threads of
@@ -238,7 +244,7 @@ class VllmRolloutEngine:
         torch.set_num_threads = set_threads
         set_threads(threads)
 
-    def __enter__(self) -> VllmRolloutEngine:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:
