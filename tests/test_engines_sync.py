@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from libra_hpc.engines.sync import plan_buckets
+from libra_hpc.engines.sync import buckets
 
 HERE = Path(__file__).resolve().parent
 
@@ -26,18 +26,29 @@ HERE = Path(__file__).resolve().parent
 def test_buckets_keep_order_align_tensors_and_respect_the_size():
     weights = {"a": torch.zeros(10), "b": torch.zeros(3, dtype=torch.bfloat16), "c": torch.zeros(100),
                "d": torch.zeros(7, dtype=torch.int64), "e": torch.zeros(0)}
-    entries, sizes = plan_buckets(weights, bucket_bytes=256)
-    assert [e.name for e in entries] == list(weights)
-    assert [e.bucket for e in entries] == [0, 0, 1, 2, 2]  # c (400 B) is larger than a bucket: alone
-    assert all(e.offset % 64 == 0 for e in entries)
-    assert [e.nbytes for e in entries] == [40, 6, 400, 56, 0]
-    assert sizes[0] == 64 + 6 and sizes[1] == 400 and all(s <= 256 for i, s in enumerate(sizes) if i != 1)
-    for e in entries:  # no two tensors of a bucket overlap
-        assert all(o.bucket != e.bucket or o is e or o.offset >= e.offset + e.nbytes or e.offset >= o.offset + o.nbytes
-                   for o in entries)
-    assert entries[1].dtype == "bfloat16" and entries[3].shape == (7,)
+    plan = [[entry for entry, _ in bucket] for bucket in buckets(weights.items(), bucket_bytes=256)]
+    assert [[e.name for e in b] for b in plan] == [["a", "b"], ["c"], ["d", "e"]]  # c (400 B) alone
+    assert all(e.offset % 64 == 0 for b in plan for e in b)
+    assert [e.nbytes for b in plan for e in b] == [40, 6, 400, 56, 0]
+    assert [b[-1].offset + b[-1].nbytes for b in plan] == [64 + 6, 400, 64]
+    for bucket in plan:  # no two tensors of a bucket overlap
+        assert all(e.offset + e.nbytes <= f.offset for e, f in itertools.pairwise(bucket))
+    assert plan[0][1].dtype == "bfloat16" and plan[2][0].shape == (7,)
     with pytest.raises(ValueError, match="bucket_bytes=0"):
-        plan_buckets(weights, bucket_bytes=0)
+        next(buckets(weights.items(), bucket_bytes=0))
+
+
+def test_buckets_ask_the_producer_for_no_more_than_the_next_tensor():
+    produced = []
+
+    def producer():
+        for i in range(6):
+            produced.append(i)
+            yield f"t{i}", torch.zeros(16)  # 64 B each: two per 128 B bucket
+
+    stream = buckets(producer(), bucket_bytes=128)
+    first = next(stream)
+    assert [e.name for e, _ in first] == ["t0", "t1"] and produced == [0, 1, 2]
 
 
 def test_push_refuses_a_rank_that_is_not_the_root():

@@ -181,10 +181,9 @@ def scenario_sync(comm, model_dir: Path, out: Path) -> None:
                    for holder in (0, 1)]
     if training:
         engine, tokens, before, stats, after = _training(train_comm, model_dir, tp=1, pp=2)
-        exported = engine.export_hf()  # this stage's layers only
         sync_comm = stage_comms[rank]
-        _wait(sync_comm)  # the leader's engine is up: the push below times the transfer alone
-        sync = push_weights(sync_comm, exported, root=0)
+        _wait(sync_comm)  # the leader's engine is up
+        sync = push_weights(sync_comm, engine.iter_hf(), root=0)  # this stage's layers, streamed
         if rank == 0:
             comm.send({"after": after}, dest=2)
             mixed = push_weights(sync_comm, _mixed_tensors(), root=0, bucket_bytes=128)

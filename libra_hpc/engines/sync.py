@@ -2,15 +2,16 @@
 hold them to the rollout instance leaders, in memory.
 
 Training exports on its holders (TP rank 0 of DP replica 0 of each pipeline stage:
-:meth:`MegatronTrainEngine.export_hf`, already gathered over TP). A holder broadcasts
-over an MPI communicator that contains it and the rollout leaders (DESIGN.md: the data
-plane for weights is MPI point-to-point/collectives between roles; each role's torch
-world stays its own). The wire format is a manifest (names, dtypes, shapes, offsets;
-pickled, one ``bcast``) followed by flat byte buckets (``Bcast``), each at most
-``bucket_bytes``: leaders hand each bucket's tensors to the rollout engine
-(``update_weights`` takes an iterable of (name, tensor)) as it arrives, so a consumer
-that applies tensors as they come holds one bucket at a time (``VllmRolloutEngine``
-checks the whole set before applying any, so it holds the whole model once).
+:meth:`MegatronTrainEngine.iter_hf`, gathered over TP layer by layer). A holder
+broadcasts over an MPI communicator that contains it and the rollout leaders (DESIGN.md:
+the data plane for weights is MPI between roles; each role's torch world stays its own).
+Wire format, per bucket: a manifest (names, dtypes, shapes, offsets; pickled ``bcast``),
+then the bucket's bytes (``Bcast``, at most ``bucket_bytes``); an empty manifest ends the
+stream. Buckets are filled as the holder produces tensors, and leaders hand each bucket's
+tensors to the rollout engine (``update_weights`` takes an iterable of (name, tensor)) as
+they arrive, so neither side needs more than a bucket beyond what it keeps anyway
+(``VllmRolloutEngine`` checks the whole set before applying any, so it does hold the
+model once; the holder's ``export_hf`` dict does too).
 
 With PP > 1 every stage has a holder: give each its own communicator (holder + leaders)
 and let the leaders chain the pulls (``itertools.chain(pull_weights(c0, root=0), ...)``)
@@ -28,7 +29,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -61,53 +62,59 @@ class _Entry:
     name: str
     dtype: str
     shape: tuple[int, ...]
-    bucket: int
     offset: int
     nbytes: int
 
 
-def plan_buckets(weights: Mapping[str, torch.Tensor], bucket_bytes: int = BUCKET_BYTES) -> tuple[list[_Entry], list[int]]:
-    """Place tensors, in the mapping's order, into buckets of at most ``bucket_bytes``
-    (a larger tensor gets a bucket of its own). Returns the manifest and bucket sizes."""
+def buckets(weights: Iterable[tuple[str, torch.Tensor]],
+            bucket_bytes: int = BUCKET_BYTES) -> Iterator[list[tuple[_Entry, torch.Tensor]]]:
+    """Group (name, tensor) pairs, in order, into buckets of at most ``bucket_bytes`` with
+    every tensor at a 64-byte aligned offset (a larger tensor gets a bucket of its own).
+    Lazy: a bucket is yielded as soon as the next tensor does not fit, so a producer that
+    gathers tensors one by one is never asked for more than one bucket ahead."""
     if bucket_bytes <= 0:
         raise ValueError(f"bucket_bytes={bucket_bytes}: must be positive")
-    entries: list[_Entry] = []
-    sizes: list[int] = []
-    used = bucket_bytes  # forces a first bucket
-    for name, tensor in weights.items():
+    bucket: list[tuple[_Entry, torch.Tensor]] = []
+    used = 0
+    for name, tensor in weights:
         nbytes = tensor.numel() * tensor.element_size()
         start = -(-used // _ALIGN) * _ALIGN
-        if sizes and start + nbytes <= bucket_bytes:
-            used = start + nbytes
-        else:
-            sizes.append(0)
-            start, used = 0, nbytes
-        sizes[-1] = used
-        entries.append(_Entry(name, str(tensor.dtype).removeprefix("torch."), tuple(tensor.shape), len(sizes) - 1,
-                              start, nbytes))
-    return entries, sizes
+        if bucket and start + nbytes > bucket_bytes:
+            yield bucket
+            bucket, start = [], 0
+        bucket.append((_Entry(name, str(tensor.dtype).removeprefix("torch."), tuple(tensor.shape), start, nbytes),
+                       tensor))
+        used = start + nbytes
+    if bucket:
+        yield bucket
 
 
-def push_weights(comm: Any, weights: Mapping[str, torch.Tensor], *, root: int,
-                 bucket_bytes: int = BUCKET_BYTES) -> SyncStats:
-    """Broadcast ``weights`` from ``root`` (this rank) to every other rank of ``comm``,
-    which must call :func:`pull_weights` with the same root. Collective over ``comm``."""
+def push_weights(comm: Any, weights: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]], *,
+                 root: int, bucket_bytes: int = BUCKET_BYTES) -> SyncStats:
+    """Broadcast ``weights`` (a mapping, or (name, tensor) pairs produced while they are
+    sent, e.g. :meth:`MegatronTrainEngine.iter_hf`) from ``root`` (this rank) to every
+    other rank of ``comm``, which must call :func:`pull_weights` with the same root.
+    Collective over ``comm``: per bucket, its manifest (``bcast``) then its bytes
+    (``Bcast``); an empty manifest ends the stream."""
     if comm.Get_rank() != root:
         raise ValueError(f"push_weights on rank {comm.Get_rank()} of the sync communicator, but root={root}; "
                          "only the holder pushes, the leaders pull_weights")
     start = time.perf_counter()
-    entries, sizes = plan_buckets(weights, bucket_bytes)
-    comm.bcast((entries, sizes), root=root)
-    for index, size in enumerate(sizes):
-        members = [e for e in entries if e.bucket == index]
-        if len(members) == 1:  # a bucket of one tensor goes out from the tensor itself, no copy
-            buffer = _bytes(weights[members[0].name])
+    items = weights.items() if isinstance(weights, Mapping) else weights
+    tensors = total = count = 0
+    for bucket in buckets(items, bucket_bytes):
+        entries = [entry for entry, _ in bucket]
+        comm.bcast(entries, root=root)
+        if len(bucket) == 1:  # a bucket of one tensor goes out from the tensor itself, no copy
+            buffer = _bytes(bucket[0][1])
         else:
-            buffer = torch.empty(size, dtype=torch.uint8)
-            for entry in members:
-                buffer[entry.offset:entry.offset + entry.nbytes].copy_(_bytes(weights[entry.name]))
+            buffer = torch.empty(entries[-1].offset + entries[-1].nbytes, dtype=torch.uint8)
+            for entry, tensor in bucket:
+                buffer[entry.offset:entry.offset + entry.nbytes].copy_(_bytes(tensor))
         comm.Bcast(buffer.numpy(), root=root)
-    stats = SyncStats(len(entries), sum(e.nbytes for e in entries), len(sizes), time.perf_counter() - start)
+        tensors, total, count = tensors + len(entries), total + sum(e.nbytes for e in entries), count + 1
+    comm.bcast([], root=root)
+    stats = SyncStats(tensors, total, count, time.perf_counter() - start)
     log.debug("pushed %d tensors, %d bytes in %d buckets, %.4f s", stats.tensors, stats.bytes, stats.buckets,
               stats.seconds)
     return stats
@@ -125,13 +132,13 @@ def pull_weights(comm: Any, *, root: int, device: torch.device | str = "cpu",
     stopping early leaves ``comm`` mid-collective. Appends a :class:`SyncStats` to
     ``stats`` when done."""
     start = time.perf_counter()
-    entries, sizes = comm.bcast(None, root=root)
-    for index, size in enumerate(sizes):
-        buffer = torch.empty(size, dtype=torch.uint8)
+    tensors = total = count = 0
+    while entries := comm.bcast(None, root=root):
+        buffer = torch.empty(entries[-1].offset + entries[-1].nbytes, dtype=torch.uint8)
         comm.Bcast(buffer.numpy(), root=root)
         for entry in entries:
-            if entry.bucket == index:
-                raw = buffer[entry.offset:entry.offset + entry.nbytes]
-                yield entry.name, raw.view(getattr(torch, entry.dtype)).reshape(entry.shape).to(device)
+            raw = buffer[entry.offset:entry.offset + entry.nbytes]
+            yield entry.name, raw.view(getattr(torch, entry.dtype)).reshape(entry.shape).to(device)
+        tensors, total, count = tensors + len(entries), total + sum(e.nbytes for e in entries), count + 1
     if stats is not None:
-        stats.append(SyncStats(len(entries), sum(e.nbytes for e in entries), len(sizes), time.perf_counter() - start))
+        stats.append(SyncStats(tensors, total, count, time.perf_counter() - start))

@@ -18,7 +18,7 @@ import gc
 import json
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -145,31 +145,46 @@ class MegatronTrainEngine:
         """Full Hugging Face weights of this rank's pipeline stage, gathered over TP, on
         the stage's holder (TP rank 0 of DP replica 0, see ``placement.holds_export``);
         None on every other rank. Collective over the TP group of DP replica 0."""
-        from megatron.core import parallel_state as ps
+        weights = dict(self.iter_hf())
+        return weights if self.placement.holds_export else None
 
-        if self.placement.dp_rank != 0:
-            return None
-        local = {k: v.detach() for k, v in self._gpt().state_dict().items() if not k.endswith("_extra_state")}
-        group, tp = ps.get_tensor_model_parallel_group(), self.placement.tp
-        holder = self.placement.holds_export
-        shards: list[dict[str, torch.Tensor]] = [{} for _ in range(tp)]
-        for name in sorted(local):
-            tensor = local[name].contiguous()
-            if tp == 1:  # the conversion below copies: the export never aliases the parameters
-                shards[0][name] = tensor
-                continue
-            pieces = [torch.empty_like(tensor) for _ in range(tp)] if holder else None
-            dist.gather(tensor, pieces, dst=ps.get_tensor_model_parallel_src_rank(), group=group)
-            for rank, piece in enumerate(pieces or []):
-                shards[rank][name] = piece
-        if not holder:
-            return None
+    def iter_hf(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """:meth:`export_hf` one piece at a time: the embedding, then each layer, then the
+        final norm and head, each gathered over TP and converted just before it is
+        yielded, so a sync can send while the rest is still being gathered. Every rank of
+        the TP group must iterate it to the end (the gathers are collective); it yields
+        nothing except on the holder, and nothing at all on DP replicas other than 0."""
         from megatron.core.transformer.transformer_layer import (
             get_transformer_layer_offset,
         )
 
-        return convert.hf_from_shards(shards, self.shape, layer_offset=get_transformer_layer_offset(self.config),
-                                      first_stage=self.placement.first_stage, last_stage=self.placement.last_stage)
+        if self.placement.dp_rank != 0:
+            return
+        local = {k: v.detach() for k, v in self._gpt().state_dict().items() if not k.endswith("_extra_state")}
+        offset = get_transformer_layer_offset(self.config)
+        for keys, first, last in _export_pieces(local, self.placement):
+            shards = self._gather_tp({k: local[k] for k in keys})
+            if shards is not None:
+                yield from convert.hf_from_shards(shards, self.shape, layer_offset=offset, first_stage=first,
+                                                  last_stage=last).items()
+
+    def _gather_tp(self, local: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]] | None:
+        """This TP group's shards of ``local``, one dict per TP rank, on the holder; None
+        elsewhere."""
+        from megatron.core import parallel_state as ps
+
+        tp, holder = self.placement.tp, self.placement.holds_export
+        if tp == 1:  # the conversion copies: the export never aliases the parameters
+            return [local]
+        shards: list[dict[str, torch.Tensor]] = [{} for _ in range(tp)]
+        for name in sorted(local):
+            tensor = local[name].contiguous()
+            pieces = [torch.empty_like(tensor) for _ in range(tp)] if holder else None
+            dist.gather(tensor, pieces, dst=ps.get_tensor_model_parallel_src_rank(),
+                        group=ps.get_tensor_model_parallel_group())
+            for rank, piece in enumerate(pieces or []):
+                shards[rank][name] = piece
+        return shards if holder else None
 
     def shutdown(self) -> None:
         """Drop the model and optimizer and free megatron's process groups (collective).
@@ -265,3 +280,18 @@ def _wrap(model, config, *, lr: float, clip_grad: float, weight_decay: float, dt
         bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16, use_distributed_optimizer=False,
         adam_beta1=0.9, adam_beta2=0.999, adam_eps=1e-8), [ddp], use_gloo_process_groups=False)
     return ddp, optimizer
+
+
+def _export_pieces(local: Mapping[str, torch.Tensor], placement) -> Iterator[tuple[list[str], bool, bool]]:
+    """The stage's megatron names in export order, one piece per layer: (names, first
+    stage piece?, last stage piece?) as :func:`convert.hf_from_shards` wants them."""
+    layers: dict[int, list[str]] = {}
+    for name in local:
+        if name.startswith("decoder.layers."):
+            layers.setdefault(int(name.split(".")[2]), []).append(name)
+    if placement.first_stage:
+        yield ["embedding.word_embeddings.weight"], True, False
+    for index in sorted(layers):
+        yield sorted(layers[index]), False, False
+    if placement.last_stage:
+        yield sorted(k for k in local if not k.startswith(("decoder.layers.", "embedding."))), False, True
