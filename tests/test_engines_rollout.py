@@ -239,6 +239,37 @@ def test_stats_report_kv_and_throughput(engine, hf):
     assert _max_diff(engine.score([long_prompt]), score([long_prompt], weights)) < TOL  # cached or not
 
 
+def test_turns_join_and_leave_a_running_batch(engine):
+    long_prompt, short, late = _seqs(9, (200, 6, 4))
+    engine.submit("a", long_prompt, max_tokens=30, seed=1)
+    engine.submit("b", short, max_tokens=5, seed=2)
+    with pytest.raises(ValueError, match="'a' is already running"):
+        engine.submit("a", short, max_tokens=5)
+    with pytest.raises(RuntimeError, match="score while 2 submitted turns are unfinished"):
+        engine.score([short])
+    done, usage = {}, []
+    for step in range(200):
+        if step == 2:
+            engine.submit("late", late, max_tokens=8, seed=3)  # joins while "a" decodes
+            engine.submit("dropped", late, max_tokens=50, seed=4)
+        if step == 4:
+            engine.abort(["dropped", "never-submitted"])
+        usage.append(engine.stats().kv_usage)
+        done.update(engine.step())
+        if not engine.unfinished():
+            break
+    assert sorted(done) == ["a", "b", "late"] and engine.unfinished() == 0
+    assert max(usage) > 0  # the running turns held KV blocks
+    caps = {"a": 30, "b": 5, "late": 8}
+    assert all(len(g.tokens) == caps[k] if g.finish_reason == "length" else len(g.tokens) < caps[k]
+               for k, g in done.items())
+    prompts = {"a": long_prompt, "b": short, "late": late}
+    rescored = engine.score([prompts[k] + done[k].tokens for k in sorted(done)])
+    expect = [r[len(prompts[k]) - 1:] for k, r in zip(sorted(done), rescored)]
+    assert _max_diff([done[k].logprobs for k in sorted(done)], expect) < TOL
+    assert engine.stats().kv_usage == 0.0
+
+
 def test_one_engine_per_process(engine, tiny):
     from libra_hpc.engines.rollout import VllmRolloutEngine
 

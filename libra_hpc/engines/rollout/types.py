@@ -25,8 +25,9 @@ class RolloutStats:
     """A snapshot of one engine.
 
     ``kv_capacity_tokens``: tokens the KV cache holds in all (blocks × block size).
-    ``kv_usage``: fraction of KV blocks in use now (0 between calls: finished requests
-    free theirs; prefix-cached blocks count as free). ``last_batch_kv_fraction``: tokens of
+    ``kv_usage``: fraction of KV blocks in use now (0 between blocking calls: finished
+    requests free theirs, prefix-cached blocks count as free; while submitted turns run,
+    the share they hold). ``last_batch_kv_fraction``: tokens of
     the last ``generate`` (prompts + outputs) over the capacity, capped at 1: the peak
     usage had every sequence been resident at once (an upper bound of the real peak).
     ``last_tokens_per_s``: generated tokens of the last ``generate`` over its wall time

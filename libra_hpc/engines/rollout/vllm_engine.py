@@ -73,6 +73,7 @@ class VllmRolloutEngine:
         self.vocab_size = int(config["vocab_size"])
         self._expected_shapes = checkpoint_shapes(self.model_path)
         self._weight_version = 0
+        self._pending: set[str] = set()  # submitted request ids not yet returned by step()
         self._last = (0, 0, 0, 0.0)  # of the last generate: prompt, generated, cached prompt tokens, wall s
         if VllmRolloutEngine._live is not None:
             raise RuntimeError(f"rollout engine: one is already running in this process "
@@ -139,37 +140,72 @@ class VllmRolloutEngine:
     def generate(self, prompts: Sequence[Sequence[int]], *, max_tokens: int, temperature: float = 1.0,
                  top_p: float = 1.0, seed: int | None = None,
                  stop_token_ids: Sequence[int] | None = None) -> list[Generation]:
-        """Sample one continuation per prompt (token ids in, token ids out).
+        """Sample one continuation per prompt (token ids in, token ids out), blocking until
+        all are done.
 
         ``temperature`` 0 is greedy. ``seed``: prompt ``i`` samples with seed ``seed + i``,
         so a call is reproducible and equal prompts still differ; None uses the engine's
         generator. Generation stops at the checkpoint's end-of-turn tokens
         (generation_config.json), at ``stop_token_ids``, after ``max_tokens``, or at
         ``max_model_len``. Log-probabilities are the model's own (see Generation)."""
-        from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
-        llm = self._engine()
+        llm = self._idle("generate")
         check_prompts(prompts, vocab_size=self.vocab_size, max_model_len=self.max_model_len, what="generate")
-        if max_tokens < 1 or temperature < 0 or not 0 < top_p <= 1:
-            raise ValueError(f"rollout engine: generate needs max_tokens >= 1, temperature >= 0, 0 < top_p <= 1 "
-                             f"(got {max_tokens}, {temperature}, {top_p})")
-        params = [SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, logprobs=0,
-                                 seed=None if seed is None else seed + i, detokenize=False,
-                                 stop_token_ids=list(stop_token_ids or []))
+        params = [_sampling(max_tokens, temperature, top_p, None if seed is None else seed + i, stop_token_ids)
                   for i in range(len(prompts))]
         started = time.perf_counter()
         outputs = llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params, use_tqdm=False)
         wall = time.perf_counter() - started
-        result = []
-        for out in outputs:
-            done = out.outputs[0]
-            tokens = list(done.token_ids)
-            result.append(Generation(tokens, [float(lp[t].logprob) for lp, t in zip(done.logprobs, tokens)],
-                                     str(done.finish_reason)))
+        result = [_generation(out) for out in outputs]
         self._last = (sum(len(p) for p in prompts), sum(len(g.tokens) for g in result),
                       sum(out.num_cached_tokens or 0 for out in outputs), wall)
         return result
+
+    # --- continuous batching: turns join and leave the running batch one by one ---------
+
+    def submit(self, request_id: str, prompt: Sequence[int], *, max_tokens: int, temperature: float = 1.0,
+               top_p: float = 1.0, seed: int | None = None, stop_token_ids: Sequence[int] | None = None) -> None:
+        """Queue one turn without waiting: it joins the running batch at the next ``step``
+        (a trajectory whose tool just returned need not wait for the batch to drain).
+        Sampling as in ``generate``; ``seed`` is this request's own."""
+        from vllm.inputs import TokensPrompt
+
+        llm = self._engine()
+        if request_id in self._pending:
+            raise ValueError(f"rollout engine: request {request_id!r} is already running; ids must be unique")
+        check_prompts([prompt], vocab_size=self.vocab_size, max_model_len=self.max_model_len, what="submit")
+        llm.llm_engine.add_request(request_id, TokensPrompt(prompt_token_ids=list(prompt)),
+                                   _sampling(max_tokens, temperature, top_p, seed, stop_token_ids))
+        self._pending.add(request_id)
+
+    def step(self) -> list[tuple[str, Generation]]:
+        """Run one engine step (a prefill chunk and/or one decode token for every running
+        turn) and return the turns that finished in it, as (request id, Generation)."""
+        llm = self._engine()
+        finished = [(out.request_id, _generation(out)) for out in llm.llm_engine.step() if out.finished]
+        self._pending.difference_update(rid for rid, _ in finished)
+        return finished
+
+    def unfinished(self) -> int:
+        """Submitted turns not yet returned by ``step``."""
+        return len(self._pending)
+
+    def abort(self, request_ids: Iterable[str]) -> None:
+        """Drop submitted turns (a trajectory that is cancelled or moved to another bucket);
+        their KV blocks are freed. Unknown ids are ignored."""
+        ids = [rid for rid in request_ids if rid in self._pending]
+        self._engine().llm_engine.abort_request(ids)
+        self._pending.difference_update(ids)
+
+    def _idle(self, what: str) -> Any:
+        """The engine, provided no submitted turn is running (blocking calls would consume
+        their outputs, and new weights would change them midway)."""
+        llm = self._engine()
+        if self._pending:
+            raise RuntimeError(f"rollout engine: {what} while {len(self._pending)} submitted turns are unfinished; "
+                               "step() them to completion or abort() them first")
+        return llm
 
     def score(self, sequences: Sequence[Sequence[int]]) -> list[list[float]]:
         """Per-token log-probabilities of given sequences under the current weights.
@@ -179,7 +215,7 @@ class VllmRolloutEngine:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
-        llm = self._engine()
+        llm = self._idle("score")
         check_prompts(sequences, vocab_size=self.vocab_size, max_model_len=self.max_model_len, what="score")
         params = SamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False)
         outputs = llm.generate([TokensPrompt(prompt_token_ids=list(s)) for s in sequences], params, use_tqdm=False)
@@ -196,7 +232,7 @@ class VllmRolloutEngine:
         safetensors), any dtype (cast to the engine's) and, on CPU, CPU tensors. Checked
         before anything is applied: a partial or misnamed set raises ValueError and leaves
         the engine on its old weights."""
-        llm = self._engine()
+        llm = self._idle("update_weights")
         items = [(name, tensor.detach()) for name, tensor in named_tensors]
         shapes = {name: tuple(tensor.shape) for name, tensor in items}
         if len(shapes) != len(items):
@@ -249,6 +285,25 @@ class VllmRolloutEngine:
 
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
+
+
+def _sampling(max_tokens: int, temperature: float, top_p: float, seed: int | None,
+              stop_token_ids: Sequence[int] | None) -> Any:
+    """vLLM SamplingParams returning the sampled token's log-prob and no text."""
+    from vllm import SamplingParams
+
+    if max_tokens < 1 or temperature < 0 or not 0 < top_p <= 1:
+        raise ValueError(f"rollout engine: sampling needs max_tokens >= 1, temperature >= 0, 0 < top_p <= 1 "
+                         f"(got {max_tokens}, {temperature}, {top_p})")
+    return SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, logprobs=0, seed=seed,
+                          detokenize=False, stop_token_ids=list(stop_token_ids or []))
+
+
+def _generation(out: Any) -> Generation:
+    done = out.outputs[0]
+    tokens = list(done.token_ids)
+    return Generation(tokens, [float(lp[t].logprob) for lp, t in zip(done.logprobs, tokens, strict=True)],
+                      str(done.finish_reason))
 
 
 def _kv_usage(llm: Any) -> float:
