@@ -10,6 +10,10 @@ a *sum* over its tokens and megatron divides the gradients by the token count of
 whole global batch (all DP replicas); megatron DDP reduces the gradients over DP into
 ``param.main_grad``; the Megatron optimizer (Adam, gradient clipping by global norm)
 applies them. A plain torch optimizer would see ``grad is None`` and silently do nothing.
+
+Export: :meth:`MegatronTrainEngine.iter_hf` gathers the TP shards of one layer at a time
+onto the stage's holder and converts them to HF names and layouts (exact, see
+:mod:`.convert`), for :mod:`libra_hpc.engines.sync` to stream to the rollout leaders.
 """
 
 from __future__ import annotations

@@ -98,7 +98,7 @@ def destroy_model_parallel() -> None:
     """Free every process group megatron created on this rank, then reset its state."""
     from megatron.core import parallel_state as ps
 
-    for group in ps._global_process_group_list or []:
+    for group in getattr(ps, "_global_process_group_list", None) or []:
         if group is not None and group != dist.GroupMember.NON_GROUP_MEMBER:
             dist.destroy_process_group(group)
     ps.destroy_model_parallel()
