@@ -21,7 +21,7 @@ from pathlib import Path
 from libra_hpc.config import load_config
 from libra_hpc.tools.isolation import bwrap_problem
 from libra_hpc.tools.orchestrator import limits_from_config
-from libra_hpc.tools.sandbox import ClassifyRules, Sandbox
+from libra_hpc.tools.sandbox import ClassifyRules, first_free_sandbox
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -47,7 +47,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.wall_time is not None:
         limits = dataclasses.replace(limits, wall_time_s=args.wall_time)
     rules = ClassifyRules(tuple(cfg.scheduler.size_thresholds), tuple(cfg.scheduler.error_markers))
-    result = Sandbox(limits, uid=tools.uid_base, isolation=tools.isolation, python=tools.python, rules=rules).run_python(code)
+    sandbox = first_free_sandbox(limits, tools.uid_base, tools.max_workers, isolation=tools.isolation,
+                                 python=tools.python, rules=rules, lock_dir=tools.lock_dir)
+    try:
+        result = sandbox.run_python(code)
+    finally:
+        sandbox.close()
     out = dataclasses.asdict(result)
     out["state"] = result.state.key()
     print(json.dumps(out, indent=1))

@@ -18,13 +18,23 @@ when the command or bwrap dies, the kernel kills every process left in the names
 - Run as another user: unprivileged bwrap with a user namespace as well (and no nested
   ones); ``RLIMIT_NPROC`` then counts the processes of that user namespace only.
 
-``rlimit`` (the weaker fallback, logged as a warning at every sandbox start): no namespaces.
-Limits, a new session, a private host temporary directory as working directory and, when
-run as root, the slot's dedicated uid, so the snippet cannot read root-only files (0700
-home directories, ``/etc/shadow``) nor signal our processes. It *can* read world-readable
-files (``/etc/passwd``, a world-readable checkout) and reach the network: use it only where
-bwrap cannot run, and say so in the run's report. As non-root it runs under our own uid:
-``kill -9 -1`` in a snippet would kill all of our processes.
+In both cases bwrap installs the seccomp filter of :mod:`seccomp` before the command
+starts: ``setpriv`` cannot forbid new user namespaces (in which the slot uid would be root
+and could mount past the tmpfs cap) nor the slot uid's kernel keyring (which outlives a
+call); the filter denies both and more. The two tmpfs (``/tmp``, ``/dev/shm``) are each
+``workdir_mb`` large; bwrap 0.8 has no option to cap their inode count.
+
+``rlimit`` (the weaker fallback; only when asked for by name, ``auto`` never falls back to
+it; root only): no namespaces and no seccomp filter. Limits, a new session, the slot's
+dedicated uid and a private host directory (0700, owned by the slot uid) as working
+directory, so the snippet cannot read root-only files (0700 home directories,
+``/etc/shadow``), another slot's code, nor signal our processes. It *can* read
+world-readable files (``/etc/passwd``, a world-readable checkout), reach the network
+(127.0.0.1 included), fill the host disk file by file (``RLIMIT_FSIZE`` bounds one file)
+and use the kernel keyring; after each call :mod:`cleanup` deletes the uid's files in
+world-writable directories and its System V IPC objects. Without root it is refused: the
+snippet would run as our own user (``kill -9 -1`` would kill all of our processes, and a
+daemon that clears its environment drops the marker the reaping looks for).
 
 In both modes ``prlimit`` (util-linux) applies the resource limits right before the
 interpreter starts; it needs no ``preexec_fn`` (unsafe in a threaded orchestrator). When
@@ -43,6 +53,8 @@ import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import PurePosixPath
+
+from libra_hpc.tools.seccomp import filter_fd
 
 log = logging.getLogger(__name__)
 
@@ -115,11 +127,14 @@ def _ancestors(path: str) -> list[str]:
     return [str(p) for p in reversed(parts) if str(p) != "/"]
 
 
-def bwrap_argv(limits: SandboxLimits, code_dir: str, python: str, uid: int | None, marker: str) -> list[str]:
+def bwrap_argv(limits: SandboxLimits, code_dir: str, python: str, uid: int | None, marker: str,
+               seccomp_fd: int) -> list[str]:
     """The bwrap command line up to (and including) the limits prefix; append the command.
 
     ``uid``: the slot's dedicated uid when run as root (privileged bwrap + setpriv), None
-    when run unprivileged (bwrap makes a user namespace)."""
+    when run unprivileged (bwrap makes a user namespace). ``seccomp_fd``: an inheritable
+    descriptor holding the filter of seccomp.py (``seccomp.filter_fd()``); the caller passes
+    it to the child (``pass_fds``) and closes it after the start."""
     argv = ["bwrap", "--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try",
             "--die-with-parent", "--new-session", "--ro-bind", "/usr", "/usr"]
     if uid is None:
@@ -138,7 +153,8 @@ def bwrap_argv(limits: SandboxLimits, code_dir: str, python: str, uid: int | Non
         argv += ["--ro-bind", tree, tree]
     argv += ["--proc", "/proc", "--dev", "/dev", "--perms", "1777", "--size", str(limits.workdir_mb << 20),
              "--tmpfs", SANDBOX_WORKDIR, "--perms", "1777", "--size", str(limits.workdir_mb << 20), "--tmpfs", "/dev/shm",
-             "--ro-bind", code_dir, SANDBOX_CODE_DIR, "--chdir", SANDBOX_WORKDIR, "--clearenv"]
+             "--ro-bind", code_dir, SANDBOX_CODE_DIR, "--chdir", SANDBOX_WORKDIR, "--seccomp", str(seccomp_fd),
+             "--clearenv"]
     for key, value in sandbox_env(marker, SANDBOX_WORKDIR).items():
         argv += ["--setenv", key, value]
     if uid is not None:
@@ -204,11 +220,18 @@ def bwrap_problem(python: str, probe_uid: int | None) -> str | None:
     if missing:
         return f"{', '.join(missing)} not found on PATH (Debian: apt-get install bubblewrap util-linux)"
     code_dir = "/usr"  # any readable directory: the probe runs no code from it
-    argv = bwrap_argv(SandboxLimits(), code_dir, python, probe_uid, "probe") + [python, "-I", "-c", "pass"]
     try:
-        done = subprocess.run(argv, capture_output=True, text=True, timeout=30, check=False, env={"PATH": os.environ.get("PATH", "")})
+        fd = filter_fd()
+    except RuntimeError as err:  # an architecture the filter does not know
+        return str(err)
+    argv = bwrap_argv(SandboxLimits(), code_dir, python, probe_uid, "probe", fd) + [python, "-I", "-c", "pass"]
+    try:
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=30, check=False, pass_fds=(fd,),
+                              env={"PATH": os.environ.get("PATH", "")})
     except (OSError, subprocess.TimeoutExpired) as err:
         return f"probe failed: {err}"
+    finally:
+        os.close(fd)
     if done.returncode != 0:
         return f"probe exited {done.returncode}: {done.stderr.strip()[-500:]}"
     return None
@@ -217,19 +240,24 @@ def bwrap_problem(python: str, probe_uid: int | None) -> str | None:
 def choose_isolation(requested: str, python: str, probe_uid: int | None) -> str:
     """The mode to use for ``tools.isolation = requested`` (``auto``, ``bwrap``, ``rlimit``).
 
-    Raises RuntimeError when ``bwrap`` is requested but cannot run, or a mode's tools are
-    missing; ``auto`` falls back to ``rlimit`` with a warning that says why."""
+    ``auto`` means bwrap: it never falls back silently to the weaker mode. Raises
+    RuntimeError when bwrap is wanted but cannot run (naming ``tools.isolation: rlimit`` as
+    the explicit opt-in), when ``rlimit`` is asked for without root (``probe_uid`` None: no
+    dedicated uid, so neither RLIMIT_NPROC nor the reaping by uid would hold), or when a
+    mode's tools are missing."""
     if requested not in ("auto", "bwrap", "rlimit"):
         raise ValueError(f"tools.isolation must be auto, bwrap or rlimit, got {requested!r}")
     if requested in ("auto", "bwrap"):
         problem = bwrap_problem(python, probe_uid)
         if problem is None:
             return "bwrap"
-        if requested == "bwrap":
-            raise RuntimeError(f"tools.isolation=bwrap but bwrap cannot run here: {problem}. "
-                               "Install bubblewrap or set tools.isolation=rlimit (weaker, see libra_hpc/tools/isolation.py)")
-        log.warning("tool sandbox: bwrap unavailable (%s); falling back to tools.isolation=rlimit: snippets can "
-                    "read world-readable files and use the network", problem)
+        raise RuntimeError(f"tools.isolation={requested} needs bwrap, which cannot run here: {problem}. Install "
+                           "bubblewrap, or opt in to the weaker fallback with `tools.isolation: rlimit` (root only; "
+                           "see its documentation in configs/README.md)")
+    if probe_uid is None:
+        raise RuntimeError("tools.isolation=rlimit needs root: without a dedicated slot uid a snippet runs as our own "
+                           "user (it could signal our processes, and a daemon that drops the marker escapes the "
+                           "reaping); run as root or use tools.isolation=bwrap")
     missing = missing_tools("rlimit")
     if missing:
         raise RuntimeError(f"tool sandbox needs {', '.join(missing)} on PATH (util-linux)")

@@ -21,6 +21,7 @@ from concurrent.futures import Future
 from typing import Any, Protocol
 
 from libra_hpc.tools.isolation import SandboxLimits
+from libra_hpc.tools.procs import SlotLeak
 from libra_hpc.tools.sandbox import (
     DEFAULT_LIMITS,
     DEFAULT_RULES,
@@ -28,6 +29,7 @@ from libra_hpc.tools.sandbox import (
     Sandbox,
 )
 from libra_hpc.tools.scheduling import ActionScheduler, Dispatch
+from libra_hpc.tools.slots import DEFAULT_LOCK_DIR
 
 log = logging.getLogger(__name__)
 
@@ -42,8 +44,9 @@ class SandboxRunner:
     with an optional ``"tool"`` name (default ``python`` / ``shell``)."""
 
     def __init__(self, limits: SandboxLimits = DEFAULT_LIMITS, *, uid_base: int = 200000, isolation: str = "auto",
-                 python: str = "", rules: ClassifyRules = DEFAULT_RULES):
-        self._make = lambda unit: Sandbox(limits, uid=uid_base + unit, isolation=isolation, python=python, rules=rules)
+                 python: str = "", rules: ClassifyRules = DEFAULT_RULES, lock_dir: str = DEFAULT_LOCK_DIR):
+        self._make = lambda unit: Sandbox(limits, uid=uid_base + unit, isolation=isolation, python=python, rules=rules,
+                                          lock_dir=lock_dir)
         self._slots: dict[int, Sandbox] = {}
         self._lock = threading.Lock()
 
@@ -52,6 +55,13 @@ class SandboxRunner:
             if unit not in self._slots:
                 self._slots[unit] = self._make(unit)
             return self._slots[unit]
+
+    def close(self) -> None:
+        """Release every slot uid this runner holds."""
+        with self._lock:
+            for sandbox in self._slots.values():
+                sandbox.close()
+            self._slots.clear()
 
     def run(self, unit: int, payload: Any):
         sandbox = self.slot(unit)
@@ -127,17 +137,27 @@ class ToolOrchestrator:
     # ------------------------------------------------------------------ internals
     def _dispatch_locked(self) -> None:
         now = self._now()
-        for dispatch in self.scheduler.dispatch(now):
-            future, payload = self._futures[dispatch.action.aid]
-            thread = threading.Thread(target=self._execute, args=(dispatch, future, payload), daemon=True,
-                                      name=f"tool-{dispatch.action.resource}-{dispatch.unit}")
-            self._threads.add(thread)
-            thread.start()
+        dispatches = self.scheduler.dispatch(now)
+        while dispatches:
+            cancelled = [d for d in dispatches if not self._futures[d.action.aid][0].set_running_or_notify_cancel()]
+            for dispatch in cancelled:  # Future.cancel() won before the dispatch: never run it
+                self.scheduler.complete(dispatch.action.aid, now, observe=False)
+                del self._futures[dispatch.action.aid]
+            self._start_threads([d for d in dispatches if d not in cancelled])
+            dispatches = self.scheduler.dispatch(now) if cancelled else []  # their units are free again
         wake = self.scheduler.next_wakeup(now)
         if wake is not None and self._timer is None:
             self._timer = threading.Timer(max(0.0, wake - now), self._wake)
             self._timer.daemon = True
             self._timer.start()
+
+    def _start_threads(self, dispatches: list[Dispatch]) -> None:
+        for dispatch in dispatches:
+            future, payload = self._futures[dispatch.action.aid]
+            thread = threading.Thread(target=self._execute, args=(dispatch, future, payload), daemon=True,
+                                      name=f"tool-{dispatch.action.resource}-{dispatch.unit}")
+            self._threads.add(thread)
+            thread.start()
 
     def _wake(self) -> None:
         with self._lock:
@@ -147,8 +167,13 @@ class ToolOrchestrator:
     def _execute(self, dispatch: Dispatch, future: Future, payload: Any) -> None:
         action = dispatch.action
         result = error = None
+        quarantine = False
         try:
             result = self.runners[action.resource].run(dispatch.unit, payload)
+        except SlotLeak as err:  # its processes survive: the unit must never run another action
+            log.error("tool %s (action %s): %s unit %d quarantined: %s", action.tool, action.aid, action.resource,
+                      dispatch.unit, err)
+            error, quarantine = err, True
         except Exception as err:  # noqa: BLE001 - handed to the caller through the future, not swallowed
             log.warning("tool %s (action %s, %s unit %d) raised %s", action.tool, action.aid, action.resource,
                         dispatch.unit, err)
@@ -156,6 +181,8 @@ class ToolOrchestrator:
         with self._lock:
             done = self._now()
             self.scheduler.complete(action.aid, done)
+            if quarantine:
+                self.scheduler.quarantine(action.resource, dispatch.unit)
             self.records.append({"aid": action.aid, "trajectory": action.trajectory, "tool": action.tool,
                                  "resource": action.resource, "unit": dispatch.unit, "submitted": action.submitted_at,
                                  "started": dispatch.started_at, "done": done})
@@ -188,7 +215,8 @@ def orchestrator_from_config(tools, scheduler_cfg=None, clock: Callable[[], floa
         tuple(scheduler_cfg.size_thresholds), tuple(scheduler_cfg.error_markers))
     resources = [ResourceSpec("cpu", tools.max_workers, tools.min_workers, tools.idle_timeout_s)]
     runners: dict[str, Runner] = {"cpu": SandboxRunner(limits_from_config(tools), uid_base=tools.uid_base,
-                                                       isolation=tools.isolation, python=tools.python, rules=rules)}
+                                                       isolation=tools.isolation, python=tools.python, rules=rules,
+                                                       lock_dir=tools.lock_dir)}
     if tools.reward_endpoint:
         resources.append(ResourceSpec("reward", tools.reward_concurrency, 0, tools.idle_timeout_s))
         runners["reward"] = EndpointRunner(tools.reward_endpoint, timeout_s=tools.wall_time_s)

@@ -17,6 +17,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 
+QUARANTINED = "<quarantined>"
+"""``Unit.busy`` of a unit taken out of service (not an action id)."""
+
+
 @dataclass(frozen=True)
 class ResourceSpec:
     """One resource kind: its name (``cpu``, ``reward``), bounds and timings (seconds)."""
@@ -85,6 +89,15 @@ class ElasticPool:
         """Ready, idle, unbound units, lowest index first."""
         return sorted((u for u in self.units.values() if u.busy is None and u.bound_to is None and u.ready_at <= now),
                       key=lambda u: u.index)
+
+    def quarantine(self, index: int) -> None:
+        """Take unit ``index`` out of service for good (its slot could not be cleaned): it
+        stays alive, busy and counted in the held time, so it is never dispatched nor
+        retired, and its number is never reused."""
+        self.units[index].busy = QUARANTINED
+
+    def quarantined(self) -> list[int]:
+        return sorted(i for i, u in self.units.items() if u.busy == QUARANTINED)
 
     def starting(self, now: float) -> int:
         return sum(1 for u in self.units.values() if u.ready_at > now)

@@ -22,6 +22,10 @@ log = logging.getLogger(__name__)
 PROC = "/proc"
 
 
+class SlotLeak(RuntimeError):
+    """Processes of a sandbox slot survive SIGKILL: the slot must not run another call."""
+
+
 def _read(path: str) -> bytes | None:
     try:
         with open(path, "rb") as f:
@@ -80,7 +84,7 @@ def kill_owned(uid: int | None, marker: str | None, settle_s: float = 2.0) -> in
     alive; returns how many were killed. Repeats because a process may fork between the
     scan and the kill (its children inherit the uid and the marker).
 
-    Raises RuntimeError naming the pids when some survive ``settle_s`` seconds of killing:
+    Raises :class:`SlotLeak` naming the pids when some survive ``settle_s`` seconds of killing:
     the caller must not reuse that uid for another run."""
     killed: set[int] = set()
     deadline = time.monotonic() + settle_s
@@ -89,7 +93,7 @@ def kill_owned(uid: int | None, marker: str | None, settle_s: float = 2.0) -> in
         if not pids:
             return len(killed)
         if time.monotonic() > deadline:
-            raise RuntimeError(f"sandbox processes survive SIGKILL for {settle_s} s: pids {sorted(pids)} "
+            raise SlotLeak(f"sandbox processes survive SIGKILL for {settle_s} s: pids {sorted(pids)} "
                                f"(uid {uid}, marker {marker}); this sandbox slot must not be reused")
         for pid in pids:
             try:

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from libra_hpc.scheduler.state import classify
 from libra_hpc.scheduler.types import ToolState
 from libra_hpc.tools.cgroups import CallCgroup
+from libra_hpc.tools.cleanup import remove_files_of, remove_sysv_ipc_of
 from libra_hpc.tools.isolation import (
     LEFTOVER_EXIT,
     MARKER_VAR,
@@ -46,10 +47,11 @@ from libra_hpc.tools.isolation import (
     wrapper_argv,
 )
 from libra_hpc.tools.procs import kill_owned
+from libra_hpc.tools.seccomp import filter_fd
+from libra_hpc.tools.slots import DEFAULT_LOCK_DIR, SlotBusy, SlotLock, check_unassigned
 from libra_hpc.tools.supervise import Outcome, Supervisor
 
 log = logging.getLogger(__name__)
-
 
 
 def _read_available(fd: int, limit: int = 4096) -> str:
@@ -76,29 +78,6 @@ def world_reachable(path: str) -> bool:
     except OSError:
         return False
     return True
-
-
-_SHARED_WRITABLE = ("/tmp", "/var/tmp", "/dev/shm")
-
-
-def _remove_files_of(uid: int) -> None:
-    """rlimit mode: delete what the slot uid left in the host's world-writable directories
-    (bwrap sandboxes only ever write to their own tmpfs)."""
-    for folder in _SHARED_WRITABLE:
-        try:
-            entries = list(os.scandir(folder))
-        except OSError:
-            continue
-        for entry in entries:
-            try:
-                if entry.stat(follow_symlinks=False).st_uid != uid:
-                    continue
-                if entry.is_dir(follow_symlinks=False):
-                    shutil.rmtree(entry.path, ignore_errors=True)
-                else:
-                    os.unlink(entry.path)
-            except OSError as err:
-                log.warning("could not remove %s left by sandbox uid %d: %s", entry.path, uid, err)
 
 
 @dataclass(frozen=True)
@@ -142,23 +121,34 @@ DEFAULT_RULES = ClassifyRules()
 
 
 class Sandbox:
-    """One sandbox slot. ``uid``: the slot's dedicated uid, used only when we run as root
-    (it must belong to nobody else on the host: every live process of it is killed after
-    each call). ``isolation``: ``auto``, ``bwrap`` or ``rlimit`` (isolation.py)."""
+    """One sandbox slot. ``uid``: the slot's dedicated uid, used only when we run as root: it
+    must not be in the password database (ValueError) and is held exclusively through an
+    flock under ``lock_dir`` for this object's life (:class:`SlotBusy` when another Sandbox
+    holds it; :meth:`close` releases it). ``isolation``: ``bwrap``, ``rlimit`` (root only) or
+    ``auto`` (= bwrap; never a silent fallback), see isolation.py."""
 
     def __init__(self, limits: SandboxLimits = DEFAULT_LIMITS, *, uid: int = 200000, isolation: str = "auto",
-                 python: str = "", rules: ClassifyRules = DEFAULT_RULES):
+                 python: str = "", rules: ClassifyRules = DEFAULT_RULES, lock_dir: str = DEFAULT_LOCK_DIR):
         self.limits = limits
         self.python = python or sys.executable
         self.uid = uid if os.geteuid() == 0 else None
         self.rules = rules
         self.isolation = choose_isolation(isolation, self.python, self.uid)
+        self._lock = None
+        if self.uid is not None:
+            check_unassigned(self.uid)
+            self._lock = SlotLock(self.uid, lock_dir)
         if self.isolation == "rlimit":
             self.python = self._reachable_python()
             log.warning("tool sandbox slot uid=%s runs WITHOUT namespaces (rlimit fallback): snippets can read "
                         "world-readable host files and reach the network", self.uid)
         if self.uid is not None:
             kill_owned(self.uid, None)  # a slot starts empty, whatever an earlier process left
+
+    def close(self) -> None:
+        """Release the slot uid (the object must not run calls afterwards)."""
+        if self._lock is not None:
+            self._lock.release()
 
     def _reachable_python(self) -> str:
         """In rlimit mode as root the snippet runs as the slot uid on the host's files: the
@@ -185,17 +175,22 @@ class Sandbox:
 
     # ------------------------------------------------------------------ internals
     def _run(self, code: str | None, command, tool: str) -> ToolResult:
+        if self._lock is not None and not self._lock.held:
+            raise RuntimeError(f"sandbox slot uid {self.uid} was closed; make a new Sandbox")
         marker = f"{MARKER_VAR}={uuid.uuid4().hex}"
-        host_dir = tempfile.mkdtemp(prefix="libra-sbx-")
+        host_dir = tempfile.mkdtemp(prefix="libra-sbx-")  # 0700: other slots cannot read the code
         cgroup = self._call_cgroup()
+        seccomp = None
         try:
-            os.chmod(host_dir, 0o755)
             code_path = os.path.join(host_dir, "main.py")
-            with open(code_path, "w", encoding="utf-8") as f:
+            with open(os.open(code_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w", encoding="utf-8") as f:
                 f.write(code or "")
-            os.chmod(code_path, 0o644)
+            if self.uid is not None:  # the slot uid alone may read its code
+                os.chown(host_dir, self.uid, self.uid)
+                os.chown(code_path, self.uid, self.uid)
             if self.isolation == "bwrap":
-                argv = bwrap_argv(self.limits, host_dir, self.python, self.uid, marker.split("=", 1)[1])
+                seccomp = filter_fd()
+                argv = bwrap_argv(self.limits, host_dir, self.python, self.uid, marker.split("=", 1)[1], seccomp)
                 argv += wrapper_argv() + command(f"{SANDBOX_CODE_DIR}/main.py")
                 env, cwd = {"PATH": os.environ.get("PATH", "/usr/bin:/bin")}, None
             else:
@@ -209,13 +204,16 @@ class Sandbox:
                 env = sandbox_env(marker.split("=", 1)[1], cwd)
             if cgroup is not None:
                 argv = cgroup.join_argv() + argv
-            return self._supervise(argv, env, cwd, marker, tool, cgroup)
+            return self._supervise(argv, env, cwd, marker, tool, cgroup, seccomp)
         finally:
+            if seccomp is not None:
+                os.close(seccomp)
             if cgroup is not None:
                 cgroup.remove()
             shutil.rmtree(host_dir, ignore_errors=True)
             if self.isolation == "rlimit" and self.uid is not None:
-                _remove_files_of(self.uid)
+                remove_files_of(self.uid)
+                remove_sysv_ipc_of(self.uid)
 
     _cgroup_warned = False
 
@@ -230,13 +228,13 @@ class Sandbox:
                         "tools.memory_mb x tools.max_processes = %d MiB", self.limits.memory_mb * self.limits.max_processes)
         return cgroup
 
-    def _supervise(self, argv, env, cwd, marker, tool, cgroup) -> ToolResult:
+    def _supervise(self, argv, env, cwd, marker, tool, cgroup, seccomp: int | None) -> ToolResult:
         start = time.monotonic()
         report_r, report_w = os.pipe() if self.isolation == "bwrap" else (None, None)  # the wrapper's status channel
         try:
             proc = subprocess.Popen(argv, stdin=report_w if report_w is not None else subprocess.DEVNULL,
                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, cwd=cwd,
-                                    start_new_session=True, close_fds=True)
+                                    start_new_session=True, close_fds=True, pass_fds=() if seccomp is None else (seccomp,))
         finally:
             if report_w is not None:
                 os.close(report_w)
@@ -292,3 +290,15 @@ class Sandbox:
         _, wstatus, ru = os.wait4(proc.pid, 0)
         kill_owned(self.uid, marker)
         return wstatus, ru
+
+
+def first_free_sandbox(limits: SandboxLimits, uid_base: int, slots: int, **kwargs) -> Sandbox:
+    """A Sandbox on the first slot uid ``uid_base + i`` (``i < slots``) no other Sandbox
+    holds; RuntimeError when all are busy. ``kwargs`` go to :class:`Sandbox`."""
+    for uid in range(uid_base, uid_base + slots):
+        try:
+            return Sandbox(limits, uid=uid, **kwargs)
+        except SlotBusy:
+            continue
+    raise RuntimeError(f"all {slots} sandbox slots uid {uid_base}..{uid_base + slots - 1} are in use "
+                       "(tools.uid_base, tools.max_workers); wait for a run to end or raise tools.max_workers")

@@ -129,8 +129,9 @@ class ActionScheduler:
             started += self._dispatch_resource(name, pool, now)
         return started
 
-    def complete(self, aid: str, now: float) -> Action:
-        """Mark a running action done at ``now`` (exactly once) and free its unit."""
+    def complete(self, aid: str, now: float, observe: bool = True) -> Action:
+        """Mark a running action done at ``now`` (exactly once) and free its unit.
+        ``observe=False``: the action did not run (cancelled); its duration is not learnt."""
         if aid not in self.running:
             raise KeyError(f"action {aid!r} is not running (completed twice, or never dispatched)")
         dispatch, index = self.running.pop(aid)
@@ -139,11 +140,16 @@ class ActionScheduler:
         unit = self.pools[action.resource].units[index]
         unit.busy, unit.idle_since = None, now
         self.running_per_tool[action.tool] -= 1
-        self.estimator.observe(action.tool, now - dispatch.started_at)
+        if observe:
+            self.estimator.observe(action.tool, now - dispatch.started_at)
         return action
 
     def end_trajectory(self, trajectory: str, now: float) -> None:
         """The trajectory will submit no more actions (the dedicated policy releases its unit)."""
+
+    def quarantine(self, resource: str, index: int) -> None:
+        """Take a (free) unit out of service for good; see ElasticPool.quarantine."""
+        self.pools[resource].quarantine(index)
 
     def held_seconds(self, now: float) -> float:
         return sum(pool.held_seconds(now) for pool in self.pools.values())
@@ -263,12 +269,24 @@ class DedicatedScheduler(ActionScheduler):
             if self.per_trajectory.get(key):
                 raise ValueError(f"trajectory {trajectory!r} ended with actions still queued on {name!r}")
             self.per_trajectory.pop(key, None)
+            if trajectory in self.waiting[name]:  # its unit was quarantined and no other bound yet
+                self.waiting[name].remove(trajectory)
             index = self.bound.pop(key, None)
             if index is not None:
                 unit = self.pools[name].units[index]
                 if unit.busy is not None:
                     raise ValueError(f"trajectory {trajectory!r} ended while its action {unit.busy} runs")
                 unit.bound_to, unit.idle_since = None, now
+
+    def quarantine(self, resource: str, index: int) -> None:
+        """Also unbind the unit: its trajectory waits for another one."""
+        super().quarantine(resource, index)
+        for key, bound_index in list(self.bound.items()):
+            if key[0] == resource and bound_index == index:
+                del self.bound[key]
+                self.pools[resource].units[index].bound_to = None
+                if key in self.per_trajectory:
+                    self.waiting[resource].appendleft(key[1])
 
     def _dispatch_resource(self, name, pool, now):
         if name in self.shared:
