@@ -302,6 +302,9 @@ def test_shutdown_frees_memory_and_a_new_engine_starts(engine, tiny, hf):
         assert again.max_model_len == 256 and again.stats().weight_version == 0
         assert again.kv_capacity_tokens == pytest.approx(engine.kv_capacity_tokens / 2, rel=0.02)
         assert _max_diff(again.score(seqs), score(seqs, weights)) < TOL  # the checkpoint, not the update
+    with pytest.raises(ValueError, match="kv cache"):  # vLLM's own check, after it set up its torch world
+        VllmRolloutEngine(tiny, max_model_len=256, kv_cache_gib=10_000)
+    assert not torch.distributed.is_initialized()  # a failed start cleans up: the next one can start
 
 
 def test_tensor_parallel_two_on_cpu(engine, tiny, hf):

@@ -75,20 +75,11 @@ class VllmRolloutEngine:
         self._weight_version = 0
         self._pending: set[str] = set()  # submitted request ids not yet returned by step()
         self._last = (0, 0, 0, 0.0)  # of the last generate: prompt, generated, cached prompt tokens, wall s
-        if VllmRolloutEngine._live is not None:
-            raise RuntimeError(f"rollout engine: one is already running in this process "
-                               f"({VllmRolloutEngine._live.model_path}); shut it down first or start this "
-                               "instance in another process")
+        self._llm: Any = None
+        _check_process_is_free()
         self._apply_env(engine_env(device=device, tp=tp, cpus=cpus, devices=devices))
 
         import torch
-
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
-            raise RuntimeError(
-                f"rollout engine: torch.distributed is already initialised in this process (world size "
-                f"{torch.distributed.get_world_size()}); vLLM would build its groups over that world (collectives "
-                "every rank of it must join) and destroy it at shutdown. Start the engine in a process without "
-                "a torch world, or destroy_process_group() first")
         from vllm import LLM
         from vllm.platforms import current_platform
 
@@ -101,10 +92,13 @@ class VllmRolloutEngine:
             torch.set_num_threads(cpu_threads)
         started = time.perf_counter()
         try:
-            self._llm: Any = LLM(**engine_kwargs(str(self.model_path), tp=tp, device=device, dtype=dtype, seed=seed,
-                                                 max_model_len=max_model_len, kv_cache_gib=kv_cache_gib,
-                                                 enable_prefix_caching=enable_prefix_caching))
+            self._llm = LLM(**engine_kwargs(str(self.model_path), tp=tp, device=device, dtype=dtype, seed=seed,
+                                            max_model_len=max_model_len, kv_cache_gib=kv_cache_gib,
+                                            enable_prefix_caching=enable_prefix_caching))
         except BaseException:
+            from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+            cleanup_dist_env_and_memory()  # a half-started engine leaves its torch world behind
             self._restore_torch_threads()
             raise
         VllmRolloutEngine._live = self
@@ -285,6 +279,22 @@ class VllmRolloutEngine:
 
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
+
+
+def _check_process_is_free() -> None:
+    """No other engine and no torch world in this process (see the class docstring)."""
+    if VllmRolloutEngine._live is not None:
+        raise RuntimeError(f"rollout engine: one is already running in this process "
+                           f"({VllmRolloutEngine._live.model_path}); shut it down first or start this "
+                           "instance in another process")
+    import torch
+
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        raise RuntimeError(
+            f"rollout engine: torch.distributed is already initialised in this process (world size "
+            f"{torch.distributed.get_world_size()}); vLLM would build its groups over that world (collectives "
+            "every rank of it must join) and destroy it at shutdown. Start the engine in a process without "
+            "a torch world, or destroy_process_group() first")
 
 
 def _sampling(max_tokens: int, temperature: float, top_p: float, seed: int | None,
