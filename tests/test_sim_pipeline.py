@@ -96,3 +96,38 @@ def test_async_steady_state_is_max_of_training_and_half_the_cycle(pipeline_ctx, 
 def test_zero_staleness_serialises_and_colocated_adds_the_switch(pipeline_ctx):
     assert steady_step(pipeline_ctx(0), "async_static", 0.5) == pytest.approx(1.5)
     assert steady_step(pipeline_ctx(1, switch=0.4), "colocated", 0.5, colocated=True) == pytest.approx(1.9)
+
+
+def test_hybrid_replica_is_lent_when_training_is_the_bottleneck(tmp_path):
+    """Node 0 trains (TP8), nodes 1-2 roll out (one TP8 instance each), node 2 is the
+    hybrid pool. Training takes 3 s per DP replica's share (3 s at DP1, 1.5 s at DP2),
+    rollout 1 s: training is the bottleneck, so the pool lends node 2 (drain, fetch,
+    zero-gradient step) and the step drops from 3 s to 1.5 s."""
+    from libra_hpc.cluster.layout import Slot
+    from libra_hpc.planner.search import Plan, RolloutInstance
+    from libra_hpc.sim.policies import Planner
+
+    trajectories = [Trajectory(f"s{s}/p{i}/0", f"p{i}", s, 0, 10, (100,), ()) for s in range(14) for i in range(4)]
+    write_trace(tmp_path / "trace.jsonl", trajectories)
+    cfg = validate_sim_config({
+        "name": "hybrid", "trace": str(tmp_path / "trace.jsonl"), "cluster": {"nodes": 3, "gpus_per_node": 8},
+        "rl": {"steps": 14, "prompts_per_step": 4, "group_size": 1, "max_staleness": 1, "seq_len": 4096},
+        "costs": {"weight_sync_s": 0.0, "hybrid_fetch_s": 0.2},
+        "scheduler": {"bucket_token_limits": {8: 1 << 30}, "bucket_limits": "fixed"},
+        "planner": {"hybrid_nodes": 1, "min_rollout_gpus": 8}})
+    ctx = Context(cfg)
+    ctx.step_models = {8: ConstantStepModel(0.01)}
+    node = lambda n: tuple(Slot(n, g) for g in range(8))  # noqa: E731
+    shape = TrainShape(8, 1, 1, 1, 4, 128)
+    plan = Plan(shape, node(0), (RolloutInstance(8, node(1)), RolloutInstance(8, node(2))), 3.0, 1.0, 3.0, "async")
+    alloc = ctx.plan_allocation(plan, hybrid=True)
+    assert alloc.pool is not None and [s.replica for s in alloc.instances] == [None, 0]
+    run = PolicyRun(ctx, SETUPS["libra_no_replan"], alloc, 14, Planner(ctx, SETUPS["libra_no_replan"]),
+                    train_time=lambda s, tokens: 3.0 / s.dp)
+    rec = run.run()
+    moves = [(e["from_state"], e["to_state"]) for e in rec.events if e["kind"] == "hybrid_transition"]
+    assert moves[:4] == [("rollout", "requested"), ("requested", "fetching_state"),
+                         ("fetching_state", "zero_grad_sync"), ("zero_grad_sync", "active")]
+    assert rec.rows[0]["train_gpus"] == 8 and rec.rows[-1]["train_gpus"] == 16
+    assert rec.rows[-1]["rollout_gpus"] == 8
+    assert statistics.fmean(r["step_s"] for r in rec.rows[-4:]) == pytest.approx(1.5)
