@@ -13,11 +13,11 @@ instances while the last one's long tail finishes. Training step ``i`` starts on
 ``i`` is complete and step ``i - 1`` is done.
 
 Planned policies, after each batch completes:
-- the replanning gate may look at a new plan (pressure: the rollout period per batch,
-  makespan / (k + 1), over the training time). An applied plan drains rollout (no new
-  batch until the in-flight ones finish), then the new instances start and the next
-  training step waits ``reconfig_s``;
-- the hybrid pool decides on the last training time against the rollout period. A borrowed
+- the replanning gate may look at a new plan (pressure: the last makespan over k against
+  the training time, the ratio at which the pipeline turns from rollout- to
+  training-bound). An applied plan drains rollout (no new batch until the in-flight ones
+  finish), then the new instances start and the next training step waits ``reconfig_s``;
+- the hybrid pool decides on the last training time against the makespan over k. A borrowed
   replica's instances drain without stopping the others (libra_hpc/sim/rollout.py), fetch
   the training state (``fetch_s``), take part in the next training step with zero gradients
   and train from the one after; a released replica finishes the running training step and
@@ -221,21 +221,24 @@ class PolicyRun:
         return events + self._start_training(now) + self._try_submit(now)
 
     # ------------------------------------------------------------------ planner and hybrid pool
-    def _rollout_period(self) -> float:
-        return self.last["rollout_s"] / (self.k + 1)
+    def _rollout_side_s(self) -> float:
+        """The rollout time to weigh against the training time: the last makespan M over
+        k. In steady state a step takes max(T, (M + T) / (k + 1)), which is T exactly when
+        T >= M / k: training is the bottleneck iff T > M / k (k = 0: M, both always add up)."""
+        return self.last["rollout_s"] / max(1, self.k)
 
     def _adapt(self, step: int, now: float) -> list[Event]:
         t_train = self.last["train_s"]
         if self.pending is not None:
             return self._apply_pending(now)
-        pressure = {"rollout_train_ratio": self._rollout_period() / t_train} if t_train else {}
+        pressure = {"rollout_train_ratio": self._rollout_side_s() / t_train} if t_train else {}
         new = self.planner.consider(step, self.alloc, pressure)
         if new is not None:
             self.pending = new
             return self._apply_pending(now)
         if self.alloc.pool is None or t_train is None:
             return []
-        return self._hybrid_decide(now, t_train, self._rollout_period())
+        return self._hybrid_decide(now, t_train, self._rollout_side_s())
 
     def _apply_pending(self, now: float) -> list[Event]:
         """Apply the waiting plan once rollout has drained."""
