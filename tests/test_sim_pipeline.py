@@ -117,7 +117,7 @@ def test_hybrid_replica_is_lent_when_training_is_the_bottleneck(tmp_path):
         "planner": {"hybrid_nodes": 1, "min_rollout_gpus": 8}})
     ctx = Context(cfg)
     ctx.step_models = {8: ConstantStepModel(0.01)}
-    node = lambda n: tuple(Slot(n, g) for g in range(8))  # noqa: E731
+    node = lambda n: tuple(Slot(n, g) for g in range(8))
     shape = TrainShape(8, 1, 1, 1, 4, 128)
     plan = Plan(shape, node(0), (RolloutInstance(8, node(1)), RolloutInstance(8, node(2))), 3.0, 1.0, 3.0, "async")
     alloc = ctx.plan_allocation(plan, hybrid=True)
