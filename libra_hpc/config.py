@@ -269,11 +269,13 @@ class ToolsConfig(_Section):
     idle_timeout_s: float = Field(30.0, ge=0)
     """Seconds a unit stays idle before the pool shrinks by it. *Used by libra_hpc.tools; the runtime does not drive tool calls yet.*"""
     isolation: Literal["auto", "bwrap", "rlimit"] = "auto"
-    """`bwrap`: mount/pid/net/IPC namespaces, only /usr and the interpreter visible, private tmpfs working directory (needs bubblewrap); `rlimit`: limits, new session and a private directory only (weaker: world-readable files and the network stay reachable); `auto`: bwrap when it works here, else rlimit with a warning. *Used by libra_hpc.tools; the runtime does not drive tool calls yet.*"""
+    """`bwrap`: mount/pid/net/IPC namespaces, only /usr and the interpreter visible, private tmpfs working directory, a seccomp filter that denies new namespaces, the kernel keyring, mounts, ptrace, bpf and similar (needs bubblewrap, x86_64 or aarch64); `auto`: the same, and an error naming this option when bwrap cannot run (never a silent fallback); `rlimit`: the explicit opt-in to a weaker fallback, root only (refused otherwise): limits, a new session, the slot uid and a private host directory. Its weaknesses: world-readable host files and the network, 127.0.0.1 included (a local reward endpoint), stay reachable; the working directory is on the host's disk with no total cap (RLIMIT_FSIZE bounds each file only); no seccomp filter, so the kernel keyring and user namespaces are available; files the slot uid leaves in world-writable directories and its System V IPC objects are deleted after each call, but data written into existing world-writable files is not undone. *Used by libra_hpc.tools; the runtime does not drive tool calls yet.*"""
     python: str = ""
     """Interpreter that runs Python snippets; empty: the one running libra_hpc. *Used by libra_hpc.tools; the runtime does not drive tool calls yet.*"""
     uid_base: int = Field(200000, ge=1000)
-    """When run as root, sandbox unit i runs as uid `uid_base + i` (must belong to nobody: every process of it is killed after each call). *Used by libra_hpc.tools; the runtime does not drive tool calls yet.*"""
+    """When run as root, sandbox unit i runs as uid `uid_base + i` (must belong to nobody: every process of it is killed after each call; a uid in the password database is refused). *Used by libra_hpc.tools; the runtime does not drive tool calls yet.*"""
+    lock_dir: str = "/run/libra_sandbox"
+    """Directory of the per-slot-uid lock files (`uid-<uid>.lock`, an exclusive flock held while a Sandbox uses the uid), so two sandboxes, in any processes of the host, never share a slot uid. *Used by libra_hpc.tools; the runtime does not drive tool calls yet.*"""
     cpu_time_s: int = Field(10, ge=1)
     """CPU-time limit of one call (RLIMIT_CPU), in seconds. *Used by libra_hpc.tools; the runtime does not drive tool calls yet.*"""
     memory_mb: int = Field(512, ge=16)
@@ -287,7 +289,7 @@ class ToolsConfig(_Section):
     call_memory_mb: int = Field(1024, ge=0)
     """Memory of all processes of one call together (tmpfs pages included), in MiB, through a cgroup per call when the host allows one (root, writable memory and pids controllers); the kernel's OOM killer then acts inside the call. 0: no cgroup (a call may then take memory_mb × max_processes). *Used by libra_hpc.tools; the runtime does not drive tool calls yet.*"""
     workdir_mb: int = Field(64, ge=1)
-    """Size of the private tmpfs working directory (bwrap isolation), in MiB. *Used by libra_hpc.tools; the runtime does not drive tool calls yet.*"""
+    """Size of the private tmpfs working directory /tmp (bwrap isolation), in MiB; /dev/shm is a second tmpfs of the same size, so a call may hold up to twice this in tmpfs pages (memory, counted in call_memory_mb when a cgroup exists). The number of inodes is not capped (bwrap has no tmpfs option for it); each costs kernel memory, also charged to the call's cgroup. *Used by libra_hpc.tools; the runtime does not drive tool calls yet.*"""
     output_limit_bytes: int = Field(65536, ge=1)
     """stdout + stderr kept per call; a call printing more is killed and reported as a truncated failure. *Used by libra_hpc.tools; the runtime does not drive tool calls yet.*"""
     policy: Literal["tangram", "dedicated"] = "tangram"
