@@ -23,6 +23,7 @@ import random
 import time
 
 from libra_hpc.sim.config import load_sim_config
+from libra_hpc.sim.context import Context, critical_path_s
 from libra_hpc.sim.report import ratios, table, write_outputs
 from libra_hpc.sim.run import run_scenario
 
@@ -56,25 +57,10 @@ def engine_bench(live: int, n: int = 200_000) -> dict:
 
 
 def critical_path(cfg) -> dict:
-    """Per sample batch: the longest serial time of one trajectory alone on the fastest
-    instance (prefill + decode at batch 1 + tools), s."""
-    from libra_hpc.sim.context import Context
+    """Per sample batch: the floor of its rollout makespan (libra_hpc.sim.context.critical_path_s), s."""
     ctx = Context(cfg)
-    model = ctx.step_models[max(ctx.step_models)]
-    out = {}
-    for step in (0, cfg.rl.steps // 2, cfg.rl.steps - 1):
-        worst = 0.0
-        for t in ctx.batch(step):
-            context, total = t.prompt_tokens, model.prefill_s(t.prompt_tokens)
-            for i, tokens in enumerate(t.turns):
-                total += tokens * model.step_s(1, context + tokens / 2)
-                context += tokens
-                if i < len(t.calls):
-                    total += t.calls[i].latency_s + model.prefill_s(t.calls[i].output_tokens)
-                    context += t.calls[i].output_tokens
-            worst = max(worst, total)
-        out[step] = round(worst, 1)
-    return out
+    return {step: round(critical_path_s(ctx, ctx.batch(step)), 1)
+            for step in (0, cfg.rl.steps // 2, cfg.rl.steps - 1)}
 
 
 def main() -> None:

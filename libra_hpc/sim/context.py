@@ -150,3 +150,21 @@ def length_profile(trajectories: list[Trajectory], batch_size: int) -> LengthPro
     samples = [LengthSample(t.prompt_tokens + sum(c.output_tokens for c in t.calls), t.gen_tokens, len(t.turns),
                             t.tool_time_s) for t in trajectories]  # tool outputs are prefilled, not decoded
     return LengthProfile.from_samples(samples, batch_size)
+
+
+def critical_path_s(ctx: Context, trajectories: list[Trajectory]) -> float:
+    """Floor of a batch's rollout makespan, s: the longest serial time of one trajectory
+    alone on the fastest instance shape (prefill, decode at batch 1, tool calls). No policy
+    finishes the batch sooner."""
+    model = ctx.step_models[max(ctx.step_models)]
+    worst = 0.0
+    for t in trajectories:
+        context, total = t.prompt_tokens, model.prefill_s(t.prompt_tokens)
+        for i, tokens in enumerate(t.turns):
+            total += tokens * model.step_s(1, context + tokens / 2)
+            context += tokens
+            if i < len(t.calls):
+                total += t.calls[i].latency_s + model.prefill_s(t.calls[i].output_tokens)
+                context += t.calls[i].output_tokens
+        worst = max(worst, total)
+    return worst

@@ -7,11 +7,12 @@ import time
 from dataclasses import dataclass, field
 
 from libra_hpc.sim.config import SimConfig
-from libra_hpc.sim.context import Context
+from libra_hpc.sim.context import Context, critical_path_s
 from libra_hpc.sim.controller import PolicyRun
 from libra_hpc.sim.policies import SETUPS, Planner
 from libra_hpc.sim.recorder import Recorder
 from libra_hpc.sim.search import search_async_static, search_colocated
+from libra_hpc.sim.workload import summary
 
 log = logging.getLogger(__name__)
 
@@ -57,8 +58,9 @@ def run_scenario(cfg: SimConfig, policies: list[str] | None = None) -> ScenarioR
     t0 = time.perf_counter()
     ctx = Context(cfg)
     result = ScenarioResult(cfg, {})
-    from libra_hpc.sim.workload import summary
-    result.workload = {"first_step": summary(ctx.batch(0)), "last_step": summary(ctx.batch(cfg.rl.steps - 1))}
+    for name, step in (("first_step", 0), ("last_step", cfg.rl.steps - 1)):
+        batch = ctx.batch(step)
+        result.workload[name] = {**summary(batch), "critical_path_s": critical_path_s(ctx, batch)}
     for name in policies or cfg.policies:
         rec, table, initial = run_policy(ctx, name)
         result.runs[name] = rec
