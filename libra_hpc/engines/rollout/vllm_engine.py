@@ -225,7 +225,10 @@ class VllmRolloutEngine:
         ``named_tensors``: the full state dict in Hugging Face names (as in the checkpoint's
         safetensors), any dtype (cast to the engine's) and, on CPU, CPU tensors. Checked
         before anything is applied: a partial or misnamed set raises ValueError and leaves
-        the engine on its old weights."""
+        the engine on its old weights. So the iterable is collected first (peak extra
+        memory: one copy of the weights, not one sync bucket): vLLM's in-place reload left
+        parameters on the meta device when its input failed midway (the engine could not be
+        used or reloaded again) and hung on the next forward when names were missing."""
         llm = self._idle("update_weights")
         items = [(name, tensor.detach()) for name, tensor in named_tensors]
         shapes = {name: tuple(tensor.shape) for name, tensor in items}
