@@ -36,8 +36,12 @@ def test_an_identical_build_is_reused_and_a_different_one_refused(tiny, tmp_path
     with pytest.raises(FileExistsError, match="seed 1"):
         build_tiny_model(tiny, seed=1)
     (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "todo.txt").write_text("mine")
     with pytest.raises(FileExistsError, match="not a tiny-model build"):
         build_tiny_model(tmp_path / "notes")
+    (tmp_path / "empty").mkdir()
+    assert (build_tiny_model(tmp_path / "empty") / "model.safetensors").read_bytes() == \
+        (tiny / "model.safetensors").read_bytes()
 
 
 def test_bad_architecture_is_refused():

@@ -151,11 +151,12 @@ def build_tiny_model(path: str | os.PathLike, *, seed: int = 0, **overrides: Any
     """Write (or reuse) the tiny checkpoint at ``path`` and return it as a Path.
 
     ``overrides`` replace keys of ``TINY_DEFAULTS`` (e.g. ``num_hidden_layers=4``); the head
-    size must stay ≥ 32 and a multiple of 16 for vLLM's CPU attention. Raises FileExistsError
-    if ``path`` holds something else (another build, or files that are not a build)."""
+    size must stay ≥ 32 and a multiple of 16 for vLLM's CPU attention. ``path`` may be
+    missing or an empty directory. Raises FileExistsError if it holds something else
+    (another build, or files that are not a build)."""
     path = Path(path)
     spec = _spec(seed, overrides)
-    if path.exists():
+    if path.exists() and not (path.is_dir() and not any(path.iterdir())):
         return _reuse(path, spec)
     path.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
@@ -167,7 +168,7 @@ def build_tiny_model(path: str | os.PathLike, *, seed: int = 0, **overrides: Any
         try:
             staging.rename(path)
             log.info("built tiny model %s (seed %d) at %s", spec["fingerprint"], seed, path)
-        except OSError:  # another process published the same path first
+        except OSError:  # another process published the same path first (rename replaces only an empty dir)
             if not path.exists():
                 raise
             return _reuse(path, spec)
