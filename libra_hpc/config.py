@@ -151,6 +151,10 @@ class TrainingConfig(_Section):
     """ε of the clipped policy-gradient surrogate: the importance ratio new/old policy of
     each token is clipped to [1-ε, 1+ε] (GRPO/PPO). *Used by the Megatron training engine; the runtime does
     not drive training yet.*"""
+    distributed_optimizer: bool = False
+    """Shard the Adam moments and fp32 main weights over the data-parallel replicas
+    (megatron's distributed optimizer): optimizer memory per GPU divided by DP, same
+    steps. *Used by the Megatron training engine; the runtime does not drive training yet.*"""
 
 
 class RolloutConfig(_Section):

@@ -285,6 +285,11 @@ def test_tp1_matches_transformers_and_tp2_and_lowers_the_loss(tiny, torch_world,
     assert dp2["dp"] == 2 and dp2["tokens"] == stats[0].tokens
     assert dp2["loss"] == pytest.approx(losses[0], abs=1e-6)
     assert dp2["grad_norm"] == pytest.approx(stats[0].grad_norm, rel=TOL)
+    # the distributed optimizer (Adam state sharded over DP) takes the same steps; its
+    # checkpoint's weights load, its Adam state is refused on CPU with what to do instead
+    assert dp2["distopt_grad_norms"] == pytest.approx(dp2["grad_norms"], rel=1e-6)
+    assert dp2["distopt_restored_vs_saved"] < TOL
+    assert "with_optimizer=False" in dp2["distopt_refusal"]
 
 
 @pytest.mark.mpi

@@ -92,7 +92,7 @@ def scenario_tp2(comm, model_dir: Path, out: Path) -> None:
     placement = engine.placement
     engine.shutdown()
     pp2 = _pp2(model_dir, out / "ckpt", tokens, after)
-    dp2 = _dp2(model_dir, tokens)
+    dp2 = _dp2(model_dir, tokens, out)
     if comm.Get_rank() == 0:
         result = {**pp2, **dp2,
             "placement": placement.__dict__,
@@ -133,18 +133,45 @@ def _pp2(model_dir: Path, ckpt: Path, tokens: torch.Tensor, trained: torch.Tenso
             "pp2_export_vs_hf": (after - hf_logprobs(model_dir, tokens, joined)).abs().max().item()}
 
 
-def _dp2(model_dir: Path, tokens: torch.Tensor) -> dict:
-    """DP=2: each rank steps on half the batch; the step must be the full batch's."""
+def _dp2(model_dir: Path, tokens: torch.Tensor, out: Path) -> dict:
+    """DP=2: each rank steps on half the batch; the step must be the full batch's. Then the
+    same with megatron's distributed optimizer (Adam state sharded over DP): two steps
+    with a checkpoint between them, whose weights a fresh engine loads (its Adam state
+    cannot be loaded on CPU: the refusal is recorded)."""
+    from libra_hpc.engines.train.checkpoint import load_checkpoint, save_checkpoint
     from libra_hpc.engines.train.engine import MegatronTrainEngine
     from libra_hpc.engines.train.loss import PolicyBatch
 
-    engine = MegatronTrainEngine(model_dir, tp=1, pp=1, lr=LR, micro_batch_size=1)
-    _, mask, advantages = fixed_batch(engine.shape.vocab_size)
-    half = slice(2 * engine.placement.dp_rank, 2 * engine.placement.dp_rank + 2)
-    stats = engine.train_step(PolicyBatch(tokens[half], mask[half], advantages[half]))
-    dp = engine.placement.dp
-    engine.shutdown()
-    return {"dp2": {"dp": dp, "loss": stats.loss, "grad_norm": stats.grad_norm, "tokens": stats.tokens}}
+    def engine(distributed: bool) -> MegatronTrainEngine:
+        return MegatronTrainEngine(model_dir, tp=1, pp=1, lr=LR, micro_batch_size=1,
+                                   distributed_optimizer=distributed)
+
+    plain = engine(False)
+    _, mask, advantages = fixed_batch(plain.shape.vocab_size)
+    half = slice(2 * plain.placement.dp_rank, 2 * plain.placement.dp_rank + 2)
+    batch = PolicyBatch(tokens[half], mask[half], advantages[half])
+    stats = [plain.train_step(batch) for _ in range(2)]
+    dp = plain.placement.dp
+    plain.shutdown()
+    sharded = engine(True)
+    sharded_stats = [sharded.train_step(batch)]
+    saved = sharded.logprobs(tokens)
+    save_checkpoint(sharded, out / "ckpt-distopt")
+    sharded_stats.append(sharded.train_step(batch))
+    sharded.shutdown()
+    resumed = engine(True)
+    try:
+        load_checkpoint(resumed, out / "ckpt-distopt")
+        refusal = None
+    except NotImplementedError as exc:
+        refusal = str(exc)
+    load_checkpoint(resumed, out / "ckpt-distopt", with_optimizer=False)
+    restored = resumed.logprobs(tokens)
+    resumed.shutdown()
+    return {"dp2": {"dp": dp, "loss": stats[0].loss, "grad_norm": stats[0].grad_norm, "tokens": stats[0].tokens,
+                    "grad_norms": [s.grad_norm for s in stats],
+                    "distopt_grad_norms": [s.grad_norm for s in sharded_stats],
+                    "distopt_refusal": refusal, "distopt_restored_vs_saved": (restored - saved).abs().max().item()}}
 
 
 def _wait(comm) -> None:

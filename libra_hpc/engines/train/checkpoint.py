@@ -25,8 +25,26 @@ def _state(engine: MegatronTrainEngine, *, with_optimizer: bool, loading: bool) 
     model_state = engine.model.module.sharded_state_dict()
     state = {"model": model_state, "steps": engine.steps}
     if with_optimizer:
-        state["optimizer"] = engine.optimizer.sharded_state_dict(model_state, is_loading=loading)
+        # the distributed optimizer's default format (fully_sharded_model_space) is refused by
+        # this megatron's own ShardedTensor checks; fully_reshardable loads at any TP/PP/DP
+        state["optimizer"] = engine.optimizer.sharded_state_dict(
+            model_state, is_loading=loading, metadata={"distrib_optim_sharding_type": "fully_reshardable"})
     return state
+
+
+def _refuse_unloadable_optimizer(engine: MegatronTrainEngine, directory: Path) -> None:
+    """Megatron 0.16.1's distributed optimizer cannot load its Adam state without Apex or
+    Transformer Engine (CPU here): a fresh one has no state to load into, and once it has
+    one the torch Adam ``step`` entry breaks the copy. Say so instead of failing inside."""
+    from megatron.core.optimizer import distrib_optimizer
+
+    chained = getattr(engine.optimizer, "chained_optimizers", [engine.optimizer])
+    if not distrib_optimizer.HAVE_APEX_OR_TE and any(
+            isinstance(o, distrib_optimizer.DistributedOptimizer) for o in chained):
+        raise NotImplementedError(
+            f"load_checkpoint({directory}): the distributed optimizer's state cannot be loaded without Apex or "
+            "Transformer Engine in megatron-core 0.16.1; load with with_optimizer=False (weights only, Adam "
+            "moments restart) or train with training.distributed_optimizer: false")
 
 
 def save_checkpoint(engine: MegatronTrainEngine, directory: str | Path, *, with_optimizer: bool = True) -> Path:
@@ -69,6 +87,8 @@ def load_checkpoint(engine: MegatronTrainEngine, directory: str | Path, *, with_
     if not (directory / "metadata.json").is_file():
         raise FileNotFoundError(f"load_checkpoint: {directory} is not a dist_checkpointing checkpoint "
                                 "(no metadata.json); give the directory save_checkpoint wrote")
+    if with_optimizer:
+        _refuse_unloadable_optimizer(engine, directory)
     with megatron_on_cpu():
         state = dist_checkpointing.load(_state(engine, with_optimizer=with_optimizer, loading=True), str(directory))
         engine.model.module.load_state_dict(state["model"])

@@ -54,18 +54,19 @@ class StepStats:
 
 
 class MegatronTrainEngine:
-    """A Megatron-Core GPTModel loaded from a Hugging Face Qwen2/Llama checkpoint.
+    """A Megatron-Core GPTModel loaded from a Hugging Face Qwen2/Qwen3/Llama checkpoint.
 
     ``model_path``: HF checkpoint directory (config.json + *.safetensors). ``tp``, ``pp``:
     tensor/pipeline parallel sizes; DP is the rest of the torch world. ``lr``: Adam
     learning rate; ``clip_grad``: max global gradient L2 norm; ``clip_eps``: the PPO ratio
     clip; ``micro_batch_size``: sequences per forward/backward on this DP replica;
     ``dtype``: parameter dtype (float32 for exact log-prob comparisons; bfloat16 keeps
-    fp32 main weights in the optimizer)."""
+    fp32 main weights in the optimizer). ``distributed_optimizer``: shard the Adam state
+    and fp32 main weights over the DP replicas (megatron's distributed optimizer, ZeRO-1)."""
 
     def __init__(self, model_path: str | Path, *, tp: int = 1, pp: int = 1, lr: float = 1e-5,
                  clip_grad: float = 1.0, weight_decay: float = 0.0, clip_eps: float = 0.2, micro_batch_size: int = 1,
-                 seed: int = 0, dtype: torch.dtype = torch.float32):
+                 seed: int = 0, dtype: torch.dtype = torch.float32, distributed_optimizer: bool = False):
         self.model_path = Path(model_path)
         config_file = self.model_path / "config.json"
         if not config_file.is_file():
@@ -85,17 +86,20 @@ class MegatronTrainEngine:
                               post_process=self.placement.last_stage).to(self.device)
             self._load_hf(model)
             self.model, self.optimizer = _wrap(model, self.config, lr=lr, clip_grad=clip_grad,
-                                               weight_decay=weight_decay, dtype=dtype)
+                                               weight_decay=weight_decay, dtype=dtype,
+                                               distributed=distributed_optimizer)
         log.info("megatron engine ready: %s, tp=%d pp=%d dp=%d, %s", self.model_path.name, tp, pp,
                  self.placement.dp, self.device)
 
     @classmethod
     def from_config(cls, model_path: str | Path, model_cfg, training_cfg, *, seed: int = 0) -> MegatronTrainEngine:
         """The engine the experiment YAML describes: ``model.dtype``; ``training.tensor_parallel``,
-        ``pipeline_parallel``, ``micro_batch_size``, ``lr``, ``grad_clip``, ``ppo_clip``."""
+        ``pipeline_parallel``, ``micro_batch_size``, ``lr``, ``grad_clip``, ``ppo_clip``,
+        ``distributed_optimizer``."""
         return cls(model_path, tp=training_cfg.tensor_parallel, pp=training_cfg.pipeline_parallel,
                    lr=training_cfg.lr, clip_grad=training_cfg.grad_clip, clip_eps=training_cfg.ppo_clip,
-                   micro_batch_size=training_cfg.micro_batch_size, seed=seed, dtype=getattr(torch, model_cfg.dtype))
+                   micro_batch_size=training_cfg.micro_batch_size, seed=seed, dtype=getattr(torch, model_cfg.dtype),
+                   distributed_optimizer=training_cfg.distributed_optimizer)
 
     # ------------------------------------------------------------------ public verbs
 
@@ -266,7 +270,8 @@ class MegatronTrainEngine:
         return loss_sum, tokens, report
 
 
-def _wrap(model, config, *, lr: float, clip_grad: float, weight_decay: float, dtype: torch.dtype):
+def _wrap(model, config, *, lr: float, clip_grad: float, weight_decay: float, dtype: torch.dtype,
+          distributed: bool):
     """Megatron DDP (gradients reduced over DP into ``main_grad``) + the Megatron optimizer."""
     from megatron.core.distributed import (
         DistributedDataParallel,
@@ -276,12 +281,12 @@ def _wrap(model, config, *, lr: float, clip_grad: float, weight_decay: float, dt
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
     ddp = DistributedDataParallel(config, DistributedDataParallelConfig(
-        grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=False), model)
+        grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=distributed), model)
     config.no_sync_func = ddp.no_sync
     config.finalize_model_grads_func = finalize_model_grads
     optimizer = get_megatron_optimizer(OptimizerConfig(
         optimizer="adam", lr=lr, weight_decay=weight_decay, clip_grad=clip_grad, params_dtype=dtype,
-        bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16, use_distributed_optimizer=False,
+        bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16, use_distributed_optimizer=distributed,
         adam_beta1=0.9, adam_beta2=0.999, adam_eps=1e-8), [ddp], use_gloo_process_groups=False)
     return ddp, optimizer
 
