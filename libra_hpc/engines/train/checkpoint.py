@@ -3,8 +3,10 @@
 A checkpoint holds the model's sharded state (every tensor with its global shape and
 this rank's slice), the optimizer's state mapped onto the same global tensors, and the
 step counter. Because tensors are stored by global coordinates, a checkpoint written at
-one TP/PP/DP shape loads at another (TP=2 → TP=1 is tested). Collective over the
-training ranks; ``directory`` must be on a file system every training rank sees.
+one TP/PP/DP shape loads at another (TP=2 → TP=1 and TP=2 → PP=2 are tested). Collective
+over the training ranks; ``directory`` must be on a file system every training rank sees.
+Exception: the distributed optimizer's Adam state does not load on CPU (see
+:func:`_refuse_unloadable_optimizer`); its weights do.
 """
 
 from __future__ import annotations
