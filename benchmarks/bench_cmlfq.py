@@ -1,23 +1,32 @@
 """C-MLFQ queue service and routing: throughput, latency, cost and quality.
 
-    python benchmarks/bench_cmlfq.py [--clients 4] [--mpi-seconds 3]
+    python benchmarks/bench_cmlfq.py [--clients 4] [--repeats 2] [--client-poll-s 0]
 
 In-process (no MPI, best of 3): the routing cost of ``CmlfqRouter.place`` after tool
-returns, the learning cost of ``observe`` per finished trajectory, the QueueService loop with asks, tool returns and finishes (tree updates included), the
-rebuild of a causal index from 10,000 trajectories, and routing quality on the synthetic
-workload (bucket accuracy of cmlfq against always keeping the top level).
+returns, the learning cost of ``observe`` per finished trajectory, the QueueService loop
+with asks, tool returns and finishes (tree updates included), the rebuild of a causal
+index from 10,000 trajectories, and routing quality on the synthetic workload (bucket
+accuracy of cmlfq against always keeping the top level).
 
-Under MPI (the script re-launches itself with ``mpiexec -n clients+1``): rank 0 serves,
-the clients act as rollout instance leaders (one instance per bucket; each client asks
-for all instances in rotation, so that no bucket's share of the work idles a client).
-First the raw request/reply rate of an empty server (same transport, a constant reply),
-then the real service: clients loop ask → tool_return … → finish over synthetic trajectories, first one
-request per report (the headline), then with the batch op (the reports of a batch of
-turns and the next ask in one message). A decision is a tool_return answered with a
-placement; its latency is the client's round trip. A last run repeats the batched one
-with clients that sleep between probes for their reply (``QueueClient(poll_s=...)``), as
-on a host with more ranks than cores. Prints a table; the last line is one JSON object
-with the headline figures.
+Under MPI (the script re-launches itself with ``mpiexec -n clients+1``): rank 0 serves
+with :func:`~libra_hpc.scheduler.mpi_service.serve`, the clients act as rollout
+instance leaders. Each client stands for the leaders of one instance per bucket (a
+node's engines): every round it reports the turns of its last engine step and asks for
+every instance, its own first, so that no bucket's share of the work idles a client.
+Phases, interleaved and repeated (best of each, so that a neighbour's load burst cannot
+favour one side of the ratio):
+
+- raw: an empty server (same transport, a constant reply) answering one small request
+  at a time: the transport's request/reply rate, the physical limit here;
+- batched (the headline): a round is one message with the batch op, as the client
+  library is meant to be used by an engine that finishes many turns per step;
+- single (once): one request per report and per ask.
+
+A decision is a tool_return answered with a placement; its latency is the client's
+round trip. Clients wait for replies as ``--client-poll-s`` says (0: probe and yield
+the core, the default on a host with more ranks than cores). The server's CPU time per
+decision and its share of a core are reported too. Prints a table; the last line is one
+JSON object with the headline figures.
 """
 
 from __future__ import annotations
