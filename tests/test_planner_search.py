@@ -145,3 +145,16 @@ def test_layout_hybrid_nodes_hold_rollout_only():
     assert layout.hybrid and all(g.role == "rollout" for g in layout.groups if g.hybrid)
     with pytest.raises(LayoutError, match="hybrid_nodes"):
         plan_to_layout(p, 6, 8, hybrid_nodes=6)
+
+
+def test_reprice_prices_the_current_plan_on_the_candidates_batch():
+    from dataclasses import replace
+
+    from libra_hpc.planner.search import reprice
+    current = plan(Q14, A800, 6, 8, LP, BATCH).plan
+    assert reprice(current, Q14, A800, 8, LP, batch=BATCH).objective == pytest.approx(current.objective)
+    longer = RLBatch(BATCH.global_batch, 2 * BATCH.seq_len)
+    same_plan_longer = reprice(current, Q14, A800, 8, LP, batch=longer)
+    expected = TrainingCost(Q14, A800, replace(current.train, seq_len=longer.seq_len)).step_s
+    assert same_plan_longer.t_train == pytest.approx(expected) and same_plan_longer.t_train > current.t_train
+    assert reprice(current, Q14, A800, 8, LP).t_train == pytest.approx(current.t_train)  # no batch: its own

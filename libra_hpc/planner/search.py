@@ -464,11 +464,14 @@ def plan(model: ModelProfile, hardware: HardwareProfile, nodes: int, gpus_per_no
 
 
 def reprice(p: Plan, model: ModelProfile, hardware: HardwareProfile, gpus_per_node: int, lengths: LengthProfile,
-            calibration: Calibration = DEFAULT) -> Plan:
+            calibration: Calibration = DEFAULT, batch: RLBatch | None = None) -> Plan:
     """``p`` with its times predicted again on new observations (``lengths``), for the
-    replanning gate to compare the current plan with a fresh candidate."""
+    replanning gate to compare the current plan with a fresh candidate. ``batch``: the
+    RL batch the candidate was searched for (its sequence length follows the
+    observations); give it so that both are priced on the same batch, else ``p``'s own."""
     hw = hardware.model_copy(update={"gpus_per_node": gpus_per_node})
-    tt = TrainingCost(model, hw, p.train, calibration).step_s
+    shape = p.train if batch is None else replace(p.train, global_batch=batch.global_batch, seq_len=batch.seq_len)
+    tt = TrainingCost(model, hw, shape, calibration).step_s
     pools = [(RolloutCost(model, hw, tp, calibration), n) for tp, n in p.rollout_counts.items()]
     tr = rollout_makespan(pools, lengths).makespan_s
     return replace(p, t_train=tt, t_rollout=tr, objective=objective(tt, tr, p.mode))

@@ -173,7 +173,8 @@ class Planner:
             log.warning("replan at step %d found no plan: %s", step, exc)
             return None
         c = self.ctx.cfg.cluster
-        now_plan = reprice(current.plan, self.ctx.model, self.ctx.hw, c.gpus_per_node, lengths, self.ctx.cal)
+        now_plan = reprice(current.plan, self.ctx.model, self.ctx.hw, c.gpus_per_node, lengths, self.ctx.cal,
+                           RLBatch(self.global_batch, math.ceil(lengths.mean_seq_tokens)))  # as _plan's
         now_plan = replace(now_plan, objective=self.step_objective(now_plan.t_train, now_plan.t_rollout))
         decision = self.gate.consider(step, now_plan.objective, candidate, self.ctx.cfg.costs.reconfig_s, pressure,
                                       current=current.plan)
