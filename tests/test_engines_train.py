@@ -144,6 +144,29 @@ def test_shims_rewrite_cuda_only_inside_their_scope():
     assert torch.cuda.current_device is current and torch.zeros(1).type() == "torch.FloatTensor"
 
 
+def test_shims_apply_in_every_thread_that_enters_them():
+    import threading
+
+    from libra_hpc.engines.train.cpu_shims import megatron_on_cpu
+
+    seen = {}
+
+    def worker():
+        with megatron_on_cpu():  # while the main thread is inside too
+            seen["inside"] = torch.zeros(1, device="cuda").device.type
+        try:
+            torch.zeros(1, device="cuda")
+            seen["outside"] = "cpu"
+        except (RuntimeError, AssertionError):
+            seen["outside"] = "refused"
+
+    with megatron_on_cpu():
+        thread = threading.Thread(target=worker)
+        thread.start()
+        thread.join()
+    assert seen == {"inside": "cpu", "outside": "refused"}
+
+
 def test_cpu_rng_tracker_forks_named_streams_and_restores_the_outer_one():
     from libra_hpc.engines.train.cpu_shims import CpuRNGStatesTracker
 

@@ -35,9 +35,9 @@ MEGATRON_VERSION = "0.16.1"
 __doc__ = (__doc__ or "").replace("|VERSION|", MEGATRON_VERSION)
 
 _lock = threading.Lock()
-_depth = 0
+_depth = 0  # live megatron_on_cpu scopes, all threads
+_thread = threading.local()  # .depth: this thread's scopes (the mode is entered at the outermost)
 _saved: dict[str, Any] = {}
-_mode: TorchFunctionMode | None = None
 
 
 class ShimVersionError(RuntimeError):
@@ -91,22 +91,15 @@ class _CpuDeviceMode(TorchFunctionMode):
         return out
 
 
-def _apply() -> None:
-    global _mode
+def _patch_cuda_calls() -> None:
     check_version()
     _saved["current_device"] = torch.cuda.current_device
     _saved["synchronize"] = torch.cuda.synchronize
     torch.cuda.current_device = lambda: 0
     torch.cuda.synchronize = lambda device=None: None
-    _mode = _CpuDeviceMode()
-    _mode.__enter__()
 
 
-def _undo() -> None:
-    global _mode
-    assert _mode is not None
-    _mode.__exit__(None, None, None)
-    _mode = None
+def _restore_cuda_calls() -> None:
     torch.cuda.current_device = _saved.pop("current_device")
     torch.cuda.synchronize = _saved.pop("synchronize")
 
@@ -115,23 +108,35 @@ def _undo() -> None:
 def megatron_on_cpu() -> Iterator[None]:
     """Run the body with the CPU shims in force (re-entrant; a no-op when CUDA exists).
 
-    The device-rewriting mode is thread-local: enter this in the thread that calls
-    megatron (autograd on CPU runs backward in the calling thread)."""
+    The ``torch.cuda`` patches are process-wide and counted across threads; the
+    device-rewriting mode is per thread (torch function modes are thread-local), so every
+    thread that calls megatron enters this itself (autograd on CPU runs backward in the
+    calling thread)."""
     global _depth
     if not needed():
         yield
         return
     with _lock:
         if _depth == 0:
-            _apply()
+            _patch_cuda_calls()
         _depth += 1
+    outermost = getattr(_thread, "depth", 0) == 0
+    _thread.depth = getattr(_thread, "depth", 0) + 1
+    mode = _CpuDeviceMode() if outermost else None
     try:
-        yield
+        if mode is not None:
+            mode.__enter__()
+        try:
+            yield
+        finally:
+            if mode is not None:
+                mode.__exit__(None, None, None)
     finally:
+        _thread.depth -= 1
         with _lock:
             _depth -= 1
             if _depth == 0:
-                _undo()
+                _restore_cuda_calls()
 
 
 class CpuRNGStatesTracker:
