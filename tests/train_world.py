@@ -4,8 +4,8 @@
 batch before and after ``STEPS`` policy-gradient steps, the step losses, and the
 exported HF weights' log-probs under plain transformers (rank 0); then a dist checkpoint
 (OUT/ckpt) that the test loads at TP=1. The same processes then re-initialise megatron as
-PP=2 (load that checkpoint, one step, per-stage export) and as DP=2 (one step on half the
-batch per rank).
+PP=2 (load that checkpoint, one step, per-stage export) and as DP=2 (half the batch per
+rank, with the plain and with the distributed optimizer, whose checkpoint is reloaded).
 
 ``sync`` (3 ranks): ranks 0-1 train at PP=2 (one stage each), rank 2 is a rollout
 instance leader. After the steps each stage holder pushes its stage's HF weights to rank
