@@ -185,7 +185,7 @@ def main() -> None:
     parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # keep the table readable (children inherit it)
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # keep the table readable (children inherit it)
     if args.worker:
         result = {"train": worker_train, "sync": worker_sync}[args.worker](args)
         if result is not None:
