@@ -396,6 +396,10 @@ def test_engine_refuses_bad_shapes_with_the_reason(tiny, torch_world):
         tokens, mask, advantages = fixed_batch(1024)
         with pytest.raises(ValueError, match="does not split into micro-batches of 3"):
             engine.train_step(PolicyBatch(tokens, mask, advantages))
+        with pytest.raises(ValueError, match="token id 1024 is outside the vocabulary of 1024"):
+            engine.logprobs(torch.full((3, 4), 1024))
+        with pytest.raises(ValueError, match="max_position_embeddings=2048"):
+            engine.logprobs(torch.zeros(3, 2050, dtype=torch.long))
     finally:
         engine.shutdown()
     with pytest.raises(FileNotFoundError, match="config.json not found"):

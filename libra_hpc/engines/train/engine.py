@@ -235,6 +235,7 @@ class MegatronTrainEngine:
     def _schedule(self, batch: PolicyBatch, *, forward_only: bool) -> list:
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
+        self._check_tokens(batch.tokens)
         rows = batch.tokens.shape[0]
         mbs = min(self.micro_batch_size, rows)
         if rows % mbs:
@@ -245,6 +246,18 @@ class MegatronTrainEngine:
             forward_step_func=self._forward_step, data_iterator=iter(micro), model=[self.model],
             num_microbatches=len(micro), seq_length=batch.tokens.shape[1] - 1, micro_batch_size=mbs,
             forward_only=forward_only, collect_non_loss_data=forward_only)
+
+    def _check_tokens(self, tokens: torch.Tensor) -> None:
+        """Refuse what would fail deep inside megatron (or silently extrapolate RoPE)."""
+        if tokens.dim() != 2 or tokens.shape[1] < 2:
+            raise ValueError(f"tokens must be [batch, seq] with seq >= 2, got shape {tuple(tokens.shape)}")
+        if tokens.shape[1] - 1 > self.shape.max_positions:
+            raise ValueError(f"sequences of {tokens.shape[1]} tokens exceed the model's max_position_embeddings="
+                             f"{self.shape.max_positions} ({self.model_path / 'config.json'})")
+        low, high = int(tokens.min()), int(tokens.max())
+        if low < 0 or high >= self.shape.vocab_size:
+            raise ValueError(f"token id {low if low < 0 else high} is outside the vocabulary of "
+                             f"{self.shape.vocab_size} ({self.model_path / 'config.json'})")
 
     def _micro(self, batch: PolicyBatch) -> dict[str, torch.Tensor]:
         tokens = batch.tokens.to(self.device, torch.long)
