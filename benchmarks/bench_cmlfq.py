@@ -32,6 +32,7 @@ JSON object with the headline figures.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import subprocess
@@ -172,7 +173,7 @@ def mpi_main(args) -> None:
         if rank == 0:
             mine = server()
         else:
-            queue = QueueClient(comm, poll_s=None if poll_s < 0 else poll_s)
+            queue = QueueClient(comm, poll_s=None if poll_s < 0 else poll_s, spin_s=args.client_spin_s)
             mine = client(queue)
             clients.Barrier()
             if rank == 1:
@@ -200,11 +201,15 @@ def mpi_main(args) -> None:
                 raw_rates.append(sum(c for c, _ in counts) / max(s for _, s in counts))
             continue
         service = full_service() if rank == 0 else None
+        if rank == 0:  # what serve() would do at its start, before the clients' clocks run
+            gc.collect()
+            gc.freeze()
         batched = mode == "batched"
         result = phase(lambda service=service: _timed_serve(comm, service, args.server_idle_sleep_s),
                        lambda queue, batched=batched: _client(queue, rotation, by_tid, batched=batched),
                        args.client_poll_s)
         if rank == 0:
+            gc.unfreeze()
             (transport, stats, cpu_s), runs = result
             assert stats["completed"] == len(work), stats
             latencies = sorted(x for r in runs for x in r["latencies"])
@@ -292,7 +297,8 @@ def run_mpi(args) -> dict:
     # `-m mpi4py`: an exception on any rank aborts the world instead of hanging it.
     command = ["mpiexec", "-n", str(args.clients + 1), sys.executable, "-m", "mpi4py", str(Path(__file__).resolve()), "--mpi-part",
                "--mpi-seconds", str(args.mpi_seconds), "--prompts", str(args.mpi_prompts), "--repeats", str(args.repeats),
-               "--client-poll-s", str(args.client_poll_s), "--client-nice", str(args.client_nice),
+               "--client-poll-s", str(args.client_poll_s), "--client-spin-s", str(args.client_spin_s),
+               "--client-nice", str(args.client_nice),
                "--server-idle-sleep-s", str(args.server_idle_sleep_s)]
     done = subprocess.run(command, capture_output=True, text=True, timeout=300, check=False)
     lines = [line for line in done.stdout.splitlines() if line.startswith("MPI_RESULT ")]
@@ -311,6 +317,8 @@ def main() -> None:
     parser.add_argument("--client-poll-s", type=float, default=0.0,
                         help="QueueClient poll_s of every client, raw phase included: 0 probes and yields the core, "
                              "> 0 sleeps between probes, < 0 waits in MPI's (spinning) blocking receive")
+    parser.add_argument("--client-spin-s", type=float, default=0.0,
+                        help="QueueClient spin_s: probe this long before sleeping --client-poll-s between probes")
     parser.add_argument("--client-nice", type=int, default=0, help="niceness the client ranks give themselves")
     parser.add_argument("--server-idle-sleep-s", type=float, default=2e-4,
                         help="serve()'s idle_sleep_s (0: the server spins while idle)")

@@ -309,3 +309,25 @@ def test_a_sample_beyond_64_bits_is_refused_not_overflowed(tmp_path):
         CausalIndex.from_json(data)
     with pytest.raises(ValueError, match="must lie between 0 and"):
         CausalIndex(window=4, min_samples=1, retain=4).observe(FinishedTrajectory("p", (OK,), (1 << 63, 0)))
+
+
+def test_rebuild_defers_sparse_prompts_without_changing_any_tree():
+    rng = random.Random(5)
+    data = [_finished(f"p{rng.randrange(60)}", f.states, f.remaining_after) for f in random_trajectories(300, seed=5)]
+    lazy = CausalIndex(window=8, min_samples=3, retain=120)  # defers prompts with < 3 retained
+    eager = CausalIndex(window=8, min_samples=1, retain=120)  # defers nothing
+    for index in (lazy, eager):
+        for finished in data[:200]:
+            index.observe(finished)
+        index.rebuild()
+    assert lazy._deferred and not eager._deferred
+    materialized = CausalIndex.from_json(json.loads(json.dumps(lazy.to_json())))  # every tree built
+    def answer(index, finished):
+        found = index.match(finished.prompt_id, finished.states)
+        return found and (found.source, found.depth, found.stats.samples)
+    assert [answer(lazy, f) for f in data] == [answer(materialized, f) for f in data]
+    for index in (lazy, eager):
+        for finished in data[200:]:  # deferred prompts that come back are replayed first
+            index.observe(finished)
+    assert lazy.to_json()["prompts"] == eager.to_json()["prompts"]  # saving replays the rest
+    assert lazy.to_json()["global"] == eager.to_json()["global"] and not lazy._deferred

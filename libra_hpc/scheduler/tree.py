@@ -252,6 +252,7 @@ class CausalIndex:
         self.prompt_trees: dict[str, CausalTree] = {}
         self.global_tree = CausalTree(window)
         self.recent: deque[FinishedTrajectory] = deque(maxlen=retain)
+        self._deferred: dict[str, list[FinishedTrajectory]] = {}  # see rebuild()
 
     def observe(self, finished: FinishedTrajectory) -> None:
         """Learn one finished trajectory in its prompt's tree and the global tree; O(depth)."""
@@ -263,7 +264,7 @@ class CausalIndex:
         keys = _keys(finished.states)
         tree = self.prompt_trees.get(finished.prompt_id)
         if tree is None:
-            tree = self.prompt_trees[finished.prompt_id] = CausalTree(self.window)
+            tree = self._prompt_tree(finished.prompt_id)
         tree._observe_keys(keys, finished.remaining_after)
         self.global_tree._observe_keys(keys, finished.remaining_after)
 
@@ -287,19 +288,43 @@ class CausalIndex:
         found = self.match(prompt_id, states)
         return (found.stats, found.source) if found else None
 
+    def _prompt_tree(self, prompt_id: str) -> CausalTree:
+        """A new tree for ``prompt_id``, holding what the last rebuild deferred for it."""
+        tree = self.prompt_trees[prompt_id] = CausalTree(self.window)
+        for finished in self._deferred.pop(prompt_id, ()):
+            tree._observe_keys(_keys(finished.states), finished.remaining_after)
+        return tree
+
     def rebuild(self) -> None:
-        """Re-create every tree from the retained window of finished trajectories only."""
+        """Re-create every tree from the retained window of finished trajectories only.
+
+        A prompt with fewer retained trajectories than ``min_samples`` gets no tree now:
+        none of its nodes could be trusted, so :meth:`match` would ignore it. Its
+        trajectories are kept aside and replayed into its tree when the prompt finishes
+        another trajectory (or when the index is saved), so every tree ends up exactly
+        as a full rebuild makes it, and the rebuild pays only for prompts that matter.
+        Most prompts of an RL run are sampled in one step and never again."""
         started = time.perf_counter()
         with _gc_paused():
-            self.prompt_trees = {}
+            self.prompt_trees, self._deferred = {}, {}
             self.global_tree = CausalTree(self.window)
+            counts: dict[str, int] = {}
             for finished in self.recent:
-                self._add(finished)
+                counts[finished.prompt_id] = counts.get(finished.prompt_id, 0) + 1
+            for finished in self.recent:
+                self.global_tree._observe_keys(_keys(finished.states), finished.remaining_after)
+                if counts[finished.prompt_id] >= self.min_samples:
+                    tree = self.prompt_trees.get(finished.prompt_id) or self._prompt_tree(finished.prompt_id)
+                    tree._observe_keys(_keys(finished.states), finished.remaining_after)
+                else:
+                    self._deferred.setdefault(finished.prompt_id, []).append(finished)
         logger.info("rebuilt causal trees of %d prompts from %d finished trajectories in %.3f s",
                     len(self.prompt_trees), len(self.recent), time.perf_counter() - started)
 
     def to_json(self) -> dict:
         """Everything needed to resume: parameters, trees and the retained trajectories."""
+        for prompt_id in list(self._deferred):
+            self._prompt_tree(prompt_id)
         return {
             "format": FORMAT, "version": VERSION, "window": self.window,
             "min_samples": self.min_samples, "retain": self.retain,
