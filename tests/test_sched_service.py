@@ -6,6 +6,7 @@ independent of the routing core; one test drives the real ``cmlfq`` router."""
 from __future__ import annotations
 
 import json
+import re
 from collections import Counter
 
 import pytest
@@ -588,3 +589,34 @@ def test_an_instance_that_dies_holding_no_lease_falls_silent_once_work_waits_for
     assert service.stats()["silent"] == [1] and service.stats()["queued"] == {"tp1": 4, "tp4": 0}
     turns = ask(service, 0, now=later)
     assert sorted(t["tid"] for t in turns) == ["t0", "t1", "t2", "t3"]
+
+
+def test_a_tool_return_classified_by_the_worker_is_taken_as_the_same_state():
+    service, router = make_service()
+    for tid in ("a", "b"):
+        service.submit(tid, "p")
+    first, second = ask(service, 0, max=2) + ask(service, 1, max=2)
+    compact = {"op": "tool_return", "lease": first["lease"], "tool": "python", "size": "S", "status": "failure",
+               "tokens": 7}
+    assert service.handle(compact, 0.0)["ok"]
+    assert service.handle(tool_return(second["lease"], output="Error: boom"), 0.0)["ok"]
+    assert router.views[-2].states == router.views[-1].states == (ToolState("python", "S", "failure"),)
+    assert router.views[-2].states[0] is router.views[-1].states[0]  # one interned state
+    assert router.views[-2].generated_tokens == 7
+
+
+@pytest.mark.parametrize(("fields", "message"), [
+    ({"size": "XXL", "status": "failure"}, r"size 'XXL' must be one of \['S', 'M', 'L'\]"),
+    ({"size": "S", "status": "crashed"}, "status 'crashed' must be one of"),
+    ({"size": "S", "status": 3}, "field 'status' must be a str"),
+    ({"size": "S"}, "field 'status' must be a str, missing"),
+    ({"size": "S", "status": "success", "tool": "a|b"}, "must not contain '|'"),
+])
+def test_a_malformed_worker_classification_is_refused_by_name(fields, message):
+    service, _ = make_service()
+    service.submit("a", "p")
+    [turn] = ask(service, 0)
+    reply = service.handle({"op": "tool_return", "lease": turn["lease"], "tool": "python", "tokens": 1, **fields}, 0.0)
+    assert reply["ok"] is False and reply["reason"] == "malformed"
+    assert re.search(message, reply["error"]), reply["error"]
+    assert service.handle(tool_return(turn["lease"]), 0.0)["ok"]  # the lease is still usable

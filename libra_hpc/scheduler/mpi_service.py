@@ -21,6 +21,7 @@ from typing import Any, Self
 from mpi4py import MPI
 
 from libra_hpc.scheduler.service import QueueService
+from libra_hpc.scheduler.types import ToolState
 
 log = logging.getLogger(__name__)
 
@@ -217,10 +218,17 @@ class QueueClient:
         """Up to ``max`` turns for ``instance`` (each with its ``lease``)."""
         return self.request({"op": "ask", "instance": instance, "max": max})["turns"]
 
-    def tool_return(self, lease: int, *, tool: str, output: str, tokens: int, exit_code: int | None = 0,
-                    timed_out: bool = False) -> dict:
+    def tool_return(self, lease: int, *, tool: str, tokens: int, output: str | None = None,
+                    exit_code: int | None = 0, timed_out: bool = False, state: ToolState | None = None) -> dict:
         """Report that the leased turn generated ``tokens`` and called ``tool``, which
-        returned ``output``; returns the placement of the next turn."""
+        returned ``output`` (the server classifies it), or whose outcome was classified
+        here as ``state`` (the output stays on this node; the sandbox's result carries
+        it); returns the placement of the next turn."""
+        if (output is None) == (state is None):
+            raise ValueError(f"tool_return(lease {lease}): give exactly one of output and state")
+        if state is not None:
+            return self.request({"op": "tool_return", "lease": lease, "tool": tool, "size": state.size,
+                                 "status": state.status, "tokens": tokens})
         return self.request({"op": "tool_return", "lease": lease, "tool": tool, "output": output,
                              "exit_code": exit_code, "timed_out": timed_out, "tokens": tokens})
 

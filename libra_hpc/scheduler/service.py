@@ -22,10 +22,12 @@ Protocol (requests and replies are plain dicts; lease ids are ints):
     the number of unfinished trajectories. Asking also renews the instance's leases.
 ``{"op": "tool_return", "lease": int, "tool": str, "output": str, "exit_code": int|None,
 "timed_out": bool, "tokens": int}`` (``exit_code`` defaults to None, a tool without a
-process; ``timed_out`` to False)
+process; ``timed_out`` to False), or, classified where the tool ran (the output stays
+there; same thresholds and markers, :class:`~libra_hpc.scheduler.state.Classifier`),
+``{"op": "tool_return", "lease": int, "tool": str, "size": str, "status": str, "tokens": int}``
     → ``{"ok": True, "tid", "bucket", "instance", "migrated", "reason"}``: the turn that
     ended in a tool call generated ``tokens`` output tokens; the tool's outcome is
-    classified into a ToolState and the next turn is placed and queued.
+    classified into a ToolState (or taken as given) and the next turn is placed and queued.
 ``{"op": "finish", "lease": int, "tokens": int}``
     → ``{"ok": True, "tid", "turns": int}``: the last turn generated ``tokens`` tokens
     and the trajectory is complete (exactly once; see :meth:`QueueService.drain_finished`).
@@ -186,6 +188,7 @@ class QueueService:
         self._router = router
         self._lease_s = float(lease_s)
         self._max_batch = int(max_batch)
+        self._fast_classify = fast
         if classify is None:
             self._classify = fast
         else:
@@ -430,14 +433,23 @@ class QueueService:
 
     def _tool_return(self, message: dict, now: float) -> dict:
         get = message.get
-        tool, output, exit_code, timed_out = get("tool"), get("output"), get("exit_code"), get("timed_out", False)
-        tokens, lid = get("tokens"), get("lease")
-        if (type(tool) is not str or type(output) is not str or (exit_code is not None and type(exit_code) is not int)
-                or type(timed_out) is not bool or type(tokens) is not int or not 0 <= tokens <= MAX_TURN_TOKENS
+        tool, output, tokens, lid = get("tool"), get("output"), get("tokens"), get("lease")
+        size = get("size") if output is None else None
+        if (type(tool) is not str or type(tokens) is not int or not 0 <= tokens <= MAX_TURN_TOKENS
                 or type(lid) is not int):  # one test on the hot path; the slow path names the field
             _check_tool_return(message)
         try:
-            state = self._classify(tool, output, exit_code, timed_out)
+            if size is not None:  # classified by the worker
+                status = get("status")
+                if type(size) is not str or type(status) is not str:
+                    _check_tool_return(message)
+                state = self._fast_classify.state(tool, size, status)
+            else:
+                exit_code, timed_out = get("exit_code"), get("timed_out", False)
+                if type(output) is not str or (exit_code is not None and type(exit_code) is not int) \
+                        or type(timed_out) is not bool:
+                    _check_tool_return(message)
+                state = self._classify(tool, output, exit_code, timed_out)
         except ValueError as exc:
             raise _Reject("malformed", f"tool_return (lease {lid}): {exc}") from None
         traj = self._claim(lid, "tool_return").traj
@@ -583,6 +595,12 @@ def _check_tool_return(message: dict) -> None:
     """Raise the refusal that names the first ill-typed field of a tool_return."""
     op = "tool_return"
     _str(message, "tool", op)
+    _int(message, "tokens", op, minimum=0, maximum=MAX_TURN_TOKENS)
+    _int(message, "lease", op)
+    if "output" not in message and "size" in message:
+        _str(message, "size", op)
+        _str(message, "status", op)
+        raise AssertionError(f"tool_return fields judged ill-typed, then passed every check: {message!r}")
     _str(message, "output", op)
     exit_code = message.get("exit_code")
     if exit_code is not None and (type(exit_code) is not int):
@@ -590,8 +608,6 @@ def _check_tool_return(message: dict) -> None:
     timed_out = message.get("timed_out", False)
     if type(timed_out) is not bool:
         raise _Reject("malformed", f"{op}: field 'timed_out' must be a bool, got {timed_out!r}")
-    _int(message, "tokens", op, minimum=0, maximum=MAX_TURN_TOKENS)
-    _int(message, "lease", op)
     raise AssertionError(f"tool_return fields judged ill-typed, then passed every check: {message!r}")
 
 

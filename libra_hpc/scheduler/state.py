@@ -20,6 +20,8 @@ from functools import lru_cache
 
 from libra_hpc.scheduler.types import Status, ToolState
 
+STATUSES: tuple[Status, ...] = ("success", "failure", "timeout")
+
 SIZE_CLASS_NAMES: dict[int, tuple[str, ...]] = {
     1: ("M",),
     2: ("S", "L"),
@@ -109,10 +111,11 @@ class Classifier:
     when it holds :attr:`MAX_STATES` states (tool names come from the workers)."""
 
     MAX_STATES = 4096
-    __slots__ = ("_markers", "_names", "_states", "_thresholds")
+    __slots__ = ("_index", "_markers", "_names", "_states", "_thresholds")
 
     def __init__(self, size_thresholds: Sequence[int], error_markers: Sequence[str]):
         self._names = size_class_names(size_thresholds)
+        self._index = {name: i for i, name in enumerate(self._names)}
         self._thresholds = tuple(size_thresholds)
         self._markers = tuple(marker for marker in error_markers if marker)
         self._states: dict[tuple[str, int, str], ToolState] = {}
@@ -136,4 +139,21 @@ class Classifier:
             if len(self._states) >= self.MAX_STATES:
                 self._states.clear()
             state = self._states[(tool, size, status)] = ToolState(tool, self._names[size], status)
+        return state
+
+    def state(self, tool: str, size: str, status: str) -> ToolState:
+        """The ToolState a worker classified itself (with the same thresholds and
+        markers): ``size`` must be one of this classifier's size class names, ``status``
+        one of success/failure/timeout. ValueError names what is wrong."""
+        index = self._index.get(size)
+        if index is None:
+            raise ValueError(f"size {size!r} must be one of {list(self._names)} (the configured size classes)")
+        if status not in STATUSES:
+            raise ValueError(f"status {status!r} must be one of {list(STATUSES)}")
+        state = self._states.get((tool, index, status))
+        if state is None:
+            _check_tool(tool)
+            if len(self._states) >= self.MAX_STATES:
+                self._states.clear()
+            state = self._states[(tool, index, status)] = ToolState(tool, size, status)
         return state
