@@ -8,7 +8,7 @@ every policy of the scenario file, prints the comparison table and the critical-
 of the batches (the serial time of the longest trajectory alone on the fastest instance
 shape: no policy's rollout can beat it), and writes the report folder. The last line is one
 JSON object: libra_vs_colocated, libra_vs_async_static, libra_vs_oracle (throughput
-ratios), sim_wall_s (wall time of the whole comparison), and per policy tokens/s and
+ratios; the oracle is the better of ``oracle`` and ``oracle_best``, named by oracle_used), sim_wall_s (wall time of the whole comparison), and per policy tokens/s and
 sim wall seconds.
 """
 
@@ -91,7 +91,7 @@ def main() -> None:
     print(f"critical-path floor of one batch's rollout (s) at steps {list(floor)}: {list(floor.values())}")
     print(f"report: {args.out}/report.md")
     r = ratios(result)
-    print(json.dumps({**{k: (round(v, 3) if v is not None else None) for k, v in r.items()},
+    print(json.dumps({**{k: (round(v, 3) if isinstance(v, float) else v) for k, v in r.items()},
                       "sim_wall_s": round(wall, 1), "steps": cfg.rl.steps, "critical_path_s": floor,
                       "policies": {n: {"tokens_per_s": round(rec.summary["tokens_per_s"], 1),
                                        "wall_s": round(rec.summary["wall_s"], 1)} for n, rec in result.runs.items()}}))

@@ -56,8 +56,12 @@ def test_one_instance_batch_makespan_with_limited_seats():
 
 def test_share_limits_follow_gpu_shares_of_the_token_mass():
     layout = (InstanceSpec(1, 1), InstanceSpec(2, 1), InstanceSpec(3, 2))  # TP1: 2 GPUs, TP2: 2 GPUs
-    # mass 1+2+3+4 = 10; TP1 holds half the GPUs: the limit is where the mass reaches 5 (at 3).
-    assert share_limits(layout, [4, 1, 3, 2]) == {1: 3, 2: 1 << 30}
+    # First turns (1+1+1) run on the top level. Later turns, as (remaining, tokens decoded):
+    # (6, 4), (2, 2) | (3, 3) | (9, 9): sorted by remaining, the top level's mass reaches
+    # half of 21 (TP1 holds half the GPUs) at remaining 6 -> 3 + 2 + 3 + 4 = 12.
+    assert share_limits(layout, [(1, 4, 2), (1, 3), (1, 9)]) == {1: 6, 2: 1 << 30}
+    # First turns already fill the top level's share: only the shortest remaining joins it.
+    assert share_limits(layout, [(100, 1), (1, 2), (1, 3)]) == {1: 1, 2: 1 << 30}
 
 
 @pytest.fixture

@@ -52,7 +52,7 @@ def test_outputs(small, tmp_path):
     text = report.read_text()
     assert "| libra |" in text and "## Assumptions" in text and "libra_vs_colocated" in text
     summary = json.loads((tmp_path / "summary.json").read_text())
-    assert set(summary["ratios"]) == {"libra_vs_colocated", "libra_vs_async_static", "libra_vs_oracle"}
+    assert set(summary["ratios"]) == {"libra_vs_colocated", "libra_vs_async_static", "libra_vs_oracle", "oracle_used"}
     assert len((tmp_path / "metrics-libra.jsonl").read_text().splitlines()) == 6
     for png in ("allocation.png", "throughput.png", "step_cdf.png"):
         assert (tmp_path / png).stat().st_size > 1000

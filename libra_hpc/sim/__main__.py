@@ -47,7 +47,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     report = write_outputs(result, args.out or f"logs/sim-{cfg.name}", plots=not args.no_plots)
     print("\n".join(table(result)))
-    print(", ".join(f"{k} = {v:.2f}" for k, v in ratios(result).items() if v is not None))
+    print(", ".join(f"{k} = {v:.2f}" if isinstance(v, float) else f"{k} = {v}" for k, v in ratios(result).items()
+                    if v is not None))
     print(f"report: {report}")
     return 0
 

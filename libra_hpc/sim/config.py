@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from libra_hpc.config import LengthPrior, describe_error, parse_yaml
 
 POLICIES = ("colocated", "async_static", "libra", "libra_no_replan", "libra_no_hybrid", "homogeneous_least_load",
-            "length_aware", "oracle")
+            "length_aware", "oracle", "oracle_best")
 """Registered policy names (libra_hpc/sim/policies.py)."""
 
 
@@ -186,10 +186,11 @@ class SchedulerSpec(_Section):
     """Rollout TP → most remaining output tokens routed to that bucket (MLFQ levels); its
     keys are also the rollout TP sizes the simulator may use."""
     bucket_limits: Literal["fixed", "share"] = "share"
-    """``fixed``: the limits above. ``share``: after each batch the limits follow the
-    layout: bucket ``i`` (ascending TP) takes the trajectories up to the length at which the
-    generated-token mass of the recent window reaches the cumulative GPU share of buckets
-    ``0..i`` (so a plan with no TP1 instances has no idle large-TP bucket waiting for
+    """``fixed``: the limits above. ``share``: when nothing is in flight the limits follow
+    the layout, on the quantity C-MLFQ compares (remaining output tokens after a tool
+    return): bucket ``i`` (ascending TP) takes the turns whose remaining tokens are up to the
+    length at which the tokens they decode (plus every first turn, which starts on the top
+    level) reach the cumulative GPU share of buckets ``0..i`` in the recent window (so a plan with no TP1 instances has no idle large-TP bucket waiting for
     trajectories the fixed limits would never send there)."""
     size_thresholds: list[int] = Field(default_factory=lambda: [256, 4096])
     """Tool output characters that separate the S/M/L size classes."""
@@ -202,8 +203,11 @@ class SchedulerSpec(_Section):
     predictor_noise: float = Field(0.5, ge=0)
     """``length_aware`` ablation: sigma of the log-normal error of its length predictor."""
     saturation: float = Field(1.0, gt=0)
-    """An instance counts as saturated for routing when its leased turns reach this
-    fraction of its seats (times the mean turn length)."""
+    """An instance counts as saturated for routing (the router sends the turn to a
+    neighbouring bucket) when its leased turns reach this multiple of its *decode knee*:
+    the smallest batch whose step takes twice a lone sequence's step at the mean KV need
+    of a turn (at most the seats the KV capacity allows); in tokens, times the mean turn
+    length. 1.0: saturated once each sequence decodes at half its lone speed."""
 
 
 class PlannerSpec(_Section):
@@ -255,7 +259,7 @@ class SimConfig(_Section):
     search: SearchSpec = SearchSpec()
     policies: list[Literal[POLICIES]] = Field(default_factory=lambda: list(POLICIES), min_length=1)  # type: ignore[valid-type]
     """Policies to compare (``colocated``, ``async_static``, ``libra``, ``libra_no_replan``,
-    ``libra_no_hybrid``, ``homogeneous_least_load``, ``length_aware``, ``oracle``)."""
+    ``libra_no_hybrid``, ``homogeneous_least_load``, ``length_aware``, ``oracle``, ``oracle_best``)."""
 
     @model_validator(mode="after")
     def _check(self) -> SimConfig:

@@ -100,7 +100,7 @@ class PolicyRun:
         self.last = {"rollout_s": None, "train_s": None}
         self.fetching: set[int] = set()
         self.sample_period = 5.0
-        self.recent: deque[int] = deque(maxlen=self.cfg.planner.window)  # generated tokens of finished trajectories
+        self.recent: deque[tuple[int, ...]] = deque(maxlen=self.cfg.planner.window)  # per-turn tokens of finished ones
 
     # ------------------------------------------------------------------ run
     def run(self) -> Recorder:
@@ -113,7 +113,9 @@ class PolicyRun:
         if len(self.train_done) != self.steps:
             raise RuntimeError(f"{self.setup.name}: simulation stalled after {len(self.train_done)} of {self.steps} "
                                f"steps (t={self.loop.now:.1f} s)")
-        self.rec.finish(max(self.train_done.values()), wallclock.perf_counter() - t0, self.loop.fired, self.rollout.counts,
+        counts = {**self.rollout.counts, "busy_gpu_s": self.rollout.busy_gpu_s(),
+                  "prefill_gpu_s": self.rollout.prefill_gpu_s()}
+        self.rec.finish(max(self.train_done.values()), wallclock.perf_counter() - t0, self.loop.fired, counts,
                         self.planner.considered if self.planner else [])
         return self.rec
 
@@ -176,7 +178,7 @@ class PolicyRun:
         self.last["rollout_s"] = duration
         self.sample_period = max(0.5, duration / 40)
         batch = self.ctx.batch(step)
-        self.recent.extend(t.gen_tokens for t in batch)
+        self.recent.extend(t.turns for t in batch)
         events: list[Event] = []
         if self.planner is not None:
             self.planner.observe(batch)

@@ -11,8 +11,9 @@ re-priced). This is exact for step-by-step batching with a step time fixed betwe
 re-pricings; the only approximation is that context growth inside one segment of at most
 ``resync_steps`` steps is priced at the segment's start.
 
-Joining costs a prefill stall: the instance computes the new tokens of every admitted
-sequence (the whole context for a first turn, a migrated turn or a turn that ran
+Joining costs a prefill stall: the instance computes, in one batched prefill, the new
+tokens of every admitted sequence (attention per sequence: the stall of k sequences joining
+together is the sum of their compute, not that of one sequence of their total length) (the whole context for a first turn, a migrated turn or a turn that ran
 elsewhere before; only the tool output otherwise, the prefix being cached) and decodes
 nothing meanwhile. Admission: at most ``seats`` sequences, and the KV tokens they reserve
 (their context plus the whole turn they will generate) fit in the KV capacity — no
@@ -46,6 +47,10 @@ class StepModel(Protocol):
     def prefill_s(self, tokens: int) -> float:
         """Seconds to prefill ``tokens`` new tokens of one sequence."""
 
+    def prefill_batch_s(self, tokens: list[int]) -> float:
+        """Seconds to prefill several sequences at once, ``tokens[i]`` new tokens each
+        (attention is per sequence: k sequences of s tokens are not one of k·s)."""
+
 
 class CostStepModel:
     """The planner's roofline cost model of one instance shape (libra_hpc.planner.costs)."""
@@ -71,6 +76,19 @@ class CostStepModel:
     def prefill_s(self, tokens: int) -> float:
         return self.cost.prefill_s(tokens) if tokens else 0.0
 
+    def prefill_batch_s(self, tokens: list[int]) -> float:
+        """One batched prefill: the cost model's components summed over the sequences
+        (matmul and attention FLOPs, all-reduce bytes), the weights read and the
+        collectives' latency paid once."""
+        parts = [self.cost.prefill_components(n) for n in tokens if n]
+        if not parts:
+            return 0.0
+        total = dict(parts[0])
+        for c in parts[1:]:
+            total["compute_s"] += c["compute_s"]
+            total["comm_s"] += c["comm_s"]
+        return self.cost.cal.time("prefill", total)
+
 
 @dataclass
 class ConstantStepModel:
@@ -85,6 +103,9 @@ class ConstantStepModel:
 
     def prefill_s(self, tokens: int) -> float:
         return tokens * self.prefill_per_token
+
+    def prefill_batch_s(self, tokens: list[int]) -> float:
+        return sum(tokens) * self.prefill_per_token
 
 
 @dataclass(eq=False)
@@ -126,6 +147,7 @@ class RolloutInstance:
         self.busy_s = 0.0  # seconds with something running or prefilling
         self.tokens = 0  # tokens generated
         self.prefilled = 0  # tokens prefilled
+        self.prefill_busy_s = 0.0  # seconds of busy_s spent prefilling
 
     @property
     def load(self) -> int:
@@ -192,7 +214,7 @@ class RolloutInstance:
         self.t_sync = max(self.t_sync, now)
 
     def _admit(self, now: float) -> None:
-        stall = 0
+        stall: list[int] = []
         cap = self.model.kv_capacity
         while self.waiting and len(self.running) < self.seats:
             run = self.waiting[0]
@@ -205,11 +227,13 @@ class RolloutInstance:
             self._seq += 1
             self.context += run.context
             self.reserved += need
-            stall += run.prefill
+            if run.prefill:
+                stall.append(run.prefill)
         if stall:
-            seconds = self.model.prefill_s(stall)
-            self.prefilled += stall
+            seconds = self.model.prefill_batch_s(stall)
+            self.prefilled += sum(stall)
             self.busy_s += seconds
+            self.prefill_busy_s += seconds
             self.t_sync = now + seconds
 
     def _replan(self, now: float) -> None:

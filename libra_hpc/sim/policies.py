@@ -16,7 +16,11 @@ the planner may do) plus how its allocation is found:
   the prior), least-load routing: no buckets to route between.
 - ``length_aware``: ``libra`` with a noisy length predictor instead of causal signals.
 - ``oracle``: ``libra`` with the true remaining lengths for routing and the next batch's
-  true lengths for planning (clairvoyant; a bound, not a system).
+  true lengths for planning (clairvoyant). It inherits Libra's plan family, bucket limits
+  and saturation, so it is not a bound on its own;
+- ``oracle_best``: true-length routing on the best searched asynchronous split (the
+  ``async_static`` allocation; homogeneous, so routing is least-load among equals). Ratios
+  against the oracle use the better of the two (libra_hpc/sim/report.py).
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ from typing import Literal
 
 from libra_hpc.planner.gate import GateOptions, ReplanGate
 from libra_hpc.planner.prior import prior_lengths
-from libra_hpc.planner.search import PlanError, PlannerOptions, RLBatch, plan, reprice
+from libra_hpc.planner.search import Plan, PlanError, PlannerOptions, RLBatch, plan, reprice
 from libra_hpc.sim.context import Allocation, Context, length_profile
 from libra_hpc.sim.workload import Trajectory
 
@@ -60,6 +64,7 @@ SETUPS: dict[str, PolicySetup] = {s.name: s for s in (
                 single_tp=True),
     PolicySetup("length_aware", "async", "length_aware", planned=True, replan=True, hybrid=True),
     PolicySetup("oracle", "async", "oracle", planned=True, replan=True, hybrid=True, clairvoyant=True),
+    PolicySetup("oracle_best", "async", "oracle", clairvoyant=True),
 )}
 
 
@@ -133,13 +138,14 @@ class Planner:
                 best = (obj, replace(r, plan=replace(r.plan, objective=obj)))
         return best[1]
 
-    def initial_lengths(self) -> list[int]:
-        """Generated lengths the first bucket limits are placed on (the prior's, or batch
-        0's for the clairvoyant planner)."""
+    def initial_lengths(self) -> list[tuple[int, ...]]:
+        """Per-turn generated tokens the first bucket limits are placed on (the prior's,
+        each trajectory cut into ``prior.turns`` equal turns; batch 0's for the
+        clairvoyant planner)."""
         if self.setup.clairvoyant:
-            return [t.gen_tokens for t in self.ctx.batch(0)]
-        prior = self._prior()
-        return [round(g) for g, c in zip(prior.gen, prior.count) for _ in range(c)]
+            return [t.turns for t in self.ctx.batch(0)]
+        prior, n = self._prior(), max(1, self.ctx.cfg.planner.prior.turns)
+        return [(max(1, round(g / n)),) * n for g, c in zip(prior.gen, prior.count) for _ in range(c)]
 
     def initial(self) -> Allocation:
         """The first allocation: from the prior (clairvoyant: from batch 0's true lengths)."""
@@ -172,6 +178,10 @@ class Planner:
         except PlanError as exc:
             log.warning("replan at step %d found no plan: %s", step, exc)
             return None
+        if same_plan(candidate.plan, current.plan):  # nothing would change: no drain, no reconfiguration
+            self.considered.append({"step": step, "kind": "replan_check", "apply": False,
+                                    "reason": "the best plan is the current one", "candidate": candidate.plan.describe()})
+            return None
         c = self.ctx.cfg.cluster
         now_plan = reprice(current.plan, self.ctx.model, self.ctx.hw, c.gpus_per_node, lengths, self.ctx.cal,
                            RLBatch(self.global_batch, math.ceil(lengths.mean_seq_tokens)))  # as _plan's
@@ -186,3 +196,10 @@ class Planner:
             return None
         return self.ctx.plan_allocation(candidate.plan, self.setup.hybrid)
 
+
+
+def same_plan(a: Plan, b: Plan) -> bool:
+    """Two plans place the same training shape on the same slots and the same rollout
+    instances (TP and slots): applying one over the other would change nothing."""
+    return (a.train == b.train and a.train_slots == b.train_slots
+            and {(i.tp, tuple(i.slots)) for i in a.rollout} == {(i.tp, tuple(i.slots)) for i in b.rollout})

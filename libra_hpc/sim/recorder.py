@@ -7,7 +7,14 @@ Per step ``j`` (recorded when training step ``j`` ends): ``t_end`` (s since the 
 batch / that step), ``rollout_busy`` (share of the rollout GPU-seconds of the batch's
 makespan during which an instance had something to decode or prefill: the long tail shows
 as a low share), ``train_busy`` (training seconds over the step interval), ``migrations``
-and ``queue_max`` (most turns waiting for an instance at a sample).
+and ``queue_max`` (most turns waiting for an instance at a sample: queued in the service
+or leased and waiting inside an instance).
+
+Summary extras: ``step_s_mean`` (simulated time / steps: with staleness the step times
+alternate, so the median alone misleads), ``prefill_share`` (prefill GPU-seconds over busy
+rollout GPU-seconds), ``prefix_hit_rate`` (turns after a tool return that ran where the
+trajectory's KV prefix was, so only the tool output was prefilled), ``steals`` (turns an
+idle instance took from a neighbouring bucket).
 """
 
 from __future__ import annotations
@@ -64,6 +71,7 @@ class Recorder:
             "policy": self.policy, "steps": len(rows), "sim_time_s": end,
             "tokens_per_s": tokens / end if end > 0 else 0.0,
             "trajectories_per_s": sum(r["trajectories"] for r in rows) / end if end > 0 else 0.0,
+            "step_s_mean": end / len(rows) if rows else 0.0,
             "step_s_median": statistics.median(steps), "step_s_p90": _rank(steps, 0.9),
             "rollout_s_mean": statistics.fmean(r["rollout_s"] for r in rows),
             "train_s_mean": statistics.fmean(r["train_s"] for r in rows),
@@ -73,6 +81,9 @@ class Recorder:
             "replans": replans,
             "hybrid_transitions": sum(1 for e in self.events if e["kind"] == "hybrid_transition"),
             "queue_max": max((r["queue_max"] for r in rows), default=0),
+            "prefill_share": counts["prefill_gpu_s"] / counts["busy_gpu_s"] if counts.get("busy_gpu_s") else 0.0,
+            "prefix_hit_rate": counts["cache_hits"] / counts["later_turns"] if counts.get("later_turns") else 0.0,
+            "steals": counts.get("steals", 0),
             "events": fired, "wall_s": wall_s,
         }
 

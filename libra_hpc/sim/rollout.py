@@ -43,6 +43,7 @@ from libra_hpc.scheduler import (
     buckets_from_instances,
     make_router,
 )
+from libra_hpc.scheduler.routers import outward_order
 from libra_hpc.sim.config import CostSpec, SchedulerSpec
 from libra_hpc.sim.engine import Event
 from libra_hpc.sim.instance import RolloutInstance, Run, StepModel
@@ -64,7 +65,7 @@ class InstanceSpec:
 
 
 class _Active:
-    __slots__ = ("batch", "context", "lease", "traj", "turn")
+    __slots__ = ("batch", "context", "lease", "ran_on", "traj", "turn")
 
     def __init__(self, traj: Trajectory, batch: int):
         self.traj = traj
@@ -72,6 +73,7 @@ class _Active:
         self.turn = 0
         self.context = traj.prompt_tokens
         self.lease = 0
+        self.ran_on: int | None = None  # instance holding its KV prefix (where its last turn ran)
 
 
 class Wake(Event):
@@ -125,24 +127,28 @@ class RolloutSide:
         self._tool_queue: dict[str, deque] = {}
         self._need_sum, self._need_n = 0.0, 0  # KV need of handed-out turns (for ask sizes)
         self.turn_tokens_mean = 512.0  # updated from finished turns; saturation thresholds use it
-        self.counts = {"migrations": 0, "turns": 0, "tool_calls": 0, "asks": 0, "fallbacks": 0}
+        self.counts = {"migrations": 0, "turns": 0, "tool_calls": 0, "asks": 0, "fallbacks": 0, "steals": 0,
+                       "cache_hits": 0, "later_turns": 0}
         self.gen_tokens = 0
         self._busy_retired = 0.0
+        self._prefill_retired = 0.0
 
     # ------------------------------------------------------------------ layout
     def configure(self, layout: list[InstanceSpec] | tuple[InstanceSpec, ...], now: float,
                   lengths: list[int] | None = None) -> None:
         """Use these instances from now on. Only between batches (nothing in flight); the
-        causal index survives. ``lengths``: generated tokens of recent finished trajectories
-        (``bucket_limits: share`` places the bucket limits on them)."""
+        causal index survives. ``lengths``: per-turn generated tokens of recent finished
+        trajectories (``bucket_limits: share`` places the bucket limits on them)."""
         if self.active:
             raise RuntimeError(f"rollout reconfigured with {len(self.active)} trajectories in flight")
         layout = tuple(layout)
         limits = self._limits(layout, lengths)
-        if layout == self.layout and self.service is not None and not _moved(self.limits, limits):
+        if (layout == self.layout and self.service is not None and not _moved(self.limits, limits)
+                and not _moved(self.saturation, self._saturation_turns(layout))):
             return
         old_router = self.router
         self._busy_retired = self.busy_gpu_s()
+        self._prefill_retired = self.prefill_gpu_s()
         self.layout, self.limits = layout, limits
         self.instances = {s.iid: RolloutInstance(s.iid, s.tp, self.models[s.tp], seats=self.costs.max_num_seqs,
                                                  resync_steps=self.costs.resync_steps) for s in layout}
@@ -165,8 +171,12 @@ class RolloutSide:
         self.mode = dict.fromkeys(self.instances, "serve")
         self.queued = {b.name: 0 for b in buckets}  # turns waiting in the service, per bucket
         self.room = {b.name: set(b.instances) for b in buckets}  # serving instances that could take a turn
+        self.idle = {b.name: set(b.instances) for b in buckets}  # serving instances with nothing running or waiting
+        self.level = {b.name: k for k, b in enumerate(self.router.buckets)}  # MLFQ level, 0 = shortest work
+        self.levels = [b.name for b in self.router.buckets]
+        self.first_of = {b.name: b.instances[0] for b in buckets}
 
-    def _limits(self, layout: tuple[InstanceSpec, ...], lengths: list[int] | None) -> dict[int, int]:
+    def _limits(self, layout: tuple[InstanceSpec, ...], lengths: list[tuple[int, ...]] | None) -> dict[int, int]:
         fixed = self.sched.bucket_token_limits
         missing = sorted({s.tp for s in layout} - set(fixed))
         if missing:
@@ -176,16 +186,33 @@ class RolloutSide:
             return dict(fixed)
         return share_limits(layout, lengths)
 
+    def _saturation_turns(self, layout: tuple[InstanceSpec, ...]) -> dict[int, int]:
+        """Turns per instance at which an instance of each TP counts as saturated for
+        routing: ``scheduler.saturation`` × the *decode knee*, the smallest batch whose
+        step takes twice the step of one sequence alone (each sequence holding the mean KV
+        need of the turns handed out so far: context + turn), capped by the seats the KV
+        capacity and ``max_num_seqs`` allow. Past the knee each added sequence slows every
+        running one (the KV reads dominate the weight read), so a turn waiting for a faster
+        idle instance elsewhere is better placed there; at ~256 turns (the seats) the
+        threshold never triggered and the largest instances sat idle."""
+        need = max(1.0, self._need_sum / self._need_n if self._need_n else 4 * self.turn_tokens_mean)
+        out = {}
+        for tp in sorted({s.tp for s in layout}):
+            model = self.models[tp]
+            seats = max(1, min(self.costs.max_num_seqs, int(model.kv_capacity // need)))
+            alone, knee = model.step_s(1, need), seats
+            for b in range(2, seats + 1):
+                if model.step_s(b, b * need) >= 2 * alone:
+                    knee = b
+                    break
+            out[tp] = max(1, round(self.sched.saturation * knee))
+        return out
+
     def _buckets(self, layout: tuple[InstanceSpec, ...], limits: dict[int, int]) -> list[BucketSpec]:
         buckets = buckets_from_instances([(s.iid, s.tp) for s in layout], limits)
-        out = []
-        for b in buckets:
-            model = self.models[b.tp]
-            need = max(1.0, self._need_sum / self._need_n if self._need_n else 4 * self.turn_tokens_mean)
-            seats = max(1, min(self.costs.max_num_seqs, int(model.kv_capacity // need)))
-            limit = max(1, int(self.sched.saturation * seats * self.turn_tokens_mean))
-            out.append(replace(b, max_outstanding_tokens=limit))
-        return out
+        self.saturation = self._saturation_turns(layout)
+        return [replace(b, max_outstanding_tokens=max(1, int(self.saturation[b.tp] * self.turn_tokens_mean)))
+                for b in buckets]
 
     def block(self, iids: list[int], now: float) -> list[int]:
         """Stop routing to ``iids`` (a hybrid replica being lent): they drain. Returns the
@@ -225,12 +252,17 @@ class RolloutSide:
         return self.queued[self.bucket_name[iid]]
 
     def _note(self, inst: RolloutInstance) -> None:
-        """Keep ``room`` (instances a poke may ask) in step with ``inst``."""
-        room = self.room[self.bucket_name[inst.iid]]
+        """Keep ``room`` (instances a poke may ask) and ``idle`` in step with ``inst``."""
+        name = self.bucket_name[inst.iid]
+        room, idle = self.room[name], self.idle[name]
         if self.mode[inst.iid] == "serve" and inst.free_seats > 0 and not inst.waiting:
             room.add(inst.iid)
         else:
             room.discard(inst.iid)
+        if self.mode[inst.iid] == "serve" and not inst.load:
+            idle.add(inst.iid)
+        else:
+            idle.discard(inst.iid)
 
     # ------------------------------------------------------------------ batches
     def submit(self, batch_id: int, trajectories: list[Trajectory], now: float) -> list[Event]:
@@ -252,15 +284,21 @@ class RolloutSide:
         self.service.maintain(now)
 
     def stats(self) -> dict:
-        """Queue depth now, sequences running, busy instances."""
+        """Turns waiting now (queued in the service, plus leased ones waiting inside an
+        instance for seats or KV), sequences running, busy instances."""
         s = self.service.stats() if self.service is not None else {"queued": {}}
         running = sum(len(i.running) for i in self.instances.values())
-        return {"queued": sum(s["queued"].values()), "running": running,
+        waiting = sum(len(i.waiting) for i in self.instances.values())
+        return {"queued": sum(s["queued"].values()) + waiting, "running": running,
                 "busy_instances": sum(1 for i in self.instances.values() if i.running)}
 
     def busy_gpu_s(self) -> float:
         """GPU-seconds instances have been busy (decoding or prefilling) since the start."""
         return self._busy_retired + sum(i.busy_s * i.tp for i in self.instances.values())
+
+    def prefill_gpu_s(self) -> float:
+        """GPU-seconds of :meth:`busy_gpu_s` spent prefilling (joining sequences)."""
+        return self._prefill_retired + sum(i.prefill_busy_s * i.tp for i in self.instances.values())
 
     # ------------------------------------------------------------------ events
     def on_wake(self, ev: Wake) -> list[Event] | None:
@@ -273,7 +311,8 @@ class RolloutSide:
         events: list[Event] = []
         for run in finished:
             self._turn_end(run, now, events)
-        self._fill(inst, now)
+        if not self._fill(inst, now) and not inst.load:
+            self._steal(inst, now)
         self._note(inst)
         self._schedule(inst, events)
         if self.mode[ev.iid] == "drain" and self._drained(ev.iid):
@@ -349,26 +388,58 @@ class RolloutSide:
             self._tool_busy[tool] -= 1
 
     def _poke(self, iid: int, now: float, events: list[Event]) -> None:
-        """A turn was queued on ``iid``: let it (or, when it is full, an idle sibling) ask."""
+        """A turn was queued on ``iid``: let it (or, when it is full, an idle sibling; when
+        the whole bucket is full, an idle instance of a neighbouring bucket) ask."""
         inst = self.instances[iid]
         if self._fill(inst, now):
             self._schedule(inst, events)
             return
-        for sibling in sorted(self.room[self.bucket_name[iid]]):
+        name = self.bucket_name[iid]
+        for sibling in sorted(self.room[name]):
             other = self.instances[sibling]
             if other is not inst and self._fill(other, now):
                 self._schedule(other, events)
                 return
+        for level in outward_order(self.level[name], len(self.levels))[1:]:
+            idle = self.idle[self.levels[level]]
+            if idle:
+                other = self.instances[min(idle)]
+                if self._steal(other, now, only=name):
+                    self._note(other)
+                    self._schedule(other, events)
+                return
 
-    def _fill(self, inst: RolloutInstance, now: float) -> int:
-        """Ask the service for as many turns as ``inst`` can take; returns how many came."""
-        if inst.waiting or inst.free_seats <= 0 or self.mode[inst.iid] == "lent" or not self._bucket_queued(inst.iid):
+    def _steal(self, inst: RolloutInstance, now: float, only: str | None = None) -> int:
+        """An idle serving instance whose own bucket has nothing queued takes queued turns of
+        a neighbouring bucket (the longer level first; ``only``: that bucket), asking as
+        that bucket's first instance. Each stolen turn counts as a migration (its KV moves
+        here). Adaptation: the live service only lets siblings of one bucket drain each
+        other's queues; the router keeps accounting the turn's load on the bucket it chose."""
+        name = self.bucket_name[inst.iid]
+        if self.mode[inst.iid] != "serve" or inst.load or self.queued[name] or len(self.levels) < 2:
+            return 0
+        for level in outward_order(self.level[name], len(self.levels))[1:]:
+            other = self.levels[level]
+            if only is not None and other != only:
+                continue
+            if self.queued[other]:
+                got = self._fill(inst, now, self.first_of[other])
+                self.counts["steals"] += got
+                self.counts["migrations"] += got
+                return got
+        return 0
+
+    def _fill(self, inst: RolloutInstance, now: float, as_iid: int | None = None) -> int:
+        """Ask the service for as many turns as ``inst`` can take; returns how many came.
+        ``as_iid``: ask as that instance (of another bucket: :meth:`_steal`)."""
+        asker = inst.iid if as_iid is None else as_iid
+        if inst.waiting or inst.free_seats <= 0 or self.mode[inst.iid] == "lent" or not self._bucket_queued(asker):
             return 0
         need = self._need_sum / self._need_n if self._need_n else 1.0
         room = inst.model.kv_capacity - inst.reserved
         want = max(1, min(inst.free_seats, int(room // max(need, 1.0))))
         self.counts["asks"] += 1
-        reply = self.service.handle({"op": "ask", "instance": inst.iid, "max": want}, now)
+        reply = self.service.handle({"op": "ask", "instance": asker, "max": want}, now)
         turns = reply["turns"]
         if not turns:
             return 0
@@ -378,7 +449,11 @@ class RolloutSide:
             a = self.active[turn["tid"]]
             a.lease = turn["lease"]
             tokens = a.traj.turns[a.turn]
-            cached = a.turn > 0 and not turn["migrated"] and turn["prev_instance"] == inst.iid
+            cached = a.turn > 0 and a.ran_on == inst.iid  # its KV prefix is here (prefix cache)
+            if a.turn > 0:
+                self.counts["later_turns"] += 1
+                self.counts["cache_hits"] += cached
+            a.ran_on = inst.iid
             prefill = a.traj.calls[a.turn - 1].output_tokens if cached else a.context
             runs.append(Run(turn["lease"], a.traj.tid, a.context, tokens, prefill, payload=a))
             self._need_sum += a.context + tokens
@@ -401,19 +476,26 @@ def _moved(old: dict[int, int], new: dict[int, int], factor: float = 1.5) -> boo
     return any(max(a, b) > factor * min(a, b) for a, b in ((old[k], new[k]) for k in old))
 
 
-def share_limits(layout: tuple[InstanceSpec, ...], lengths: list[int]) -> dict[int, int]:
-    """Bucket token limits from the layout's GPU shares (``bucket_limits: share``): TP
-    sizes ascending, bucket ``i``'s limit is the smallest length at which the generated
-    tokens of ``lengths`` up to it reach the GPU share of buckets ``0..i``; the last
-    bucket is unbounded. Limits are strictly increasing."""
+def share_limits(layout: tuple[InstanceSpec, ...], trajectories: list[tuple[int, ...]]) -> dict[int, int]:
+    """Bucket token limits from the layout's GPU shares (``bucket_limits: share``), on the
+    quantity C-MLFQ compares: the *remaining* output tokens after a tool return.
+
+    ``trajectories``: per-turn generated tokens of recent finished trajectories. Every turn
+    ``d >= 1`` is a sample (remaining tokens ``sum(turns[d:])``, weight ``turns[d]``: the
+    tokens it decodes on the level its remaining length maps to); first turns always run on
+    the top level and count there. TP sizes ascending, bucket ``i``'s limit is the smallest
+    remaining length at which the decoded tokens routed to buckets ``0..i`` reach their
+    cumulative GPU share; the last bucket is unbounded. Limits are strictly increasing."""
     gpus: dict[int, int] = {}
     for s in layout:
         gpus[s.tp] = gpus.get(s.tp, 0) + s.tp
     total_gpus = sum(gpus.values())
-    ordered = sorted(lengths)
-    mass, acc, cum = sum(ordered), 0, []
-    for x in ordered:
-        acc += x
+    first = sum(t[0] for t in trajectories if t)
+    samples = sorted((sum(t[d:]), t[d]) for t in trajectories for d in range(1, len(t)))
+    mass = first + sum(w for _, w in samples)
+    cum, acc = [], first
+    for _, w in samples:
+        acc += w
         cum.append(acc)
     out, share, prev = {}, 0, 0
     tps = sorted(gpus)
@@ -423,7 +505,7 @@ def share_limits(layout: tuple[InstanceSpec, ...], lengths: list[int]) -> dict[i
             out[tp] = 1 << 30
             break
         target = mass * share / total_gpus
-        i = min(bisect_left(cum, target), len(ordered) - 1)
-        out[tp] = max(ordered[i], prev + 1)
+        limit = samples[min(bisect_left(cum, target), len(samples) - 1)][0] if samples else prev + 1
+        out[tp] = max(limit, prev + 1)
         prev = out[tp]
     return out

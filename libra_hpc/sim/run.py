@@ -33,15 +33,20 @@ class ScenarioResult:
         return self.runs[a].summary["tokens_per_s"] / self.runs[b].summary["tokens_per_s"]
 
 
-def run_policy(ctx: Context, name: str, steps: int | None = None) -> tuple[Recorder, list[dict], str]:
-    """One policy: its starting allocation (search or planner), then the run."""
+def run_policy(ctx: Context, name: str, steps: int | None = None,
+               searched: dict | None = None) -> tuple[Recorder, list[dict], str]:
+    """One policy: its starting allocation (search or planner), then the run. ``searched``
+    memoises the asynchronous search (``async_static`` and ``oracle_best`` share it)."""
     setup = SETUPS[name]
     steps = steps or ctx.cfg.rl.steps
     planner, table = None, []
+    searched = {} if searched is None else searched
     if name == "colocated":
         alloc, table = search_colocated(ctx)
-    elif name == "async_static":
-        alloc, table = search_async_static(ctx)
+    elif name in ("async_static", "oracle_best"):
+        if "async" not in searched:
+            searched["async"] = search_async_static(ctx)
+        alloc, table = searched["async"]
     else:
         planner = Planner(ctx, setup)
         alloc = planner.initial()
@@ -61,8 +66,9 @@ def run_scenario(cfg: SimConfig, policies: list[str] | None = None) -> ScenarioR
     for name, step in (("first_step", 0), ("last_step", cfg.rl.steps - 1)):
         batch = ctx.batch(step)
         result.workload[name] = {**summary(batch), "critical_path_s": critical_path_s(ctx, batch)}
+    searched: dict = {}
     for name in policies or cfg.policies:
-        rec, table, initial = run_policy(ctx, name)
+        rec, table, initial = run_policy(ctx, name, searched=searched)
         result.runs[name] = rec
         result.initial[name] = initial
         if table:
