@@ -4,7 +4,7 @@ and the allocations (who trains, which rollout instances exist)."""
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from libra_hpc.cluster.layout import LayoutError
 from libra_hpc.planner.costs import (
@@ -22,6 +22,7 @@ from libra_hpc.planner.profiles import (
     load_model,
 )
 from libra_hpc.planner.search import Plan, plan_to_layout
+from libra_hpc.planner.search import RolloutInstance as PlanInstance
 from libra_hpc.sim.config import SimConfig
 from libra_hpc.sim.instance import CostStepModel, StepModel
 from libra_hpc.sim.rollout import InstanceSpec
@@ -122,20 +123,46 @@ class Context:
 
     def plan_allocation(self, plan: Plan, hybrid: bool) -> Allocation:
         """The plan's layout; with ``hybrid``, its last ``planner.hybrid_nodes`` nodes form
-        the hybrid pool when they hold rollout instances only and split into whole replicas
-        (otherwise the plan runs without a pool, logged)."""
+        the hybrid pool when they hold rollout instances only and split into whole replicas.
+
+        The pool's rule: no rollout instance on a hybrid node may span more than one
+        training replica (lending a replica must stop no other instance). The training
+        replica's slots on a node come in Megatron order (TP chunks, interleaved over PP
+        and DP), so a plan whose hybrid-node instances are wider than a replica's chunk
+        cannot form it, whatever PP is (TP2 PP1 DP10 or TP1 DP20 fail with TP4 rollout on
+        the node). When that happens and the plan predicts that training may become the
+        bottleneck (``t_train × (1 + hybrid_margin) >= t_rollout / k``, the condition under
+        which the pool lends replicas), the hybrid node's instances are re-split into the
+        largest smaller TP size that forms the pool (:func:`resplit_hybrid`): narrower
+        instances decode slower, a price worth paying only for a pool that may be used.
+        Otherwise, or when no split forms it, the plan runs without a pool (logged)."""
         c = self.cfg.cluster
-        pool = None
         layout = plan_to_layout(plan, c.nodes, c.gpus_per_node, 0)
+        pool = None
         if hybrid and self.cfg.planner.hybrid_nodes:
-            try:
-                layout = plan_to_layout(plan, c.nodes, c.gpus_per_node, self.cfg.planner.hybrid_nodes)
-                pool = HybridPool.from_layout(layout, min_rollout_gpus=self.cfg.planner.min_rollout_gpus,
-                                              timeouts=HYBRID_TIMEOUTS)
-            except (LayoutError, HybridPoolError) as exc:
-                log.info("plan %s runs without a hybrid pool: %s", plan.describe(), exc)
-                layout = plan_to_layout(plan, c.nodes, c.gpus_per_node, 0)
-                pool = None
+            first = None
+            k = max(1, self.cfg.rl.max_staleness)
+            useful = plan.t_train * (1 + self.cfg.planner.hybrid_margin) >= plan.t_rollout / k
+            splits = sorted((t for t in self.step_models if t < c.gpus_per_node), reverse=True) if useful else []
+            for tp in [None, *splits]:
+                candidate = plan if tp is None else resplit_hybrid(plan, tp, c.nodes - self.cfg.planner.hybrid_nodes)
+                if candidate is None:
+                    continue
+                try:
+                    hl = plan_to_layout(candidate, c.nodes, c.gpus_per_node, self.cfg.planner.hybrid_nodes)
+                    pool = HybridPool.from_layout(hl, min_rollout_gpus=self.cfg.planner.min_rollout_gpus,
+                                                  timeouts=HYBRID_TIMEOUTS)
+                except (LayoutError, HybridPoolError) as exc:
+                    first = first or str(exc)
+                    continue
+                if tp is not None:
+                    log.info("plan %s: hybrid-node rollout re-split to TP%d so the hybrid pool forms (%s)",
+                             plan.describe(), tp, first)
+                plan, layout = candidate, hl
+                break
+            if pool is None:
+                log.info("plan %s runs without a hybrid pool: %s%s", plan.describe(), first,
+                         "" if useful else " (not re-split: the plan predicts training will not be the bottleneck)")
         owner = {}
         if pool is not None:
             for r in pool.all_replicas():
@@ -143,6 +170,20 @@ class Context:
                     owner[slot] = r.rid
         instances = tuple(InstanceSpec(g.gid, g.tp, owner.get(g.slots[0])) for g in layout.rollout_instances)
         return Allocation(plan.train, instances, False, plan, pool)
+
+
+def resplit_hybrid(plan: Plan, tp: int, first_hybrid_node: int) -> Plan | None:
+    """``plan`` with every rollout instance wider than ``tp`` on nodes from
+    ``first_hybrid_node`` on cut into instances of ``tp`` GPUs (slots in order); None when
+    no instance there is wider (nothing would change)."""
+    out, changed = [], False
+    for inst in plan.rollout:
+        if inst.tp > tp and inst.slots[0].node >= first_hybrid_node:
+            out.extend(PlanInstance(tp, inst.slots[i:i + tp]) for i in range(0, inst.tp, tp))
+            changed = True
+        else:
+            out.append(inst)
+    return replace(plan, rollout=tuple(out)) if changed else None
 
 
 def length_profile(trajectories: list[Trajectory], batch_size: int) -> LengthProfile:

@@ -199,7 +199,7 @@ class Planner:
 
 
 def same_plan(a: Plan, b: Plan) -> bool:
-    """Two plans place the same training shape on the same slots and the same rollout
-    instances (TP and slots): applying one over the other would change nothing."""
-    return (a.train == b.train and a.train_slots == b.train_slots
-            and {(i.tp, tuple(i.slots)) for i in a.rollout} == {(i.tp, tuple(i.slots)) for i in b.rollout})
+    """Two plans with the same training shape and the same rollout instances per TP size:
+    applying one over the other would only permute slots (a drain and a reconfiguration
+    for nothing), so the simulator keeps the current plan."""
+    return a.train == b.train and a.train_gpus == b.train_gpus and a.rollout_counts == b.rollout_counts
