@@ -14,7 +14,8 @@ Summary extras: ``step_s_mean`` (simulated time / steps: with staleness the step
 alternate, so the median alone misleads), ``prefill_share`` (prefill GPU-seconds over busy
 rollout GPU-seconds), ``prefix_hit_rate`` (turns after a tool return that ran where the
 trajectory's KV prefix was, so only the tool output was prefilled), ``steals`` (turns an
-idle instance took from a neighbouring bucket).
+idle instance took from a neighbouring bucket), ``planned_step_s`` (planned policies: the
+step time the planner predicted for its initial plan, to set against ``step_s_mean``).
 """
 
 from __future__ import annotations
@@ -84,6 +85,7 @@ class Recorder:
             "prefill_share": counts["prefill_gpu_s"] / counts["busy_gpu_s"] if counts.get("busy_gpu_s") else 0.0,
             "prefix_hit_rate": counts["cache_hits"] / counts["later_turns"] if counts.get("later_turns") else 0.0,
             "steals": counts.get("steals", 0),
+            "planned_step_s": next((c["objective_s"] for c in considered if c.get("kind") == "initial_plan"), None),
             "events": fired, "wall_s": wall_s,
         }
 

@@ -41,7 +41,17 @@ ASSUMPTIONS = (
     "inter-node link), joins with one zero-gradient step."),
     ("Tool calls run on an unbounded sandbox pool unless `costs.tool_slots` is set; tool outputs are 4 characters "
     "per token for the size classes the scheduler sees."),
-    ("Bucket token limits follow the layout's GPU shares (`scheduler.bucket_limits: share`) unless fixed."),
+    ("Bucket token limits follow the layout's GPU shares (`scheduler.bucket_limits: share`) unless fixed, placed on "
+    "the remaining output tokens after a tool return (what C-MLFQ compares). An instance is saturated for routing "
+    "at `scheduler.saturation` × its decode knee (the batch at which a step takes twice a lone sequence's). An idle "
+    "instance whose bucket has nothing queued takes queued turns of a neighbouring bucket (longer level first; "
+    "counted as migrations): a simulator extension, the live service drains queues only within a bucket."),
+    ("Sequences admitted together prefill in one batch: the cost model's per-sequence compute summed (attention "
+    "is quadratic per sequence), weights read once."),
+    ("The Libra plan's hybrid node: a rollout instance there may not span two training replicas; when the plan "
+    "predicts training may bind, wider instances on that node are re-split to the widest TP that forms the pool."),
+    ("`oracle` routes with true lengths on Libra's plan; `oracle_best` on the searched asynchronous split; "
+    "libra_vs_oracle uses the better of the two."),
     ("plan()'s async objective max(T_train, T_rollout) assumes one batch in flight; the simulated pipeline "
     "overlaps up to k + 1 batches, so the simulator takes the better of plan()'s async and sync plans under the "
     "pipelined step max(T_train, (T_rollout + T_train) / (k + 1)) (libra_hpc/sim/policies.py)."),
@@ -113,6 +123,16 @@ def render(result: ScenarioResult, images: list[str]) -> str:
     lines += [("Throughput ratios (generated tokens/s): "
                + ", ".join(f"{k} = {v:.2f}" for k, v in r.items() if isinstance(v, float))
                + (f" (oracle: {r['oracle_used']})" if r.get("oracle_used") else "")), ""]
+    gap = [(n, rec.summary) for n, rec in result.runs.items() if rec.summary.get("planned_step_s")]
+    if gap:
+        lines += [("Planner against simulator (planned policies): the step time the planner predicted for its "
+                   "initial plan, the simulated mean step, and what its cost model leaves out most: the prefill "
+                   "share of busy rollout GPU-seconds (re-prefill of the whole context when a turn runs where its "
+                   "prefix is not cached) and the prefix-cache hit rate of turns after a tool return."), "",
+                  "| policy | planned step s | simulated mean step s | prefill share | prefix hits |",
+                  "|---|---|---|---|---|"]
+        lines += [f"| {n} | {s['planned_step_s']:.0f} | {s['step_s_mean']:.0f} | {s['prefill_share']:.2f} | "
+                  f"{s['prefix_hit_rate']:.2f} |" for n, s in gap] + [""]
     lines += ["Starting allocation of each policy:", ""]
     lines += [f"- {name}: {desc}" for name, desc in result.initial.items()] + [""]
     w = result.workload
