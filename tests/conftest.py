@@ -22,3 +22,15 @@ def slurm_cluster(tmp_path_factory):
     with LocalSlurmCluster(tmp_path_factory.mktemp("slurm"),
                            port_base=free_port_base()) as cluster:
         yield cluster
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _environment_restored_after_the_module():
+    """vLLM edits this process's environment when an in-process engine starts (LD_PRELOAD of
+    torch's libgomp, LOCAL_WORLD_SIZE, VLLM_* ...); a later module's subprocesses (mpiexec
+    worlds, sbatch jobs, which export the caller's environment) must not inherit that."""
+    saved = dict(os.environ)
+    yield
+    if dict(os.environ) != saved:
+        os.environ.clear()
+        os.environ.update(saved)

@@ -42,6 +42,17 @@ def missing_binaries(accounting: bool = True) -> str | None:
     return None
 
 
+def busiest_processes(count: int = 12) -> str:
+    """The processes using the most CPU now, for the message of a test that timed out (a
+    world that never gets going on 2 cores is most often starved by a leftover spinner)."""
+    try:
+        listing = subprocess.run(["ps", "-eo", "pid,ppid,pcpu,etime,args", "--sort=-pcpu"], capture_output=True,
+                                 text=True, timeout=10).stdout
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"(ps failed: {exc})"
+    return "busiest processes:\n" + "\n".join(line[:200] for line in listing.splitlines()[:count + 1])
+
+
 def _port_open(port: int) -> bool:
     with socket.socket() as s:
         s.settimeout(0.2)
@@ -203,7 +214,8 @@ class LocalSlurmCluster:
             if state not in ("PENDING", "CONFIGURING", "RUNNING", "COMPLETING"):
                 return state
             time.sleep(0.2)
-        raise TimeoutError(f"job {job_id} not finished after {timeout_s} s")
+        raise TimeoutError(f"job {job_id} not finished after {timeout_s} s\n"
+                           f"{self.run('scontrol', 'show', 'job', job_id, check=False)}\n{busiest_processes()}")
 
     def run(self, *argv: str, timeout_s: float = 30, check: bool = True) -> str:
         """Run a Slurm client (sinfo, sbatch, ...) against this cluster; return stdout

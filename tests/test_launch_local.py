@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
+from slurm_cluster import busiest_processes
 
 from libra_hpc.cluster.local import remove_stale_shm
 from libra_hpc.metrics.runlog import read_jsonl
@@ -19,8 +20,19 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def launch(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(ROOT / "launch.py"), *args], capture_output=True, text=True,
-                          timeout=timeout, cwd=ROOT)
+    """Run launch.py in a session of its own; on timeout the whole session (mpiexec and every
+    rank) is killed, so that a hung world cannot starve the tests that follow."""
+    argv = [sys.executable, str(ROOT / "launch.py"), *args]
+    process = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+                               start_new_session=True)
+    try:
+        out, err = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        busiest = busiest_processes()
+        os.killpg(process.pid, signal.SIGKILL)
+        out, err = process.communicate()
+        pytest.fail(f"launch.py {' '.join(args)} still running after {timeout} s; its output:\n{out}\n{err}\n{busiest}")
+    return subprocess.CompletedProcess(argv, process.returncode, out, err)
 
 
 def only_log_folder(logs: Path) -> Path:
@@ -105,7 +117,9 @@ def _start_long_world(tmp_path: Path) -> subprocess.Popen:
     while not list(tmp_path.glob("*/events.jsonl")) or len(read_jsonl(next(tmp_path.glob("*/events.jsonl")))) < 4:
         if process.poll() is not None:
             pytest.fail(f"launch.py ended early:\n{process.stdout.read()}")
-        assert time.monotonic() < deadline, "the world never got going"
+        if time.monotonic() > deadline:
+            busiest = busiest_processes()
+            pytest.fail(f"the world never got going; its output:\n{_finish(process, timeout=0)}\n{busiest}")
         time.sleep(0.2)
     return process
 
@@ -125,10 +139,14 @@ def _rank_pids(marker: str) -> dict[int, int]:
     return pids
 
 
-def _finish(process: subprocess.Popen) -> str:
+def _finish(process: subprocess.Popen, timeout: float = 120) -> str:
+    """Wait up to ``timeout`` s for launch.py, then kill its whole session; its output."""
     try:
-        out, _ = process.communicate(timeout=120)
+        out, _ = process.communicate(timeout=timeout)
         return out
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        return process.communicate()[0]
     finally:
         try:
             os.killpg(process.pid, signal.SIGKILL)  # launch.py, mpiexec and any rank left

@@ -27,8 +27,9 @@ LIMITS = SandboxLimits(wall_time_s=3.0, cpu_time_s=10, memory_mb=256, max_proces
 UID = 210000  # tests' own slot uids, away from the default tools.uid_base
 
 
-def _live_children() -> list[int]:
-    """Our live (non-zombie) child processes: a sandbox must leave none."""
+def _live_children() -> set[int]:
+    """Our live (non-zombie) child processes. Some outlive a test by design (the session's
+    Slurm daemons, multiprocessing's resource tracker): compare with ``_CHILDREN_BEFORE``."""
     me, found = str(os.getpid()), []
     for status in glob.glob("/proc/[0-9]*/status"):
         try:
@@ -37,7 +38,17 @@ def _live_children() -> list[int]:
             continue
         if fields.get("PPid", "").strip() == me and not fields.get("State", "").strip().startswith("Z"):
             found.append(int(status.split("/")[2]))
-    return found
+    return set(found)
+
+
+_CHILDREN_BEFORE: set[int] = set()
+
+
+@pytest.fixture(autouse=True)
+def _children_before_the_test():
+    """What the process had started before this test: a sandbox must add nothing to it."""
+    _CHILDREN_BEFORE.clear()
+    _CHILDREN_BEFORE.update(_live_children())
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +70,7 @@ def assert_contained(sandbox: Sandbox, result, statuses=("failure", "timeout")):
     assert result.state.status in statuses, (result.exit_code, result.stdout[-300:], result.stderr[-500:])
     if sandbox.uid is not None:
         assert owned_pids(uid=sandbox.uid) == []
-    assert _live_children() == []
+    assert _live_children() - _CHILDREN_BEFORE == set()
     after = sandbox.run_python("print(sum(range(10)))")
     assert (after.stdout, after.exit_code, after.state.status) == ("45\n", 0, "success"), after.stderr
 
