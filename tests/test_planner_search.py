@@ -155,6 +155,19 @@ def test_reprice_prices_the_current_plan_on_the_candidates_batch():
     assert reprice(current, Q14, A800, 8, LP, batch=BATCH).objective == pytest.approx(current.objective)
     longer = RLBatch(BATCH.global_batch, 2 * BATCH.seq_len)
     same_plan_longer = reprice(current, Q14, A800, 8, LP, batch=longer)
-    expected = TrainingCost(Q14, A800, replace(current.train, seq_len=longer.seq_len)).step_s
-    assert same_plan_longer.t_train == pytest.approx(expected) and same_plan_longer.t_train > current.t_train
+    longer_shape = replace(current.train, seq_len=longer.seq_len)
+    assert TrainingCost(Q14, A800, longer_shape).infeasible  # twice the length needs recomputation to fit...
+    expected = TrainingCost(Q14, A800, replace(longer_shape, recompute=True)).step_s
+    assert same_plan_longer.t_train == pytest.approx(expected) and current.t_train < expected < math.inf
     assert reprice(current, Q14, A800, 8, LP).t_train == pytest.approx(current.t_train)  # no batch: its own
+    far = reprice(current, Q14, A800, 8, LP, batch=RLBatch(BATCH.global_batch, 8 * BATCH.seq_len))
+    assert far.t_train == math.inf  # ...eight times does not fit even then
+
+
+def test_reprice_drops_recomputation_the_shorter_batch_does_not_need():
+    from dataclasses import replace
+
+    from libra_hpc.planner.search import reprice
+    current = plan(Q14, A800, 6, 8, LP, BATCH).plan
+    recomputing = replace(current, train=replace(current.train, recompute=True))
+    assert reprice(recomputing, Q14, A800, 8, LP, batch=BATCH).t_train == pytest.approx(current.t_train)

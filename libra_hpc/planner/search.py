@@ -351,11 +351,8 @@ class _Search:
         infeasible: dict[str, str] = {}
         n = dominated = 0
         for shape in self.train_shapes():
-            cost = TrainingCost(self.model, self.hw, shape, self.cal)
-            n += 1
-            if cost.infeasible and "GB per GPU" in cost.infeasible:
-                cost = TrainingCost(self.model, self.hw, replace(shape, recompute=True), self.cal)
-                n += 1
+            cost = fitting_training_cost(self.model, self.hw, shape, self.cal)
+            n += 2 if cost.shape.recompute else 1  # a second pricing with recomputation
             if cost.infeasible:
                 infeasible.setdefault(cost.infeasible.split(":")[0], cost.infeasible)
                 continue
@@ -463,6 +460,17 @@ def plan(model: ModelProfile, hardware: HardwareProfile, nodes: int, gpus_per_no
     return _Search(model, hw, nodes, gpus_per_node, lengths, batch, mode, options, calibration).run()
 
 
+def fitting_training_cost(model: ModelProfile, hw: HardwareProfile, shape: TrainShape,
+                          calibration: Calibration = DEFAULT) -> TrainingCost:
+    """The cost of ``shape``, with activation recomputation switched on when it does not
+    fit in memory otherwise (a switch of the same GPUs, not a reconfiguration): the rule
+    of the plan search, for repricing too."""
+    cost = TrainingCost(model, hw, shape, calibration)
+    if cost.infeasible and "GB per GPU" in cost.infeasible and not shape.recompute:
+        cost = TrainingCost(model, hw, replace(shape, recompute=True), calibration)
+    return cost
+
+
 def reprice(p: Plan, model: ModelProfile, hardware: HardwareProfile, gpus_per_node: int, lengths: LengthProfile,
             calibration: Calibration = DEFAULT, batch: RLBatch | None = None) -> Plan:
     """``p`` with its times predicted again on new observations (``lengths``), for the
@@ -471,7 +479,7 @@ def reprice(p: Plan, model: ModelProfile, hardware: HardwareProfile, gpus_per_no
     observations); give it so that both are priced on the same batch, else ``p``'s own."""
     hw = hardware.model_copy(update={"gpus_per_node": gpus_per_node})
     shape = p.train if batch is None else replace(p.train, global_batch=batch.global_batch, seq_len=batch.seq_len)
-    tt = TrainingCost(model, hw, shape, calibration).step_s
+    tt = fitting_training_cost(model, hw, replace(shape, recompute=False), calibration).step_s
     pools = [(RolloutCost(model, hw, tp, calibration), n) for tp, n in p.rollout_counts.items()]
     tr = rollout_makespan(pools, lengths).makespan_s
     return replace(p, t_train=tt, t_rollout=tr, objective=objective(tt, tr, p.mode))
@@ -503,9 +511,7 @@ def exhaustive(model: ModelProfile, hardware: HardwareProfile, nodes: int, gpus_
     best: tuple[float, str] = (math.inf, "nothing fits")
     seen: dict[tuple[int, ...], float] = {}
     for shape in s.train_shapes():
-        cost = TrainingCost(model, hw, shape, calibration)
-        if cost.infeasible and "GB per GPU" in cost.infeasible:
-            cost = TrainingCost(model, hw, replace(shape, recompute=True), calibration)
+        cost = fitting_training_cost(model, hw, shape, calibration)
         if cost.infeasible:
             continue
         whole, partial = _free_shape(shape.gpus, nodes, gpus_per_node)

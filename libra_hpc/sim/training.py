@@ -15,6 +15,7 @@ from functools import lru_cache
 
 from libra_hpc.planner.costs import Calibration, TrainingCost, TrainShape
 from libra_hpc.planner.profiles import HardwareProfile, ModelProfile
+from libra_hpc.planner.search import fitting_training_cost
 
 TRAIN_TPS = (1, 2, 4, 8)
 MICRO_BATCHES = (1, 2, 4)
@@ -54,9 +55,7 @@ def _best(model: ModelProfile, hw: HardwareProfile, gpus: int, global_batch: int
 def step_s(model: ModelProfile, hw: HardwareProfile, shape: TrainShape, mean_tokens: float, cal: Calibration) -> float:
     """Seconds of one optimizer step of ``shape`` on sequences of ``mean_tokens`` tokens."""
     seq = max(1, round(mean_tokens))
-    cost = TrainingCost(model, hw, replace(shape, seq_len=seq), cal)
-    if cost.infeasible and not shape.recompute:  # longer sequences than the shape was chosen for
-        cost = TrainingCost(model, hw, replace(shape, seq_len=seq, recompute=True), cal)
+    cost = fitting_training_cost(model, hw, replace(shape, seq_len=seq), cal)  # longer ones may need recomputation
     if cost.infeasible:
         raise ValueError(f"training shape {shape} cannot run sequences of {seq} tokens: {cost.infeasible}")
     return cost.step_s
