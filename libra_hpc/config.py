@@ -310,6 +310,16 @@ class ToolsConfig(_Section):
     """URL of a model-serving endpoint for reward-model calls (resource kind `reward`); empty: no such resource. *Used by libra_hpc.tools; the runtime does not drive tool calls yet.*"""
     reward_concurrency: int = Field(4, ge=1)
     """Concurrent requests the reward endpoint accepts (units of the `reward` resource). *Used by libra_hpc.tools; the runtime does not drive tool calls yet.*"""
+    placement: Literal["local", "slurm"] = "local"
+    """Where the CPU sandboxes run. `local`: on the orchestrator's host. `slurm`: each unit of the pool is a worker started with `srun` (libra_hpc/tools/remote.py): on `slurm_partition` when set (an allocation of its own per unit, never the GPU job's cores), else as a step of the current job on its nodes (`srun --overlap`). A unit's worker stops when the pool retires the unit. *Used by libra_hpc.tools; the runtime does not drive tool calls yet.*"""
+    slurm_partition: str = ""
+    """Partition of the sandbox workers with `placement: slurm`; empty: the current job's allocation. *Used by libra_hpc.tools; the runtime does not drive tool calls yet.*"""
+    slurm_cpus_per_unit: int = Field(1, ge=1)
+    """CPUs Slurm gives each sandbox worker (`srun --cpus-per-task`) with `placement: slurm`. *Used by libra_hpc.tools; the runtime does not drive tool calls yet.*"""
+    slurm_time_limit: str = ""
+    """`srun --time` of each sandbox worker's own allocation with `placement: slurm` and a partition (Slurm's format, e.g. `4:00:00`); empty: the partition's default. *Used by libra_hpc.tools; the runtime does not drive tool calls yet.*"""
+    slurm_args: list[str] = Field(default_factory=list)
+    """Extra `srun` options for the sandbox workers (e.g. `["--account=rl", "--qos=cpu"]`) with `placement: slurm`. *Used by libra_hpc.tools; the runtime does not drive tool calls yet.*"""
 
 
 class RLConfig(_Section):
@@ -541,6 +551,13 @@ def _check_tools(cfg: ExperimentConfig) -> list[str]:
         problems.append(f"tools.min_workers: {tc.min_workers} exceeds tools.max_workers={tc.max_workers}")
     if tc.reward_endpoint and not tc.reward_endpoint.startswith(("http://", "https://")):
         problems.append(f"tools.reward_endpoint: {tc.reward_endpoint!r} must be an http:// or https:// URL")
+    slurm_set = [name for name in ("slurm_partition", "slurm_time_limit", "slurm_args") if getattr(tc, name)]
+    if tc.placement == "local" and slurm_set:
+        problems.append(f"tools.{slurm_set[0]} is set but tools.placement is 'local': set placement: slurm to use it")
+    if tc.slurm_time_limit and not tc.slurm_partition:
+        problems.append("tools.slurm_time_limit needs tools.slurm_partition (a step of the current job ends with the job)")
+    problems += [f"tools.slurm_args: {arg!r} must be an srun option starting with '-'"
+                 for arg in tc.slurm_args if not arg.startswith("-")]
     return problems
 
 

@@ -21,6 +21,7 @@ from libra_hpc.tools.cleanup import sysv_ipc_of
 from libra_hpc.tools.isolation import SandboxLimits, bwrap_problem, choose_isolation
 from libra_hpc.tools.procs import owned_pids
 from libra_hpc.tools.sandbox import Sandbox, first_free_sandbox
+from libra_hpc.tools import sandbox as sandbox_module
 from libra_hpc.tools.slots import SlotBusy
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -224,6 +225,23 @@ def test_a_slot_uid_is_held_by_one_sandbox_and_the_other_does_not_kill_its_call(
     finally:
         first.close()
     Sandbox(LIMITS, uid=UID + 3, isolation="bwrap").close()  # released: usable again
+
+
+def test_a_busy_slot_is_refused_before_anything_runs_as_its_uid(monkeypatch):
+    """The isolation probe runs a process as the slot uid: it must not start while another
+    sandbox (another worker process) holds the uid and may reap it at any moment."""
+    first = Sandbox(LIMITS, uid=UID + 5, isolation="bwrap")
+    probes = []
+    monkeypatch.setattr(sandbox_module, "choose_isolation", lambda *args: probes.append(args) or "bwrap")
+    try:
+        if AS_ROOT:
+            with pytest.raises(SlotBusy):
+                Sandbox(LIMITS, uid=UID + 5, isolation="bwrap")
+            assert probes == []
+        Sandbox(LIMITS, uid=UID + 6, isolation="bwrap").close()
+        assert len(probes) == 1
+    finally:
+        first.close()
 
 
 @needs_root

@@ -165,8 +165,12 @@ def test_pool_grows_with_demand_and_shrinks_after_idle_timeout():
     assert len(scheduler.dispatch(3.0)) == 2
     for aid in list(scheduler.running):
         scheduler.complete(aid, 4.0)
+    assert scheduler.next_retirement(4.0) == 13.0  # unit 2, idle since 3
+    retired = []
+    scheduler.on_retire = lambda resource, unit: retired.append((resource, unit))
     scheduler.dispatch(100.0)
     assert len(pool.units) == 1  # shrank to min_units
+    assert retired == [("cpu", 2), ("cpu", 0)] and scheduler.next_retirement(100.0) is None  # at min_units
     # unit 2 idle since 3 → retired at 13; units 0 and 1 idle since 4: the lower index goes
     # first (retired at 14), unit 1 stays (min_units) and is held until 100
     assert sorted(pool.units) == [1]

@@ -22,6 +22,8 @@ class ProcessEnv:
     """SLURM_JOB_ID; None outside Slurm."""
     job_name: str | None = None
     """SLURM_JOB_NAME (``%x``)."""
+    node_name: str | None = None
+    """SLURMD_NODENAME: the Slurm name of this node (several emulated nodes share a hostname)."""
     node_id: int | None = None
     """SLURM_NODEID: index of this task's node inside the job's allocation."""
     local_id: int | None = None
@@ -37,6 +39,7 @@ class ProcessEnv:
             hostname=socket.gethostname(),
             job_id=environ.get("SLURM_JOB_ID"),
             job_name=environ.get("SLURM_JOB_NAME"),
+            node_name=environ.get("SLURMD_NODENAME"),
             node_id=_int(environ.get("SLURM_NODEID")),
             local_id=_int(environ.get("SLURM_LOCALID")),
             visible_gpus=_ids(environ.get("CUDA_VISIBLE_DEVICES")),

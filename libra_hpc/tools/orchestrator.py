@@ -14,6 +14,7 @@ e.g. a reward model; unit ``i`` is one concurrent request slot).
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -88,7 +89,9 @@ class ToolOrchestrator:
         self._futures: dict[str, tuple[Future, Any]] = {}
         self._threads: set[threading.Thread] = set()
         self._timer: threading.Timer | None = None
+        self._timer_due = math.inf
         self._closed = False
+        scheduler.on_retire = self._release_unit
         self.records: list[dict] = []  # one per completed action: times relative to t0
 
     def _now(self) -> float:
@@ -133,6 +136,10 @@ class ToolOrchestrator:
             self._closed = True
             if self._timer is not None:
                 self._timer.cancel()
+        for runner in self.runners.values():
+            close = getattr(runner, "close", None)
+            if close is not None:
+                close()  # e.g. remote workers give their Slurm allocations back
 
     # ------------------------------------------------------------------ internals
     def _dispatch_locked(self) -> None:
@@ -145,11 +152,22 @@ class ToolOrchestrator:
                 del self._futures[dispatch.action.aid]
             self._start_threads([d for d in dispatches if d not in cancelled])
             dispatches = self.scheduler.dispatch(now) if cancelled else []  # their units are free again
-        wake = self.scheduler.next_wakeup(now)
-        if wake is not None and self._timer is None:
+        wakes = [t for t in (self.scheduler.next_wakeup(now), self.scheduler.next_retirement(now)) if t is not None]
+        wake = min(wakes, default=math.inf)
+        if wake < self._timer_due and not self._closed:  # a unit gets ready, or an idle one retires, then
+            if self._timer is not None:
+                self._timer.cancel()
+            self._timer_due = wake
             self._timer = threading.Timer(max(0.0, wake - now), self._wake)
             self._timer.daemon = True
             self._timer.start()
+
+    def _release_unit(self, resource: str, unit: int) -> None:
+        """The pool retired ``unit`` (called under the lock): a runner that holds something
+        per unit (:meth:`SlurmSandboxRunner.release`) gives it back."""
+        release = getattr(self.runners[resource], "release", None)
+        if release is not None:
+            release(unit)
 
     def _start_threads(self, dispatches: list[Dispatch]) -> None:
         for dispatch in dispatches:
@@ -161,7 +179,7 @@ class ToolOrchestrator:
 
     def _wake(self) -> None:
         with self._lock:
-            self._timer = None
+            self._timer, self._timer_due = None, math.inf
             self._dispatch_locked()
 
     def _execute(self, dispatch: Dispatch, future: Future, payload: Any) -> None:
@@ -203,6 +221,26 @@ def limits_from_config(tools) -> SandboxLimits:
                          output_limit_bytes=tools.output_limit_bytes, call_memory_mb=tools.call_memory_mb)
 
 
+def cpu_runner_from_config(tools, rules: ClassifyRules = DEFAULT_RULES) -> Runner:
+    """The ``cpu`` resource's runner for ``tools.placement``: sandboxes on this host, or
+    workers started through ``srun`` (remote.py), each holding one sandbox slot of its node."""
+    limits = limits_from_config(tools)
+    if tools.placement == "local":
+        return SandboxRunner(limits, uid_base=tools.uid_base, isolation=tools.isolation, python=tools.python,
+                             rules=rules, lock_dir=tools.lock_dir)
+    import sys
+
+    from libra_hpc.tools.remote import SlurmSandboxRunner, srun_argv
+    from libra_hpc.tools.worker import worker_spec
+
+    spec = worker_spec(limits, uid_base=tools.uid_base, slots=tools.max_workers, isolation=tools.isolation,
+                       python=tools.python, rules=rules, lock_dir=tools.lock_dir)
+    worker = [sys.executable, "-m", "libra_hpc.tools.worker", spec]
+    argv = srun_argv(worker, partition=tools.slurm_partition, cpus=tools.slurm_cpus_per_unit,
+                     time_limit=tools.slurm_time_limit, extra=tools.slurm_args)
+    return SlurmSandboxRunner(lambda unit: argv, wall_time_s=tools.wall_time_s)
+
+
 def orchestrator_from_config(tools, scheduler_cfg=None, clock: Callable[[], float] = time.monotonic) -> ToolOrchestrator:
     """The orchestrator an experiment's ``tools`` section describes: a ``cpu`` sandbox pool
     and, when ``tools.reward_endpoint`` is set, a ``reward`` endpoint resource.
@@ -214,9 +252,7 @@ def orchestrator_from_config(tools, scheduler_cfg=None, clock: Callable[[], floa
     rules = ClassifyRules() if scheduler_cfg is None else ClassifyRules(
         tuple(scheduler_cfg.size_thresholds), tuple(scheduler_cfg.error_markers))
     resources = [ResourceSpec("cpu", tools.max_workers, tools.min_workers, tools.idle_timeout_s)]
-    runners: dict[str, Runner] = {"cpu": SandboxRunner(limits_from_config(tools), uid_base=tools.uid_base,
-                                                       isolation=tools.isolation, python=tools.python, rules=rules,
-                                                       lock_dir=tools.lock_dir)}
+    runners: dict[str, Runner] = {"cpu": cpu_runner_from_config(tools, rules)}
     if tools.reward_endpoint:
         resources.append(ResourceSpec("reward", tools.reward_concurrency, 0, tools.idle_timeout_s))
         runners["reward"] = EndpointRunner(tools.reward_endpoint, timeout_s=tools.wall_time_s)

@@ -85,6 +85,15 @@ class ElasticPool:
             retired.append(unit.index)
         return retired
 
+    def next_retirement(self, now: float) -> float | None:
+        """When :meth:`retire_idle` will next retire a unit, if nothing else happens (not
+        before ``now``); None when no unit is idle or the pool is at ``min_units``."""
+        if len(self.units) <= self.spec.min_units:
+            return None
+        due = [u.idle_since + self.spec.idle_timeout_s for u in self.units.values()
+               if u.busy is None and u.bound_to is None and u.ready_at <= now]
+        return max(now, min(due)) if due else None
+
     def free(self, now: float) -> list[Unit]:
         """Ready, idle, unbound units, lowest index first."""
         return sorted((u for u in self.units.values() if u.busy is None and u.bound_to is None and u.ready_at <= now),

@@ -133,11 +133,15 @@ class Sandbox:
         self.python = python or sys.executable
         self.uid = uid if os.geteuid() == 0 else None
         self.rules = rules
-        self.isolation = choose_isolation(isolation, self.python, self.uid)
         self._lock = None
-        if self.uid is not None:
-            check_unassigned(self.uid)
+        if self.uid is not None:  # the slot first: the isolation probe runs as its uid, which the
+            check_unassigned(self.uid)  # holder of the slot may reap at any moment
             self._lock = SlotLock(self.uid, lock_dir)
+        try:
+            self.isolation = choose_isolation(isolation, self.python, self.uid)
+        except Exception:
+            self.close()
+            raise
         if self.isolation == "rlimit":
             self.python = self._reachable_python()
             log.warning("tool sandbox slot uid=%s runs WITHOUT namespaces (rlimit fallback): snippets can read "

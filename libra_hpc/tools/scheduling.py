@@ -32,7 +32,7 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from libra_hpc.tools.pool import ElasticPool, ResourceSpec
@@ -99,6 +99,9 @@ class ActionScheduler:
         self.running_per_tool: dict[str, int] = {}
         self.known: set[str] = set()  # ids queued or running (completed ones are forgotten: bounded memory)
         self._ids = itertools.count()
+        self.on_retire: Callable[[str, int], None] | None = None
+        """Called with (resource, unit) for every unit the pools retire (a runner whose
+        units hold something, e.g. a Slurm allocation, gives it back)."""
 
     # ---------------------------------------------------------------- interface
     def new_action(self, trajectory: str, tool: str, resource: str, now: float,
@@ -122,8 +125,10 @@ class ActionScheduler:
 
     def dispatch(self, now: float) -> list[Dispatch]:
         """Start every action that may start at ``now``; marks their units busy."""
-        for pool in self.pools.values():
-            pool.retire_idle(now)
+        for name, pool in self.pools.items():
+            for unit in pool.retire_idle(now):
+                if self.on_retire is not None:
+                    self.on_retire(name, unit)
         started = []
         for name, pool in self.pools.items():
             started += self._dispatch_resource(name, pool, now)
@@ -157,6 +162,11 @@ class ActionScheduler:
     def next_wakeup(self, now: float) -> float | None:
         """When a starting unit becomes ready (dispatch may start something then)."""
         times = [t for pool in self.pools.values() if (t := pool.next_ready(now)) is not None]
+        return min(times) if times else None
+
+    def next_retirement(self, now: float) -> float | None:
+        """When an idle unit is next due to retire (None: none can shrink now)."""
+        times = [t for pool in self.pools.values() if (t := pool.next_retirement(now)) is not None]
         return min(times) if times else None
 
     def queued(self) -> int:

@@ -1,0 +1,185 @@
+"""Tool sandboxes on other nodes (tools.placement: slurm): the srun command line, the worker
+protocol with real sandboxes (workers started directly), failures named with the unit, idle
+units giving their workers back, and workers started by srun on the private Slurm cluster."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+
+import pytest
+
+from libra_hpc.config import ConfigError, validate_config
+from libra_hpc.tools.isolation import SandboxLimits, bwrap_problem
+from libra_hpc.tools.orchestrator import ToolOrchestrator, cpu_runner_from_config, orchestrator_from_config
+from libra_hpc.tools.pool import ResourceSpec
+from libra_hpc.tools.procs import owned_pids
+from libra_hpc.tools.remote import RemoteToolError, SlurmSandboxRunner, srun_argv
+from libra_hpc.tools.sandbox import DEFAULT_RULES
+from libra_hpc.tools.scheduling import make_scheduler
+from libra_hpc.tools.worker import worker_spec
+
+UID_BASE = 240000  # this module's slot uids, away from the other tool tests'
+LIMITS = SandboxLimits(wall_time_s=5.0)
+
+
+def _worker(uid_base: int = UID_BASE, slots: int = 4) -> list[str]:
+    spec = worker_spec(LIMITS, uid_base=uid_base, slots=slots, isolation="auto", python="", rules=DEFAULT_RULES,
+                       lock_dir="/run/libra_sandbox")
+    return [sys.executable, "-m", "libra_hpc.tools.worker", spec]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _needs_a_sandbox():
+    problem = bwrap_problem(sys.executable, UID_BASE if os.geteuid() == 0 else None)
+    if problem is not None:
+        if os.environ.get("CI"):
+            pytest.fail(f"bwrap sandbox unavailable in CI: {problem}")
+        pytest.skip(f"bwrap sandbox unavailable: {problem}")
+
+
+def test_srun_line_asks_for_a_partition_or_overlaps_the_job():
+    worker = ["python", "-m", "libra_hpc.tools.worker", "{}"]
+    own = srun_argv(worker, partition="cpu", cpus=2, time_limit="1:00:00", extra=["--account=rl"])
+    assert own[0] == "srun" and "--partition=cpu" in own and "--overlap" not in own
+    assert {"--nodes=1", "--ntasks=1", "--cpus-per-task=2", "--time=1:00:00"} <= set(own)
+    assert own.index("--account=rl") < own.index("python") and own[-4:] == worker
+    step = srun_argv(worker)
+    assert "--overlap" in step and not any(a.startswith("--partition") for a in step)
+
+
+@pytest.mark.parametrize("tools, field", [
+    ({"slurm_partition": "cpu"}, "tools.slurm_partition is set but tools.placement is 'local'"),
+    ({"placement": "slurm", "slurm_time_limit": "1:00:00"}, "tools.slurm_time_limit needs tools.slurm_partition"),
+    ({"placement": "slurm", "slurm_args": ["account=rl"]}, "tools.slurm_args: 'account=rl'"),
+    ({"placement": "ssh"}, "tools.placement"),
+])
+def test_slurm_placement_options_are_checked(tools, field):
+    with pytest.raises(ConfigError, match=field.replace(".", r"\.").replace("(", r"\(")):
+        validate_config({"tools": tools})
+
+
+def test_worker_runs_snippets_in_its_sandbox_and_names_itself():
+    runner = SlurmSandboxRunner(lambda unit: _worker(), wall_time_s=LIMITS.wall_time_s)
+    try:
+        result = runner.run(0, "print(6 * 7)")
+        assert (result.stdout, result.exit_code, result.state.key()) == ("42\n", 0, "python|S|success")
+        assert result.isolation == "bwrap"
+        shell = runner.run(0, {"argv": ["sh", "-c", "echo out; exit 3"], "tool": "bash"})
+        assert (shell.stdout, shell.exit_code, shell.state.key()) == ("out\n", 3, "bash|S|failure")
+        failing = runner.run(1, {"code": "raise SystemExit('boom')", "tool": "python"})
+        assert failing.state.status == "failure" and "boom" in failing.stderr
+        assert set(runner.nodes()) == {0, 1}  # one worker per unit
+        with pytest.raises(ValueError, match="tool payload must be code"):
+            runner.run(0, 42)
+    finally:
+        runner.close()
+    assert runner.nodes() == {}
+    if os.geteuid() == 0:
+        assert owned_pids(uid=UID_BASE) == [] and owned_pids(uid=UID_BASE + 1) == []
+
+
+def test_a_dead_worker_fails_its_call_with_the_unit_and_the_next_call_starts_a_new_one():
+    runner = SlurmSandboxRunner(lambda unit: _worker(), wall_time_s=LIMITS.wall_time_s)
+    try:
+        assert runner.run(3, "print(1)").stdout == "1\n"
+        first = runner._workers[3].proc.pid
+        os.kill(first, signal.SIGKILL)
+        runner._workers[3].proc.wait()
+        assert runner.run(3, "print(2)").stdout == "2\n"  # found dead before sending: restarted
+        assert runner._workers[3].proc.pid != first
+        hang = runner._workers[3]
+        os.kill(hang.proc.pid, signal.SIGSTOP)  # alive but silent: the call times out
+        short = SlurmSandboxRunner(lambda unit: _worker(), wall_time_s=0.5, reply_margin_s=0.5)
+        short._workers[3] = hang
+        with pytest.raises(RemoteToolError, match=r"unit 3 on node .*no call reply within 1 s"):
+            short.run(3, "print(3)")
+        assert 3 not in short._workers and hang.proc.poll() is not None  # killed, forgotten
+        runner._workers.pop(3)
+        assert runner.run(3, "print(4)").stdout == "4\n"
+    finally:
+        runner.close()
+
+
+@pytest.mark.parametrize("argv, why", [
+    ([sys.executable, "-c", "print('hello'); import sys; sys.exit(3)"], "sent a line that is not JSON"),
+    ([sys.executable, "-c", "import sys; sys.exit(4)"], r"worker exited \(status 4\) before its start reply"),
+    ([sys.executable, "-c", "import sys; print('oops', file=sys.stderr, flush=True); print(7)"], "not a JSON object"),
+    ([sys.executable, "-c", "import time; time.sleep(30)"], "no start reply within 0.5 s"),
+])
+def test_a_worker_that_cannot_start_is_named_with_its_stderr(argv, why):
+    runner = SlurmSandboxRunner(lambda unit: argv, wall_time_s=1.0, start_timeout_s=0.5)
+    started = time.monotonic()
+    with pytest.raises(RemoteToolError, match=f"tool worker for unit 5.*{why}") as error:
+        runner.run(5, "print(1)")
+    assert time.monotonic() - started < 10
+    if "oops" in argv[-1]:
+        assert "its stderr: oops" in str(error.value)
+    runner.close()
+
+
+def test_a_worker_that_finds_no_sandbox_slot_says_so():
+    busy = [SlurmSandboxRunner(lambda unit: _worker(slots=1), wall_time_s=5.0) for _ in range(2)]
+    try:
+        assert busy[0].run(0, "print(1)").stdout == "1\n"  # holds the only slot uid of this spec
+        if os.geteuid() != 0:
+            pytest.skip("slot uids are taken only when running as root")
+        with pytest.raises(RemoteToolError, match="no tool sandbox on .*all 1 sandbox slots"):
+            busy[1].run(0, "print(2)")
+    finally:
+        for runner in busy:
+            runner.close()
+
+
+def test_retired_units_give_their_workers_back_without_another_call():
+    runner = SlurmSandboxRunner(lambda unit: _worker(), wall_time_s=LIMITS.wall_time_s)
+    orch = ToolOrchestrator(make_scheduler("tangram", [ResourceSpec("cpu", 2, idle_timeout_s=0.5)]), {"cpu": runner})
+    try:
+        futures = [orch.submit(f"t{i}", "python", "cpu", f"import time; time.sleep(0.3); print({i})") for i in range(4)]
+        assert sorted(f.result(timeout=60).stdout for f in futures) == ["0\n", "1\n", "2\n", "3\n"]
+        assert len(runner.nodes()) == 2
+        deadline = time.monotonic() + 15  # idle 0.5 s: the pool retires both units on its own timer
+        while runner.nodes() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert runner.nodes() == {}
+        assert orch.submit("t9", "python", "cpu", "print(9)").result(timeout=60).stdout == "9\n"  # a new worker
+    finally:
+        orch.close()
+    assert runner.nodes() == {}
+
+
+@pytest.mark.slurm
+def test_workers_started_by_srun_run_calls_on_the_clusters_nodes(slurm_cluster, monkeypatch, tmp_path):
+    for key, value in slurm_cluster.env.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.chdir(tmp_path)  # srun's working directory on the nodes
+    cfg = validate_config({"tools": {"placement": "slurm", "slurm_partition": "debug", "max_workers": 2,
+                                     "wall_time_s": 5.0, "idle_timeout_s": 60.0, "uid_base": UID_BASE + 20}})
+    orch = orchestrator_from_config(cfg.tools, cfg.scheduler)
+    runner = orch.runners["cpu"]
+    assert isinstance(runner, SlurmSandboxRunner)
+    try:
+        secret = tmp_path / "secret.txt"
+        secret.write_text("host file")
+        code = f"import os, time; time.sleep(0.5); print(os.path.exists({str(secret)!r}))"
+        results = [f.result(timeout=120) for f in [orch.submit(f"t{i}", "python", "cpu", code) for i in range(4)]]
+        assert all(r.state.status == "success" and r.isolation == "bwrap" for r in results), [r.stderr for r in results]
+        assert [r.stdout for r in results] == ["False\n"] * 4  # run in the node's sandbox, not on the host's files
+        nodes = runner.nodes()
+        assert len(nodes) == 2 and set(nodes.values()) <= {f"node{i}" for i in range(1, slurm_cluster.nodes + 1)}
+        jobs = slurm_cluster.run("squeue", "-h", "-o", "%j %T").split("\n")
+        assert sum(line.startswith("libra-tools RUNNING") for line in jobs) == 2  # one allocation per unit
+    finally:
+        orch.close()
+    deadline = time.monotonic() + 30
+    while "libra-tools" in slurm_cluster.run("squeue", "-h", "-o", "%j") and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert "libra-tools" not in slurm_cluster.run("squeue", "-h", "-o", "%j")
+
+
+def test_local_placement_keeps_the_sandboxes_on_this_host():
+    cfg = validate_config({"tools": {"uid_base": UID_BASE + 40}})
+    runner = cpu_runner_from_config(cfg.tools)
+    assert type(runner).__name__ == "SandboxRunner"
