@@ -258,6 +258,11 @@ class SchedulerConfig(_Section):
     predictor_noise: float = Field(0.5, ge=0)
     """``length_aware`` baseline only: sigma of the multiplicative log-normal error of
     its length predictor."""
+    affinity_tokens: int = Field(16384, ge=0)
+    """A turn that stays in its bucket runs on the instance its previous turn ran on (its
+    KV prefix is cached there: only the tool output is prefilled) while that instance has
+    at most this many more outstanding tokens than the least loaded one of the bucket; 0:
+    always the least loaded. Every policy but ``fifo``."""
 
 
 class ToolsConfig(_Section):

@@ -329,3 +329,57 @@ def test_a_shallower_match_is_conditioned_on_tokens_generated_since():
     outlived = TrajectoryView("t", "p", deeper, 0, "tp2", None, (50, 2600))
     placed = router.place(outlived)
     assert placed.bucket == "tp2" and "outlived" in placed.reason
+
+
+# --- prefix affinity inside a bucket ---
+
+def _prev(instance, bucket="tp2", states=()) -> TrajectoryView:
+    return TrajectoryView("t", "p", tuple(states), 0, bucket, 2000, (), instance)  # true length: tp2's range
+
+
+@pytest.mark.parametrize("policy", ["cmlfq", "least_load", "oracle", "length_aware"])
+def test_a_turn_stays_where_its_kv_prefix_is_within_the_affinity_slack(policy):
+    router = make_router(policy, buckets(cap=5000), window=8, min_samples=2, rebuild_every=10, affinity_tokens=300,
+                         predictor_noise=0.0)
+    router.turn_started(3, 300)  # instance 3 (tp2) holds 300 more outstanding tokens than 2
+    placed = router.place(_prev(3))
+    assert (placed.bucket, placed.instance, placed.migrated) == ("tp2", 3, False)
+    router.turn_started(3, 1)  # 301 more: the least loaded sibling wins
+    assert router.place(_prev(3)).instance == 2
+    assert router.place(_prev(None)).instance == 2  # a first turn has no prefix anywhere
+
+
+def test_affinity_never_keeps_a_silent_saturated_or_other_bucket_instance():
+    router = make_router("least_load", buckets(cap=1000), window=8, min_samples=2, rebuild_every=10,
+                         affinity_tokens=10_000)
+    router.turn_started(3, 500)
+    assert router.place(_prev(3)).instance == 3
+    router.set_down(3, True)
+    assert router.place(_prev(3)).instance == 2  # silent
+    router.set_down(3, False)
+    router.turn_started(3, 500)  # 1000 outstanding: saturated at cap 1000
+    assert router.place(_prev(3)).instance == 2
+    assert router.place(_prev(4)).instance == 2  # its prefix is in tp4, the turn stays in tp2: no affinity there
+
+
+def test_no_affinity_by_default_in_the_router_and_fifo_keeps_round_robin():
+    router = LeastLoadRouter(buckets())
+    router.turn_started(3, 1)
+    assert router.place(_prev(3)).instance == 2
+    fifo = make_router("fifo", buckets(), window=8, min_samples=2, rebuild_every=10, affinity_tokens=10_000)
+    assert [fifo.place(_prev(3)).instance for _ in range(3)] == [2, 3, 2]
+    with pytest.raises(ValueError, match="affinity_tokens=-1"):
+        LeastLoadRouter(buckets(), affinity_tokens=-1)
+
+
+def test_the_service_tells_the_router_where_the_previous_turn_ran():
+    from libra_hpc.scheduler.service import QueueService
+
+    router = make_router("least_load", buckets(), window=8, min_samples=2, rebuild_every=10, affinity_tokens=10_000)
+    service = QueueService(router, lease_s=60.0, max_batch=4, size_thresholds=[256], error_markers=["Error"])
+    service.submit("a", "p")
+    first = service.handle({"op": "ask", "instance": 0, "max": 1}, 0.0)["turns"][0]
+    router.turn_started(0, 5000)  # instance 0 is now far busier than its sibling 1
+    placed = service.handle({"op": "tool_return", "lease": first["lease"], "tool": "python", "size": "S",
+                             "status": "success", "tokens": 10}, 0.0)
+    assert (placed["bucket"], placed["instance"]) == ("tp1", 0)  # stays with its prefix (slack 10k)

@@ -15,8 +15,11 @@ instances they skip (:meth:`RouterBase.set_down`) and the counters ``decisions``
 ``migrations`` (the bucket changed: the KV cache is recomputed at the destination) and
 ``fallbacks`` (the chosen bucket had no unsaturated instance, a neighbour took the turn).
 
-Instance choice inside a bucket: the least outstanding work among unsaturated instances,
-ties to the instance listed first. Fallback order from level ``l``: ``l+1, l-1, l+2,
+Instance choice inside a bucket: the instance the trajectory's previous turn ran on (its
+KV prefix is cached there, so the turn prefills only the tool output) while it is live,
+unsaturated and has at most ``affinity_tokens`` more outstanding work than the least loaded
+one; otherwise the least outstanding work among unsaturated instances, ties to the instance
+listed first. FIFO keeps its round-robin. Fallback order from level ``l``: ``l+1, l-1, l+2,
 l-2, ...`` (a longer level first: it can finish the work, a shorter one may cut it). When
 every instance everywhere is saturated, the turn still has to run: it goes to the least
 loaded instance of the first non-empty bucket in that order, saturation ignored.
@@ -59,6 +62,9 @@ class RouterOptions:
     rebuild_every: int = 1000
     predictor_noise: float = 0.5
     seed: int = 0
+    affinity_tokens: int = 0
+    """Extra outstanding tokens a turn accepts to stay on the instance holding its KV
+    prefix (0: always the least loaded)."""
 
 
 ROUTERS: dict[str, type[RouterBase]] = {}
@@ -115,9 +121,13 @@ class RouterBase:
 
     name = "base"
 
-    def __init__(self, buckets: Sequence[BucketSpec]):
+    def __init__(self, buckets: Sequence[BucketSpec], *, affinity_tokens: int = 0):
+        if affinity_tokens < 0:
+            raise ValueError(f"affinity_tokens={affinity_tokens} must be >= 0 outstanding tokens")
         self.buckets = validate_buckets(buckets)
+        self.affinity_tokens = affinity_tokens
         self.level_of = {bucket.name: level for level, bucket in enumerate(self.buckets)}
+        self._level_of_instance = {i: level for level, bucket in enumerate(self.buckets) for i in bucket.instances}
         self.limits = [bucket.token_limit for bucket in self.buckets]
         self.outstanding = {instance: 0 for bucket in self.buckets for instance in bucket.instances}
         self._order = [outward_order(level, len(self.buckets)) for level in range(len(self.buckets))]
@@ -127,7 +137,7 @@ class RouterBase:
     @classmethod
     def build(cls, buckets: Sequence[BucketSpec], options: RouterOptions) -> RouterBase:
         """Construct from the shared options (what :func:`make_router` calls)."""
-        return cls(buckets)
+        return cls(buckets, affinity_tokens=options.affinity_tokens)
 
     # --- load accounting ---
     def turn_started(self, instance: int, expected_tokens: int) -> None:
@@ -187,6 +197,20 @@ class RouterBase:
                 best, best_load = instance, load
         return best
 
+    def in_bucket(self, view: TrajectoryView, level: int, respect_saturation: bool = True) -> int | None:
+        """The instance of ``level`` for the trajectory's turn: where its KV prefix is, by
+        the affinity rule (module docstring), else :meth:`least_loaded`."""
+        best = self.least_loaded(level, respect_saturation)
+        prev = view.instance
+        if best is None or prev is None or prev == best or not self.affinity_tokens \
+                or self._level_of_instance.get(prev) != level or prev in self.down:
+            return best
+        load = self.outstanding[prev]
+        if load - self.outstanding[best] <= self.affinity_tokens and \
+                (not respect_saturation or load < self.buckets[level].max_outstanding_tokens):
+            return prev
+        return best
+
     def place_near(self, level: int) -> tuple[int, int]:
         """(level, instance) for a turn meant for ``level``, by the fallback rule."""
         for candidate in self._order[level]:
@@ -202,7 +226,7 @@ class RouterBase:
 
     def placement(self, view: TrajectoryView, target: int, reason: str) -> Placement:
         """Place near ``target`` and count the decision, fallback and migration."""
-        instance = self.least_loaded(target)
+        instance = self.in_bucket(view, target)
         level = target
         if instance is None:
             level, instance = self.place_near(target)
@@ -231,8 +255,8 @@ class CmlfqRouter(RouterBase):
     finished trajectories."""
 
     def __init__(self, buckets: Sequence[BucketSpec], *, window: int = 256, min_samples: int = 8,
-                 rebuild_every: int = 1000, retain: int | None = None):
-        super().__init__(buckets)
+                 rebuild_every: int = 1000, retain: int | None = None, affinity_tokens: int = 0):
+        super().__init__(buckets, affinity_tokens=affinity_tokens)
         if rebuild_every < 1:
             raise ValueError(f"rebuild_every={rebuild_every} finished trajectories must be >= 1")
         self.rebuild_every = rebuild_every
@@ -243,7 +267,7 @@ class CmlfqRouter(RouterBase):
     @classmethod
     def build(cls, buckets: Sequence[BucketSpec], options: RouterOptions) -> CmlfqRouter:
         return cls(buckets, window=options.window, min_samples=options.min_samples,
-                   rebuild_every=options.rebuild_every)
+                   rebuild_every=options.rebuild_every, affinity_tokens=options.affinity_tokens)
 
     def place(self, view: TrajectoryView) -> Placement:
         current = self.level_of.get(view.bucket) if view.bucket is not None else None
@@ -320,8 +344,8 @@ class FifoRouter(RouterBase):
     instances are silent: then the next live instance over all). Silent instances are
     skipped while any instance is live."""
 
-    def __init__(self, buckets: Sequence[BucketSpec]):
-        super().__init__(buckets)
+    def __init__(self, buckets: Sequence[BucketSpec], *, affinity_tokens: int = 0):
+        super().__init__(buckets)  # round-robin: no affinity
         self._all = [(level, i) for level, b in enumerate(self.buckets) for i in b.instances]
         self._next_all = 0
         self._next_in: dict[int, int] = defaultdict(int)
@@ -358,9 +382,9 @@ class LeastLoadRouter(RouterBase):
                           for lv, b in enumerate(self.buckets) for i in b.instances]
             _, _, _, level, instance = min(candidates, key=lambda c: c[:3])
         else:
-            instance = self.least_loaded(level)
+            instance = self.in_bucket(view, level)
             if instance is None:  # all saturated: stay anyway
-                instance = self.least_loaded(level, respect_saturation=False)
+                instance = self.in_bucket(view, level, respect_saturation=False)
             if instance is None:  # its bucket has no instance left
                 level, instance = self.place_near(level)
         return self.record(view, level, instance, "least load")
@@ -389,8 +413,8 @@ class LengthAwareRouter(_TrueLengthRouter):
     afresh at every decision from a seeded generator; the estimate's level, least load
     inside, neighbour fallback."""
 
-    def __init__(self, buckets: Sequence[BucketSpec], *, noise: float = 0.5, seed: int = 0):
-        super().__init__(buckets)
+    def __init__(self, buckets: Sequence[BucketSpec], *, noise: float = 0.5, seed: int = 0, affinity_tokens: int = 0):
+        super().__init__(buckets, affinity_tokens=affinity_tokens)
         if noise < 0:
             raise ValueError(f"predictor_noise={noise} must be >= 0 (sigma of a log-normal error)")
         self.noise = noise
@@ -398,7 +422,7 @@ class LengthAwareRouter(_TrueLengthRouter):
 
     @classmethod
     def build(cls, buckets: Sequence[BucketSpec], options: RouterOptions) -> LengthAwareRouter:
-        return cls(buckets, noise=options.predictor_noise, seed=options.seed)
+        return cls(buckets, noise=options.predictor_noise, seed=options.seed, affinity_tokens=options.affinity_tokens)
 
     def estimate(self, true_remaining: int) -> float:
         return true_remaining * math.exp(self.rng.gauss(0.0, self.noise)) if self.noise else float(true_remaining)
@@ -413,18 +437,19 @@ class OracleRouter(_TrueLengthRouter):
 
 
 def make_router(policy: str, buckets: Sequence[BucketSpec], *, window: int, min_samples: int,
-                rebuild_every: int, predictor_noise: float = 0.5, seed: int = 0) -> Router:
+                rebuild_every: int, predictor_noise: float = 0.5, seed: int = 0, affinity_tokens: int = 0) -> Router:
     """The registered policy ``policy`` over ``buckets``; ValueError lists the names."""
     if policy not in ROUTERS:
         raise ValueError(f"unknown routing policy {policy!r}; registered policies: {sorted(ROUTERS)}")
-    options = RouterOptions(window, min_samples, rebuild_every, predictor_noise, seed)
+    options = RouterOptions(window, min_samples, rebuild_every, predictor_noise, seed, affinity_tokens)
     return ROUTERS[policy].build(buckets, options)
 
 
 def router_from_config(cfg, buckets: Sequence[BucketSpec], seed: int = 0) -> Router:
     """:func:`make_router` from a :class:`~libra_hpc.config.SchedulerConfig`."""
     return make_router(cfg.policy, buckets, window=cfg.tree_window, min_samples=cfg.min_samples,
-                       rebuild_every=cfg.rebuild_every, predictor_noise=cfg.predictor_noise, seed=seed)
+                       rebuild_every=cfg.rebuild_every, predictor_noise=cfg.predictor_noise, seed=seed,
+                       affinity_tokens=cfg.affinity_tokens)
 
 
 def buckets_from_instances(instances: Sequence[tuple[int, int]], token_limits: dict[int, int]) -> list[BucketSpec]:

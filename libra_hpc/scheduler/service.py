@@ -500,7 +500,7 @@ class QueueService:
     def _place(self, traj: _Trajectory, front: bool) -> Placement:
         remaining = None if traj.true_remaining is None else max(0, traj.true_remaining - traj.generated)
         view = TrajectoryView(traj.tid, traj.prompt_id, traj.states, traj.generated, traj.bucket, remaining,
-                              traj.turn_tokens)
+                              traj.turn_tokens, traj.prev_instance)
         placement = self._router.place(view)
         bucket = self._bucket_of.get(placement.instance)
         if bucket is None or bucket != placement.bucket:

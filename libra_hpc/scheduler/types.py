@@ -57,6 +57,8 @@ class TrajectoryView(NamedTuple):
     """Output tokens of each turn so far: ``turn_tokens[d]`` was generated after the d-th
     tool return. Lets C-MLFQ condition a shallower node's statistics on what the
     trajectory has generated since that node."""
+    instance: int | None = None
+    """The instance its previous turn ran on: its KV prefix is cached there (None: new)."""
 
 
 class Placement(NamedTuple):

@@ -202,6 +202,10 @@ class SchedulerSpec(_Section):
     """Finished trajectories between tree rebuilds."""
     predictor_noise: float = Field(0.5, ge=0)
     """``length_aware`` ablation: sigma of the log-normal error of its length predictor."""
+    affinity_tokens: int = Field(16384, ge=0)
+    """Prefix affinity of every router but fifo: a turn that stays in its bucket runs where
+    its previous turn ran while that instance has at most this many more outstanding tokens
+    than the bucket's least loaded one (libra_hpc/scheduler/routers.py); 0: least loaded."""
     saturation: float = Field(1.0, gt=0)
     """An instance counts as saturated for routing (the router sends the turn to a
     neighbouring bucket) when its leased turns reach this multiple of its *decode knee*:

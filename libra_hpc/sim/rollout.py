@@ -157,7 +157,8 @@ class RolloutSide:
         buckets = self._buckets(layout, limits)
         self.router = make_router(self.policy, buckets, window=self.sched.tree_window,
                                   min_samples=self.sched.min_samples, rebuild_every=self.sched.rebuild_every,
-                                  predictor_noise=self.sched.predictor_noise, seed=self.seed)
+                                  predictor_noise=self.sched.predictor_noise, seed=self.seed,
+                                  affinity_tokens=self.sched.affinity_tokens)
         if old_router is not None and hasattr(old_router, "state_dict") and hasattr(self.router, "load_state_dict"):
             self.router.load_state_dict(old_router.state_dict())
         if old_router is not None:
