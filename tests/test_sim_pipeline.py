@@ -45,6 +45,28 @@ def test_a_tool_call_holds_the_trajectory_and_its_outcome_reaches_the_scheduler(
     assert side.gen_tokens == 20 and side.counts["tool_calls"] == 1
 
 
+def test_a_replan_from_the_batch_end_callback_leaves_the_waking_instance_alone():
+    """The controller applies a waiting plan when the last trajectory of a batch ends, which
+    happens inside that instance's wake event: the event must not touch the instance (or
+    the layout's per-instance state) once the layout has changed under it."""
+    model = ConstantStepModel(0.01)
+    sides = []
+
+    def replan(batch, now):
+        sides[0].configure([InstanceSpec(7, 1)], now)  # instance 1 leaves the layout
+
+    side = RolloutSide({1: model}, SCHED, CostSpec(max_num_seqs=4), "cmlfq", 0, replan)
+    sides.append(side)
+    side.configure([InstanceSpec(1, 1)], 0.0)
+    loop = EventLoop()
+    loop.schedule_all(side.submit(0, [Trajectory("t0", "p", 0, 0, 1, (10,), ())], 0.0))
+    loop.run()
+    assert list(side.instances) == [7] and side.service.stats()["completed"] == 0  # a fresh service
+    loop.schedule_all(side.submit(1, [Trajectory("t1", "p", 1, 0, 1, (5,), ())], loop.now))
+    loop.run()
+    assert side.gen_tokens == 15
+
+
 def test_one_instance_batch_makespan_with_limited_seats():
     # 4 single-turn trajectories of 10/20/30/40 tokens, 2 seats, 10 ms steps:
     # 10 and 20 run; 30 joins at 0.1 (ends step 40), 40 joins at 0.2 (ends step 60) → 0.6 s.

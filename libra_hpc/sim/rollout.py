@@ -312,6 +312,8 @@ class RolloutSide:
         events: list[Event] = []
         for run in finished:
             self._turn_end(run, now, events)
+        if self.instances.get(ev.iid) is not inst:  # the last batch ended and its callback re-planned
+            return events
         if not self._fill(inst, now) and not inst.load:
             self._steal(inst, now)
         self._note(inst)
