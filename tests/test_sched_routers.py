@@ -383,3 +383,14 @@ def test_the_service_tells_the_router_where_the_previous_turn_ran():
     placed = service.handle({"op": "tool_return", "lease": first["lease"], "tool": "python", "size": "S",
                              "status": "success", "tokens": 10}, 0.0)
     assert (placed["bucket"], placed["instance"]) == ("tp1", 0)  # stays with its prefix (slack 10k)
+
+
+@pytest.mark.parametrize("policy", ["oracle", "least_load"])
+def test_affinity_holds_when_every_instance_of_the_bucket_is_saturated(policy):
+    router = make_router(policy, buckets(cap=100), window=8, min_samples=2, rebuild_every=10, affinity_tokens=500,
+                         predictor_noise=0.0)
+    for instance in range(6):
+        router.turn_started(instance, 200)  # everything saturated (cap 100)
+    router.turn_started(3, 100)  # 3 holds 100 more than its sibling 2, within the slack
+    placed = router.place(_prev(3))
+    assert (placed.bucket, placed.instance) == ("tp2", 3)

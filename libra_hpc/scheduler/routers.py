@@ -211,17 +211,21 @@ class RouterBase:
             return prev
         return best
 
-    def place_near(self, level: int) -> tuple[int, int]:
-        """(level, instance) for a turn meant for ``level``, by the fallback rule."""
+    def place_near(self, view: TrajectoryView, level: int) -> tuple[int, int]:
+        """(level, instance) for a turn meant for ``level``, by the fallback rule (the
+        affinity rule inside each bucket tried)."""
         for candidate in self._order[level]:
-            instance = self.least_loaded(candidate)
+            instance = self.in_bucket(view, candidate)
             if instance is not None:
                 return candidate, instance
-        for skip_down in (True, False):  # every instance saturated; then every one silent too
-            for candidate in self._order[level]:
-                instance = self.least_loaded(candidate, respect_saturation=False, skip_down=skip_down)
-                if instance is not None:
-                    return candidate, instance
+        for candidate in self._order[level]:  # every instance saturated
+            instance = self.in_bucket(view, candidate, respect_saturation=False)
+            if instance is not None:
+                return candidate, instance
+        for candidate in self._order[level]:  # every instance silent too
+            instance = self.least_loaded(candidate, respect_saturation=False, skip_down=False)
+            if instance is not None:
+                return candidate, instance
         raise AssertionError("validate_buckets guarantees an instance")  # pragma: no cover
 
     def placement(self, view: TrajectoryView, target: int, reason: str) -> Placement:
@@ -229,7 +233,7 @@ class RouterBase:
         instance = self.in_bucket(view, target)
         level = target
         if instance is None:
-            level, instance = self.place_near(target)
+            level, instance = self.place_near(view, target)
         if level != target:
             self.fallbacks += 1
             reason = f"{reason}; fell back from {self.buckets[target].name}"
@@ -386,7 +390,7 @@ class LeastLoadRouter(RouterBase):
             if instance is None:  # all saturated: stay anyway
                 instance = self.in_bucket(view, level, respect_saturation=False)
             if instance is None:  # its bucket has no instance left
-                level, instance = self.place_near(level)
+                level, instance = self.place_near(view, level)
         return self.record(view, level, instance, "least load")
 
     def _saturated(self, instance: int, bucket: BucketSpec) -> bool:
