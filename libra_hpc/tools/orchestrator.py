@@ -7,14 +7,19 @@ kind. Scheduling is event-driven: every submission, completion and unit start-up
 
 Runners (the pluggable resource kinds) implement ``run(unit, payload) -> result``:
 :class:`SandboxRunner` (CPU sandboxes; unit ``i`` is a :class:`Sandbox` slot with uid
-``uid_base + i``) and ``EndpointRunner`` in endpoint.py (a model-serving HTTP endpoint,
-e.g. a reward model; unit ``i`` is one concurrent request slot).
+``uid_base + i``), :class:`~libra_hpc.tools.remote.SlurmSandboxRunner` (the same sandboxes
+in workers that ``srun`` starts on other nodes, ``tools.placement: slurm``) and
+``EndpointRunner`` in endpoint.py (a model-serving HTTP endpoint, e.g. a reward model; unit
+``i`` is one concurrent request slot). A runner may also have ``release(unit)``, called when
+the pool retires a unit (a remote worker gives its allocation back), and ``close()``, called
+by :meth:`ToolOrchestrator.close`.
 """
 
 from __future__ import annotations
 
 import logging
 import math
+import sys
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -23,6 +28,7 @@ from typing import Any, Protocol
 
 from libra_hpc.tools.isolation import SandboxLimits
 from libra_hpc.tools.procs import SlotLeak
+from libra_hpc.tools.remote import SlurmSandboxRunner, srun_argv
 from libra_hpc.tools.sandbox import (
     DEFAULT_LIMITS,
     DEFAULT_RULES,
@@ -31,6 +37,7 @@ from libra_hpc.tools.sandbox import (
 )
 from libra_hpc.tools.scheduling import ActionScheduler, Dispatch
 from libra_hpc.tools.slots import DEFAULT_LOCK_DIR
+from libra_hpc.tools.worker import worker_spec
 
 log = logging.getLogger(__name__)
 
@@ -228,11 +235,6 @@ def cpu_runner_from_config(tools, rules: ClassifyRules = DEFAULT_RULES) -> Runne
     if tools.placement == "local":
         return SandboxRunner(limits, uid_base=tools.uid_base, isolation=tools.isolation, python=tools.python,
                              rules=rules, lock_dir=tools.lock_dir)
-    import sys
-
-    from libra_hpc.tools.remote import SlurmSandboxRunner, srun_argv
-    from libra_hpc.tools.worker import worker_spec
-
     spec = worker_spec(limits, uid_base=tools.uid_base, slots=tools.max_workers, isolation=tools.isolation,
                        python=tools.python, rules=rules, lock_dir=tools.lock_dir)
     worker = [sys.executable, "-m", "libra_hpc.tools.worker", spec]
