@@ -4,6 +4,7 @@ units giving their workers back, and workers started by srun on the private Slur
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import sys
@@ -183,3 +184,43 @@ def test_local_placement_keeps_the_sandboxes_on_this_host():
     cfg = validate_config({"tools": {"uid_base": UID_BASE + 40}})
     runner = cpu_runner_from_config(cfg.tools)
     assert type(runner).__name__ == "SandboxRunner"
+
+
+def test_a_leaked_slot_on_the_worker_quarantines_the_unit():
+    from libra_hpc.tools.procs import SlotLeak
+
+    leaky = ("import json, sys\nprint(json.dumps({'ready': True, 'node': 'n9', 'host': 'h', 'isolation': 'bwrap'}), "
+             "flush=True)\nsys.stdin.readline()\nprint(json.dumps({'ok': False, 'leak': True, 'error': 'pid 7 survives'}), "
+             "flush=True)\n")
+    runner = SlurmSandboxRunner(lambda unit: [sys.executable, "-c", leaky], wall_time_s=1.0)
+    orch = ToolOrchestrator(make_scheduler("tangram", [ResourceSpec("cpu", 2)]), {"cpu": runner})
+    with pytest.raises(SlotLeak, match="unit 0 on node n9: .*pid 7 survives"):
+        orch.submit("t", "python", "cpu", "print(1)").result(timeout=30)
+    assert orch.scheduler.pools["cpu"].quarantined() == [0] and runner.nodes() == {}
+    orch.close()
+
+
+def test_the_worker_reports_a_leak_and_stops(monkeypatch):
+    import io
+
+    from libra_hpc.tools import worker as worker_module
+    from libra_hpc.tools.procs import SlotLeak
+
+    class Leaky:
+        isolation = "bwrap"
+        closed = False
+
+        def run_python(self, code, tool="python"):
+            raise SlotLeak("uid 240099: pid 7 survives SIGKILL")
+
+        def close(self):
+            Leaky.closed = True
+
+    monkeypatch.setattr(worker_module, "first_free_sandbox", lambda *args, **kwargs: Leaky())
+    out = io.StringIO()
+    spec = json.loads(_worker()[-1])
+    status = worker_module.serve(spec, io.StringIO('{"code": "print(1)"}\n{"code": "print(2)"}\n'), out)
+    lines = [json.loads(line) for line in out.getvalue().splitlines()]
+    assert status == 1 and lines[0]["ready"] and len(lines) == 2  # the second call never ran
+    assert lines[1]["ok"] is False and lines[1]["leak"] is True and "pid 7 survives" in lines[1]["error"]
+    assert Leaky.closed

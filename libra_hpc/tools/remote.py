@@ -15,6 +15,9 @@ retires the unit (idle for ``tools.idle_timeout_s``) or the orchestrator closes:
 pool gives its Slurm allocations back. A worker that dies, or does not answer within the
 call's wall time plus ``reply_margin_s``, fails that call with an error naming the unit,
 its node and the tail of the worker's stderr; the next call on the unit starts a new worker.
+A call whose processes survived SIGKILL on the worker's node raises
+:class:`~libra_hpc.tools.procs.SlotLeak`, so the orchestrator quarantines the unit as it does
+a local one.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from libra_hpc.tools.procs import SlotLeak
 from libra_hpc.tools.sandbox import ToolResult
 from libra_hpc.tools.worker import result_from_json
 
@@ -162,6 +166,10 @@ class SlurmSandboxRunner:
             self._forget(unit, worker)
             raise
         if not reply.get("ok"):
+            if reply.get("leak"):  # the orchestrator quarantines the unit, as for a local slot
+                self._forget(unit, worker)
+                worker.stop()
+                raise SlotLeak(worker._why(str(reply.get("error"))))
             if not worker.alive():
                 self._forget(unit, worker)
             raise RemoteToolError(worker._why(f"call refused: {reply.get('error', reply)}"))

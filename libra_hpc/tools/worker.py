@@ -11,7 +11,8 @@ its node and runs the calls it is sent, one at a time. Protocol, one JSON object
   ``{"argv": [str, ...], "tool": str}`` (a command);
 - each reply on stdout: ``{"ok": true, "result": {...}}`` (:func:`result_to_json`) or
   ``{"ok": false, "error": str}`` for a request it could not run (malformed, or the
-  sandbox failed; the worker goes on with the next request unless its slot leaked).
+  sandbox failed; the worker goes on with the next request), with ``"leak": true`` when
+  processes of the call survived SIGKILL (the worker exits: its slot must not run again).
 
 End of stdin ends the worker (releasing its slot). SPEC_JSON: :func:`worker_spec`.
 """
@@ -69,7 +70,7 @@ def serve(spec: dict, stdin: TextIO, stdout: TextIO) -> int:
             try:
                 reply = {"ok": True, "result": result_to_json(_run(sandbox, json.loads(line)))}
             except SlotLeak as exc:  # its processes survive: this worker must not run another call
-                _say(stdout, {"ok": False, "error": f"sandbox slot on {where} leaked processes: {exc}"})
+                _say(stdout, {"ok": False, "leak": True, "error": f"sandbox slot on {where} leaked processes: {exc}"})
                 return 1
             except (ValueError, TypeError, KeyError, RuntimeError, OSError) as exc:
                 reply = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
