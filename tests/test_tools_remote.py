@@ -224,3 +224,31 @@ def test_the_worker_reports_a_leak_and_stops(monkeypatch):
     assert status == 1 and lines[0]["ready"] and len(lines) == 2  # the second call never ran
     assert lines[1]["ok"] is False and lines[1]["leak"] is True and "pid 7 survives" in lines[1]["error"]
     assert Leaky.closed
+
+
+@pytest.mark.slurm
+def test_inside_a_job_the_workers_are_steps_beside_the_running_mpi_step(slurm_cluster, tmp_path):
+    """No partition: the worker is a step of the current allocation (srun --overlap), even
+    while another step (the MPI world) holds every task of the job."""
+    script = tmp_path / "tools_in_job.py"
+    script.write_text(
+        "from libra_hpc.config import validate_config\n"
+        "from libra_hpc.tools.orchestrator import orchestrator_from_config\n"
+        f"cfg = validate_config({{'tools': {{'placement': 'slurm', 'max_workers': 1, 'wall_time_s': 5.0, "
+        f"'uid_base': {UID_BASE + 30}}}}})\n"
+        "orch = orchestrator_from_config(cfg.tools, cfg.scheduler)\n"
+        "result = orch.submit('t', 'python', 'cpu', 'print(6 * 7)').result(timeout=120)\n"
+        "print('RESULT', result.stdout.strip(), result.state.key(), sorted(orch.runners['cpu'].nodes().values()), "
+        "flush=True)\n"
+        "orch.close()\n")
+    job = (f"srun --nodes=2 --ntasks=2 sleep 60 & step=$!; sleep 2; start=$(date +%s); {sys.executable} {script}; "
+           "status=$?; echo TOOK $(( $(date +%s) - start )); kill $step; wait; exit $status")
+    job_id = slurm_cluster.run("sbatch", "--parsable", "--nodes=2", "--ntasks=2", f"--chdir={tmp_path}",
+                               f"--output={tmp_path}/job.out", "--wrap", job).strip()
+    state = slurm_cluster.wait_job(job_id, timeout_s=180)
+    out = (tmp_path / "job.out").read_text()
+    assert state == "COMPLETED", out
+    line = next(line for line in out.splitlines() if line.startswith("RESULT"))
+    assert line.startswith("RESULT 42 python|S|success ['node"), out
+    took = int(next(line for line in out.splitlines() if line.startswith("TOOK")).split()[1])
+    assert took < 50, out  # it ran beside the 60 s step, not after it
