@@ -90,21 +90,21 @@ class _Worker:
             line = self.lines.get(timeout=timeout_s)
         except queue.Empty:
             self.stop()
-            raise RemoteToolError(self._why(f"no {what} reply within {timeout_s:g} s")) from None
+            raise RemoteToolError(self.why(f"no {what} reply within {timeout_s:g} s")) from None
         if line is None:
             self.stop()
-            raise RemoteToolError(self._why(f"worker exited (status {self.proc.poll()}) before its {what} reply"))
+            raise RemoteToolError(self.why(f"worker exited (status {self.proc.poll()}) before its {what} reply"))
         try:
             message = json.loads(line)
         except json.JSONDecodeError:
             self.stop()
-            raise RemoteToolError(self._why(f"sent a line that is not JSON: {line[:200]!r}")) from None
+            raise RemoteToolError(self.why(f"sent a line that is not JSON: {line[:200]!r}")) from None
         if not isinstance(message, dict):
             self.stop()
-            raise RemoteToolError(self._why(f"sent {type(message).__name__}, not a JSON object"))
+            raise RemoteToolError(self.why(f"sent {type(message).__name__}, not a JSON object"))
         return message
 
-    def _why(self, what: str) -> str:
+    def why(self, what: str) -> str:
         tail = " | ".join(self.stderr) or "(empty)"
         return f"tool worker for unit {self.unit} on node {self.node}: {what}; its stderr: {tail}"
 
@@ -112,20 +112,24 @@ class _Worker:
         return self.proc.poll() is None
 
     def stop(self, grace_s: float = 5.0) -> None:
-        """End of input (the worker releases its slot and exits), then kill what is left."""
+        """End of input (the worker releases its slot and exits); then SIGTERM, then SIGKILL
+        to what is left (srun, or the worker when started directly)."""
         try:
             if self.proc.stdin and not self.proc.stdin.closed:
                 self.proc.stdin.close()
         except OSError:
             pass
-        try:
-            self.proc.wait(timeout=grace_s)
-        except subprocess.TimeoutExpired:
+        for sig, wait_s in ((None, grace_s), (signal.SIGTERM, 2.0), (signal.SIGKILL, None)):
+            if sig is not None:  # SIGTERM first: srun forwards it and ends the step on the node
+                try:
+                    os.killpg(self.proc.pid, sig)
+                except ProcessLookupError:
+                    pass
             try:
-                os.killpg(self.proc.pid, signal.SIGKILL)  # srun and the worker, if local
-            except ProcessLookupError:
-                pass
-            self.proc.wait()
+                self.proc.wait(timeout=wait_s)
+                break
+            except subprocess.TimeoutExpired:
+                continue
         for pump in self._pumps:  # what it wrote last, its stderr included, is read by now
             pump.join(timeout=1.0)
 
@@ -159,7 +163,7 @@ class SlurmSandboxRunner:
             worker.proc.stdin.flush()
         except OSError as exc:
             self._forget(unit, worker)
-            raise RemoteToolError(worker._why(f"could not send the call: {exc}")) from None
+            raise RemoteToolError(worker.why(f"could not send the call: {exc}")) from None
         try:
             reply = worker.receive(self._reply_timeout_s, "call")
         except RemoteToolError:
@@ -169,16 +173,16 @@ class SlurmSandboxRunner:
             if reply.get("leak"):  # the orchestrator quarantines the unit, as for a local slot
                 self._forget(unit, worker)
                 worker.stop()
-                raise SlotLeak(worker._why(str(reply.get("error"))))
+                raise SlotLeak(worker.why(str(reply.get("error"))))
             if not worker.alive():
                 self._forget(unit, worker)
-            raise RemoteToolError(worker._why(f"call refused: {reply.get('error', reply)}"))
+            raise RemoteToolError(worker.why(f"call refused: {reply.get('error', reply)}"))
         try:
             return result_from_json(reply["result"])
         except (KeyError, TypeError) as exc:
             self._forget(unit, worker)
             worker.stop()
-            raise RemoteToolError(worker._why(f"malformed result {exc!r}")) from None
+            raise RemoteToolError(worker.why(f"malformed result {exc!r}")) from None
 
     def release(self, unit: int) -> None:
         """The pool retired ``unit``: stop its worker (its Slurm allocation or step ends).
