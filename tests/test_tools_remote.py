@@ -174,10 +174,16 @@ def test_workers_started_by_srun_run_calls_on_the_clusters_nodes(slurm_cluster, 
         assert sum(line.startswith("libra-tools RUNNING") for line in jobs) == 2  # one allocation per unit
     finally:
         orch.close()
-    deadline = time.monotonic() + 30
-    while "libra-tools" in slurm_cluster.run("squeue", "-h", "-o", "%j") and time.monotonic() < deadline:
+    deadline = time.monotonic() + 60  # the workers ended: their jobs leave (COMPLETING is the node's cleanup)
+    while (held := _tool_jobs_holding(slurm_cluster)) and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert "libra-tools" not in slurm_cluster.run("squeue", "-h", "-o", "%j")
+    assert not held, slurm_cluster.run("squeue", "-h", "-o", "%i %j %T %r")
+
+
+def _tool_jobs_holding(cluster) -> list[str]:
+    """libra-tools jobs still pending or running (not those Slurm is cleaning up after)."""
+    jobs = [line.split() for line in cluster.run("squeue", "-h", "-o", "%j %T").splitlines() if line.strip()]
+    return [state for name, state in jobs if name == "libra-tools" and state != "COMPLETING"]
 
 
 def test_local_placement_keeps_the_sandboxes_on_this_host():
