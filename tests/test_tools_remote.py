@@ -63,7 +63,7 @@ def test_slurm_placement_options_are_checked(tools, field):
 
 
 def test_worker_runs_snippets_in_its_sandbox_and_names_itself():
-    runner = SlurmSandboxRunner(lambda unit: _worker(), wall_time_s=LIMITS.wall_time_s)
+    runner = SlurmSandboxRunner(_worker(), wall_time_s=LIMITS.wall_time_s)
     try:
         result = runner.run(0, "print(6 * 7)")
         assert (result.stdout, result.exit_code, result.state.key()) == ("42\n", 0, "python|S|success")
@@ -83,7 +83,7 @@ def test_worker_runs_snippets_in_its_sandbox_and_names_itself():
 
 
 def test_a_dead_worker_fails_its_call_with_the_unit_and_the_next_call_starts_a_new_one():
-    runner = SlurmSandboxRunner(lambda unit: _worker(), wall_time_s=LIMITS.wall_time_s)
+    runner = SlurmSandboxRunner(_worker(), wall_time_s=LIMITS.wall_time_s)
     try:
         assert runner.run(3, "print(1)").stdout == "1\n"
         first = runner._workers[3].proc.pid
@@ -93,7 +93,7 @@ def test_a_dead_worker_fails_its_call_with_the_unit_and_the_next_call_starts_a_n
         assert runner._workers[3].proc.pid != first
         hang = runner._workers[3]
         os.kill(hang.proc.pid, signal.SIGSTOP)  # alive but silent: the call times out
-        short = SlurmSandboxRunner(lambda unit: _worker(), wall_time_s=0.5, reply_margin_s=0.5)
+        short = SlurmSandboxRunner(_worker(), wall_time_s=0.5, reply_margin_s=0.5)
         short._workers[3] = hang
         with pytest.raises(RemoteToolError, match=r"unit 3 on node .*no call reply within 1 s"):
             short.run(3, "print(3)")
@@ -111,7 +111,7 @@ def test_a_dead_worker_fails_its_call_with_the_unit_and_the_next_call_starts_a_n
     ([sys.executable, "-c", "import time; time.sleep(30)"], "no start reply within 0.5 s"),
 ])
 def test_a_worker_that_cannot_start_is_named_with_its_stderr(argv, why):
-    runner = SlurmSandboxRunner(lambda unit: argv, wall_time_s=1.0, start_timeout_s=0.5)
+    runner = SlurmSandboxRunner(argv, wall_time_s=1.0, start_timeout_s=0.5)
     started = time.monotonic()
     with pytest.raises(RemoteToolError, match=f"tool worker for unit 5.*{why}") as error:
         runner.run(5, "print(1)")
@@ -122,7 +122,7 @@ def test_a_worker_that_cannot_start_is_named_with_its_stderr(argv, why):
 
 
 def test_a_worker_that_finds_no_sandbox_slot_says_so():
-    busy = [SlurmSandboxRunner(lambda unit: _worker(slots=1), wall_time_s=5.0) for _ in range(2)]
+    busy = [SlurmSandboxRunner(_worker(slots=1), wall_time_s=5.0) for _ in range(2)]
     try:
         assert busy[0].run(0, "print(1)").stdout == "1\n"  # holds the only slot uid of this spec
         if os.geteuid() != 0:
@@ -135,7 +135,7 @@ def test_a_worker_that_finds_no_sandbox_slot_says_so():
 
 
 def test_retired_units_give_their_workers_back_without_another_call():
-    runner = SlurmSandboxRunner(lambda unit: _worker(), wall_time_s=LIMITS.wall_time_s)
+    runner = SlurmSandboxRunner(_worker(), wall_time_s=LIMITS.wall_time_s)
     orch = ToolOrchestrator(make_scheduler("tangram", [ResourceSpec("cpu", 2, idle_timeout_s=0.5)]), {"cpu": runner})
     try:
         futures = [orch.submit(f"t{i}", "python", "cpu", f"import time; time.sleep(0.3); print({i})") for i in range(4)]
@@ -198,7 +198,7 @@ def test_a_leaked_slot_on_the_worker_quarantines_the_unit():
     leaky = ("import json, sys\nprint(json.dumps({'ready': True, 'node': 'n9', 'host': 'h', 'isolation': 'bwrap'}), "
              "flush=True)\nsys.stdin.readline()\nprint(json.dumps({'ok': False, 'leak': True, 'error': 'pid 7 survives'}), "
              "flush=True)\n")
-    runner = SlurmSandboxRunner(lambda unit: [sys.executable, "-c", leaky], wall_time_s=1.0)
+    runner = SlurmSandboxRunner([sys.executable, "-c", leaky], wall_time_s=1.0)
     orch = ToolOrchestrator(make_scheduler("tangram", [ResourceSpec("cpu", 2)]), {"cpu": runner})
     with pytest.raises(SlotLeak, match="unit 0 on node n9: .*pid 7 survives"):
         orch.submit("t", "python", "cpu", "print(1)").result(timeout=30)

@@ -240,7 +240,7 @@ def cpu_runner_from_config(tools, rules: ClassifyRules = DEFAULT_RULES) -> Runne
     worker = [sys.executable, "-m", "libra_hpc.tools.worker", spec]
     argv = srun_argv(worker, partition=tools.slurm_partition, cpus=tools.slurm_cpus_per_unit,
                      time_limit=tools.slurm_time_limit, extra=tools.slurm_args)
-    return SlurmSandboxRunner(lambda unit: argv, wall_time_s=tools.wall_time_s)
+    return SlurmSandboxRunner(argv, wall_time_s=tools.wall_time_s)
 
 
 def orchestrator_from_config(tools, scheduler_cfg=None, clock: Callable[[], float] = time.monotonic) -> ToolOrchestrator:

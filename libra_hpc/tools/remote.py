@@ -135,15 +135,15 @@ class _Worker:
 
 
 class SlurmSandboxRunner:
-    """Runner of the ``cpu`` resource whose units are remote workers. ``command(unit)``:
-    the argv that starts unit ``unit``'s worker (:func:`srun_argv` around
+    """Runner of the ``cpu`` resource whose units are remote workers. ``argv``: the command
+    that starts one unit's worker, the same for every unit (:func:`srun_argv` around
     ``python -m libra_hpc.tools.worker SPEC``; tests may start the worker directly).
     ``wall_time_s``: the calls' wall-time limit; a reply is awaited ``reply_margin_s``
     longer. Payloads as :class:`~libra_hpc.tools.orchestrator.SandboxRunner`'s."""
 
-    def __init__(self, command: Callable[[int], Sequence[str]], *, wall_time_s: float, reply_margin_s: float = 30.0,
+    def __init__(self, argv: Sequence[str], *, wall_time_s: float, reply_margin_s: float = 30.0,
                  start_timeout_s: float = 120.0):
-        self._command = command
+        self._argv = list(argv)
         self._reply_timeout_s = wall_time_s + reply_margin_s
         self._start_timeout_s = start_timeout_s
         self._workers: dict[int, _Worker] = {}
@@ -213,7 +213,7 @@ class SlurmSandboxRunner:
             if worker is not None and worker.alive():
                 return worker
             self._workers.pop(unit, None)
-        worker = _Worker(unit, self._command(unit), self._start_timeout_s)  # may take long (queueing): unlocked
+        worker = _Worker(unit, self._argv, self._start_timeout_s)  # may take long (queueing): unlocked
         with self._lock:
             self._workers[unit] = worker
         return worker
