@@ -85,7 +85,8 @@ def validate_buckets(buckets: Sequence[BucketSpec]) -> tuple[BucketSpec, ...]:
     """The buckets sorted by ``token_limit`` (the MLFQ levels), after checking unique
     names, distinct positive limits, instance ids unique across buckets and at least one
     instance overall; ValueError names the offending bucket or instance."""
-    names, owner = set(), {}
+    names: set[str] = set()
+    owner: dict[int, str] = {}
     for bucket in buckets:
         if bucket.name in names:
             raise ValueError(f"bucket name {bucket.name!r} appears twice; bucket names must be unique")
@@ -139,12 +140,16 @@ class RouterBase:
         """Construct from the shared options (what :func:`make_router` calls)."""
         return cls(buckets, affinity_tokens=options.affinity_tokens)
 
+    def place(self, view: TrajectoryView) -> Placement:
+        """Where the trajectory's next turn runs (each policy's own rule)."""
+        raise NotImplementedError
+
     # --- load accounting ---
     def turn_started(self, instance: int, expected_tokens: int) -> None:
         """A turn of ``expected_tokens`` now waits on or runs on ``instance``."""
         load = self.outstanding.get(instance)
         if load is None or expected_tokens < 0:
-            self._check(instance, expected_tokens)
+            raise self._invalid(instance, expected_tokens)
         self.outstanding[instance] = load + expected_tokens
 
     def turn_ended(self, instance: int, expected_tokens: int) -> None:
@@ -152,23 +157,24 @@ class RouterBase:
         silent); pass the same tokens."""
         load = self.outstanding.get(instance)
         if load is None or expected_tokens < 0:
-            self._check(instance, expected_tokens)
+            raise self._invalid(instance, expected_tokens)
         if load < expected_tokens:
             raise ValueError(f"instance {instance}: turn_ended({expected_tokens}) with only "
                              f"{load} outstanding tokens; was the turn ended twice?")
         self.outstanding[instance] = load - expected_tokens
 
-    def _check(self, instance: int, expected_tokens: int) -> None:
+    def _invalid(self, instance: int, expected_tokens: int) -> Exception:
+        """The error for an unknown ``instance`` or negative ``expected_tokens``."""
         if instance not in self.outstanding:
-            raise KeyError(f"unknown rollout instance {instance}; this router's instances are {sorted(self.outstanding)}")
-        if expected_tokens < 0:
-            raise ValueError(f"instance {instance}: expected_tokens={expected_tokens} must be >= 0")
+            return KeyError(f"unknown rollout instance {instance}; this router's instances are {sorted(self.outstanding)}")
+        return ValueError(f"instance {instance}: expected_tokens={expected_tokens} must be >= 0")
 
     def set_down(self, instance: int, down: bool) -> None:
         """Mark ``instance`` silent (``down``: its lease expired without a renewal, the
         engine may be dead) or back (it asked or sent a heartbeat). Placements skip silent
         instances while any other instance can take the turn."""
-        self._check(instance, 0)
+        if instance not in self.outstanding:
+            raise self._invalid(instance, 0)
         if down:
             self.down.add(instance)
         else:
@@ -355,14 +361,15 @@ class FifoRouter(RouterBase):
         self._next_in: dict[int, int] = defaultdict(int)
 
     def place(self, view: TrajectoryView) -> Placement:
-        level = self.level_of.get(view.bucket) if view.bucket is not None else None
-        if level is not None:
-            instances = self.buckets[level].instances
+        current = self.level_of.get(view.bucket) if view.bucket is not None else None
+        if current is not None:
+            instances = self.buckets[current].instances
             for _ in range(len(instances)):
-                instance = instances[self._next_in[level] % len(instances)]
-                self._next_in[level] += 1
+                instance = instances[self._next_in[current] % len(instances)]
+                self._next_in[current] += 1
                 if instance not in self.down:
-                    return self.record(view, level, instance, "round-robin in bucket")
+                    return self.record(view, current, instance, "round-robin in bucket")
+        level, instance = self._all[0]
         for _ in range(len(self._all)):
             level, instance = self._all[self._next_all % len(self._all)]
             self._next_all += 1
@@ -380,18 +387,19 @@ class LeastLoadRouter(RouterBase):
     else to send work; silent instances come last."""
 
     def place(self, view: TrajectoryView) -> Placement:
-        level = self.level_of.get(view.bucket) if view.bucket is not None else None
-        if level is None:
+        current = self.level_of.get(view.bucket) if view.bucket is not None else None
+        if current is None:
             candidates = [(i in self.down, self._saturated(i, b), self.outstanding[i], lv, i)
                           for lv, b in enumerate(self.buckets) for i in b.instances]
             _, _, _, level, instance = min(candidates, key=lambda c: c[:3])
-        else:
-            instance = self.in_bucket(view, level)
-            if instance is None:  # all saturated: stay anyway
-                instance = self.in_bucket(view, level, respect_saturation=False)
-            if instance is None:  # its bucket has no instance left
-                level, instance = self.place_near(view, level)
-        return self.record(view, level, instance, "least load")
+            return self.record(view, level, instance, "least load")
+        found = self.in_bucket(view, current)
+        if found is None:  # all saturated: stay anyway
+            found = self.in_bucket(view, current, respect_saturation=False)
+        if found is None:  # its bucket has no instance left
+            level, instance = self.place_near(view, current)
+            return self.record(view, level, instance, "least load")
+        return self.record(view, current, found, "least load")
 
     def _saturated(self, instance: int, bucket: BucketSpec) -> bool:
         return self.outstanding[instance] >= bucket.max_outstanding_tokens

@@ -82,7 +82,7 @@ import heapq
 import logging
 from collections import deque
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, NoReturn
 
 from libra_hpc.scheduler.state import Classifier
 from libra_hpc.scheduler.types import (
@@ -104,6 +104,12 @@ MAX_TURN_TOKENS = 1 << 24
 enter the causal tree's statistics (and its saved file) and overflow float arithmetic at
 the next placement."""
 REASONS = ("malformed", "unknown_instance", "unknown_lease", "late_report", "duplicate_report")
+
+
+_new_tuple = tuple.__new__
+"""``_new_tuple(NamedTupleClass, (fields...))`` builds a named tuple without its Python-level
+``__new__`` (a third of the cost), for the few built per decision. Every field must be
+given, in order."""
 
 
 class RouterError(RuntimeError):
@@ -135,8 +141,13 @@ class CompletedTrajectory(NamedTuple):
 
 
 class _Trajectory:
-    __slots__ = ("bucket", "expected", "generated", "instance", "migrated", "migrations", "phase", "prev_instance",
-                 "prompt_id", "requeues", "states", "tid", "true_remaining", "turn_tokens")
+    """One active trajectory. While its turn is leased, ``lease`` is the lease id (0: none)
+    and ``deadline`` when it lapses unless renewed; ``instance`` is where the turn is
+    queued or leased and ``expected`` the tokens it is charged there: a trajectory holds at
+    most one lease, so the lease needs no object of its own."""
+
+    __slots__ = ("bucket", "deadline", "expected", "generated", "instance", "lease", "migrated", "migrations", "phase",
+                 "prev_instance", "prompt_id", "requeues", "states", "tid", "true_remaining", "turn_tokens")
 
     def __init__(self, tid: str, prompt_id: str, true_remaining: int | None):
         self.tid = tid
@@ -151,19 +162,10 @@ class _Trajectory:
         self.prev_instance: int | None = None  # where the previous turn ran
         self.migrated = False
         self.phase = QUEUED
+        self.lease = 0
+        self.deadline = 0.0
         self.migrations = 0
         self.requeues = 0
-
-
-class _Lease:
-    __slots__ = ("deadline", "expected", "instance", "lid", "traj")
-
-    def __init__(self, lid: int, traj: _Trajectory, instance: int, expected: int, deadline: float):
-        self.lid = lid
-        self.traj = traj
-        self.instance = instance
-        self.expected = expected
-        self.deadline = deadline
 
 
 class QueueService:
@@ -189,6 +191,7 @@ class QueueService:
         self._lease_s = float(lease_s)
         self._max_batch = int(max_batch)
         self._fast_classify = fast
+        self._classify: Callable[[str, str, int | None, bool], ToolState]
         if classify is None:
             self._classify = fast
         else:
@@ -211,7 +214,7 @@ class QueueService:
         self._held: dict[int, int] = dict.fromkeys(self._bucket_of, 0)
         self._renewed: dict[int, float] = {}
         self._trajs: dict[str, _Trajectory] = {}
-        self._leases: dict[int, _Lease] = {}
+        self._leases: dict[int, _Trajectory] = {}  # lease id → the trajectory whose turn it holds
         self._down: set[int] = set()  # silent instances (see _silent)
         self._first_seen: float | None = None  # time of the first maintenance
         self._next_liveness = float("-inf")
@@ -270,24 +273,24 @@ class QueueService:
         heap, lost, expired = self._expiry, [], 0
         while heap and heap[0][0] <= now:
             _, lid = heapq.heappop(heap)
-            lease = self._leases.get(lid)
-            if lease is None:
+            traj = self._leases.get(lid)
+            if traj is None:
                 continue  # ended by a report
-            deadline = max(lease.deadline, self._renewed.get(lease.instance, lease.deadline - self._lease_s) + self._lease_s)
+            instance = traj.instance
+            deadline = max(traj.deadline, self._renewed.get(instance, traj.deadline - self._lease_s) + self._lease_s)
             if deadline > now:  # renewed since: look again then
-                lease.deadline = deadline
+                traj.deadline = deadline
                 heapq.heappush(heap, (deadline, lid))
                 continue
-            self._end_lease(lease, "expired")
-            traj = lease.traj
+            self._end_lease(traj, expired=True)
             traj.requeues += 1
             self._counts["requeued_on_expiry"] += 1
             log.info("lease %d of trajectory %s on instance %d expired at t=%.3f: turn re-queued", lid, traj.tid,
-                     lease.instance, now)
+                     instance, now)
             lost.append(traj)
             expired += 1
-            if lease.instance not in self._down:
-                lost.extend(self._silent(lease.instance, now, "let a lease expire"))
+            if instance not in self._down:
+                lost.extend(self._silent(instance, now, "let a lease expire"))
         self._requeue(lost)  # oldest lease first
         return expired
 
@@ -389,8 +392,10 @@ class QueueService:
         for instance, queue in self._queues.items():
             for traj in queue:
                 self._audit_one(seen, traj, QUEUED, instance)
-        for lease in self._leases.values():
-            self._audit_one(seen, lease.traj, LEASED, lease.instance)
+        for lid, traj in self._leases.items():
+            if traj.lease != lid:
+                raise ServiceInvariantError(f"trajectory {traj.tid} is filed under lease {lid} but holds {traj.lease}")
+            self._audit_one(seen, traj, LEASED, traj.instance)
         if seen.keys() != self._trajs.keys():
             raise ServiceInvariantError(f"lost: {sorted(self._trajs.keys() - seen.keys())}, "
                                         f"unknown: {sorted(seen.keys() - self._trajs.keys())}")
@@ -398,8 +403,8 @@ class QueueService:
         for instance, queue in self._queues.items():
             depth[self._bucket_of[instance]] += len(queue)
         held = {i: 0 for i in self._held}
-        for lease in self._leases.values():
-            held[lease.instance] += 1
+        for traj in self._leases.values():
+            held[traj.instance] += 1
         if depth != self._depth or held != self._held:
             raise ServiceInvariantError(f"counters drifted: depth {self._depth} vs {depth}, held {self._held} vs {held}")
         return seen
@@ -452,7 +457,7 @@ class QueueService:
                 state = self._classify(tool, output, exit_code, timed_out)
         except ValueError as exc:
             raise _Reject("malformed", f"tool_return (lease {lid}): {exc}") from None
-        traj = self._claim(lid, "tool_return").traj
+        traj = self._claim(lid, "tool_return")
         traj.states += (state,)
         traj.turn_tokens += (tokens,)  # as _record_turn(), inlined on the hot path
         traj.generated += tokens
@@ -465,18 +470,17 @@ class QueueService:
 
     def _finish(self, message: dict, now: float) -> dict:
         tokens = _int(message, "tokens", "finish", minimum=0, maximum=MAX_TURN_TOKENS)
-        lease = self._claim(_int(message, "lease", "finish"), "finish")
-        traj = lease.traj
+        traj = self._claim(_int(message, "lease", "finish"), "finish")
         self._record_turn(traj, tokens)
         turns = traj.turn_tokens
         total, remaining = traj.generated, []
         for tokens in turns:  # what remained after each tool return: a suffix sum
             remaining.append(total)
             total -= tokens
-        self._router.observe(FinishedTrajectory(traj.prompt_id, traj.states, tuple(remaining)))
+        self._router.observe(_new_tuple(FinishedTrajectory, (traj.prompt_id, traj.states, tuple(remaining))))
         del self._trajs[traj.tid]
-        self._finished.append(CompletedTrajectory(traj.tid, traj.prompt_id, traj.states, turns,
-                                                  traj.migrations, traj.requeues))
+        self._finished.append(_new_tuple(CompletedTrajectory, (traj.tid, traj.prompt_id, traj.states, turns,
+                                                               traj.migrations, traj.requeues)))
         self._counts["completed"] += 1
         return {"ok": True, "tid": traj.tid, "turns": len(remaining)}
 
@@ -486,7 +490,18 @@ class QueueService:
             raise _Reject("malformed", f"batch: field 'requests' must be a list of at most {MAX_BATCH_REQUESTS} "
                                        f"requests, got {type(requests).__name__}"
                                        f"{f' of {len(requests)}' if type(requests) is list else ''}")
-        return {"ok": True, "replies": [self._dispatch(request, now, self._batched_ops) for request in requests]}
+        replies, ops = [], self._batched_ops
+        for request in requests:  # as _dispatch(request, now, ops), inlined on the hot path
+            op = request.get("op") if type(request) is dict else None
+            handler = ops.get(op) if type(op) is str else None
+            if handler is None:
+                replies.append(self._dispatch(request, now, ops))  # it names what is wrong
+                continue
+            try:
+                replies.append(handler(request, now))
+            except _Reject as refused:
+                replies.append(self._refuse(refused.reason, refused.error))
+        return {"ok": True, "replies": replies}
 
     def _heartbeat(self, message: dict, now: float) -> dict:
         instance = self._instance(message, "heartbeat")
@@ -499,8 +514,8 @@ class QueueService:
 
     def _place(self, traj: _Trajectory, front: bool) -> Placement:
         remaining = None if traj.true_remaining is None else max(0, traj.true_remaining - traj.generated)
-        view = TrajectoryView(traj.tid, traj.prompt_id, traj.states, traj.generated, traj.bucket, remaining,
-                              traj.turn_tokens, traj.prev_instance)
+        view = _new_tuple(TrajectoryView, (traj.tid, traj.prompt_id, traj.states, traj.generated, traj.bucket,
+                                           remaining, traj.turn_tokens, traj.prev_instance))
         placement = self._router.place(view)
         bucket = self._bucket_of.get(placement.instance)
         if bucket is None or bucket != placement.bucket:
@@ -523,17 +538,20 @@ class QueueService:
         return placement
 
     def _hand_out(self, traj: _Trajectory, instance: int, now: float) -> dict:
-        self._depth[traj.bucket] -= 1
+        bucket = traj.bucket
+        assert bucket is not None, "a queued turn has a bucket"
+        self._depth[bucket] -= 1
         lid = self._next_lease
         self._next_lease += 1
         if traj.instance != instance:  # a sibling's queue: the turn's load moves here
             self._router.turn_ended(traj.instance, traj.expected)
             self._router.turn_started(instance, traj.expected)
-        deadline = now + self._lease_s
-        self._leases[lid] = _Lease(lid, traj, instance, traj.expected, deadline)
+        deadline = traj.deadline = now + self._lease_s
+        traj.lease = lid
+        self._leases[lid] = traj
         heapq.heappush(self._expiry, (deadline, lid))
         if len(self._expiry) > 4 * len(self._leases) + 4096:  # mostly ended leases: compact (amortised O(1))
-            self._expiry = [(lease.deadline, lease.lid) for lease in self._leases.values()]
+            self._expiry = [(held.deadline, held.lease) for held in self._leases.values()]
             heapq.heapify(self._expiry)
         self._held[instance] += 1
         traj.phase = LEASED
@@ -543,10 +561,10 @@ class QueueService:
                 "bucket": traj.bucket, "migrated": traj.migrated, "prev_instance": traj.prev_instance,
                 "lease_s": self._lease_s}
 
-    def _claim(self, lid: int, op: str) -> _Lease:
-        """End the lease ``lid`` for a report, or refuse the report."""
-        lease = self._leases.get(lid)
-        if lease is None:
+    def _claim(self, lid: int, op: str) -> _Trajectory:
+        """End the lease ``lid`` for a report (returns its trajectory), or refuse the report."""
+        traj = self._leases.pop(lid, None)
+        if traj is None:
             if not 0 < lid < self._next_lease:
                 raise _Reject("unknown_lease", f"{op}: lease {lid} was never handed out")
             if lid in self._expired:
@@ -555,22 +573,25 @@ class QueueService:
             if lid >= self._next_lease - self._remember:  # neither live nor expired: reported
                 raise _Reject("duplicate_report", f"{op}: lease {lid} was already reported; this report is dropped")
             raise _Reject("late_report", f"{op}: lease {lid} ended too long ago to remember; this report is dropped")
-        del self._leases[lid]  # as _end_lease(lease, "used"), inlined on the hot path
-        self._held[lease.instance] -= 1
-        self._router.turn_ended(lease.instance, lease.expected)
-        lease.traj.prev_instance = lease.instance
-        return lease
+        traj.lease = 0  # as _end_lease(traj), inlined on the hot path
+        instance = traj.instance
+        self._held[instance] -= 1
+        self._router.turn_ended(instance, traj.expected)
+        traj.prev_instance = instance
+        return traj
 
-    def _end_lease(self, lease: _Lease, how: str) -> None:
-        del self._leases[lease.lid]
-        if how == "expired":
-            self._expired.add(lease.lid)
+    def _end_lease(self, traj: _Trajectory, expired: bool) -> None:
+        lid = traj.lease
+        del self._leases[lid]
+        traj.lease = 0
+        if expired:
+            self._expired.add(lid)
             if len(self._expired) > self._prune_expired_at:  # forget ids that left the window (amortised O(1))
                 oldest = self._next_lease - self._remember
-                self._expired = {lid for lid in self._expired if lid >= oldest}
+                self._expired = {old for old in self._expired if old >= oldest}
                 self._prune_expired_at = max(1024, 2 * len(self._expired))
-        self._held[lease.instance] -= 1
-        self._router.turn_ended(lease.instance, lease.expected)
+        self._held[traj.instance] -= 1
+        self._router.turn_ended(traj.instance, traj.expected)
 
     def _record_turn(self, traj: _Trajectory, tokens: int) -> None:
         traj.turn_tokens += (tokens,)
@@ -591,7 +612,7 @@ class QueueService:
         return {"ok": False, "reason": reason, "error": error}
 
 
-def _check_tool_return(message: dict) -> None:
+def _check_tool_return(message: dict) -> NoReturn:
     """Raise the refusal that names the first ill-typed field of a tool_return."""
     op = "tool_return"
     _str(message, "tool", op)

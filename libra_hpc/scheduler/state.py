@@ -17,6 +17,7 @@ from __future__ import annotations
 from bisect import bisect_right
 from collections.abc import Sequence
 from functools import lru_cache
+from typing import cast
 
 from libra_hpc.scheduler.types import Status, ToolState
 
@@ -138,7 +139,7 @@ class Classifier:
             _check_tool(tool)
             if len(self._states) >= self.MAX_STATES:
                 self._states.clear()
-            state = self._states[(tool, size, status)] = ToolState(tool, self._names[size], status)
+            state = self._states[(tool, size, status)] = ToolState(tool, self._names[size], cast(Status, status))
         return state
 
     def state(self, tool: str, size: str, status: str) -> ToolState:
@@ -155,5 +156,5 @@ class Classifier:
             _check_tool(tool)
             if len(self._states) >= self.MAX_STATES:
                 self._states.clear()
-            state = self._states[(tool, index, status)] = ToolState(tool, size, status)
+            state = self._states[(tool, index, status)] = ToolState(tool, size, cast(Status, status))
         return state

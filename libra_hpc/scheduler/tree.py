@@ -27,11 +27,12 @@ from collections import deque
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import NamedTuple
+from typing import NamedTuple, TypeVar
 
 from libra_hpc.scheduler.types import FinishedTrajectory, ToolState
 
 logger = logging.getLogger(__name__)
+_T = TypeVar("_T")
 
 FORMAT = "libra_hpc.causal_index"
 VERSION = 1
@@ -198,9 +199,10 @@ class CausalTree:
             children = node.children
             if children is None:
                 break
-            node = children.get(key)
-            if node is None:
+            child = children.get(key)
+            if child is None:
                 break
+            node = child
             if len(node._ring) >= min_samples:
                 best = (node, depth)
         return best
@@ -340,8 +342,8 @@ class CausalIndex:
             return cls._from_json(data)
 
     @classmethod
-    def _from_json(cls, data: object) -> CausalIndex:
-        data = _expect(data, dict, "index")
+    def _from_json(cls, raw: object) -> CausalIndex:
+        data = _expect(raw, dict, "index")
         if data.get("format") != FORMAT or data.get("version") != VERSION:
             raise CausalTreeFormatError(
                 f"not a causal index: format={data.get('format')!r} version={data.get('version')!r}, "
@@ -411,7 +413,7 @@ def _gc_paused() -> Iterator[None]:
 # --- JSON helpers -------------------------------------------------------------------
 
 
-def _expect(value: object, kind: type, where: str):
+def _expect(value: object, kind: type[_T], where: str) -> _T:
     if not isinstance(value, kind):
         raise CausalTreeFormatError(f"{where}: expected a JSON {kind.__name__}, found {type(value).__name__}")
     return value
@@ -436,8 +438,8 @@ def _node_to_json(node: _Node) -> dict:
             "children": {key: _node_to_json(child) for key, child in (node.children or {}).items()}}
 
 
-def _node_from_json(data: object, window: int, where: str, depth: int = 0) -> _Node:
-    data = _expect(data, dict, where)
+def _node_from_json(raw: object, window: int, where: str, depth: int = 0) -> _Node:
+    data = _expect(raw, dict, where)
     if depth > MAX_DEPTH:
         raise CausalTreeFormatError(f"{where}: deeper than MAX_DEPTH={MAX_DEPTH} tool returns")
     node = _Node(window)
@@ -472,12 +474,12 @@ def _finished_to_json(finished: FinishedTrajectory) -> dict:
             "remaining_after": list(finished.remaining_after)}
 
 
-def _finished_from_json(data: object, where: str) -> FinishedTrajectory:
-    data = _expect(data, dict, where)
+def _finished_from_json(raw: object, where: str) -> FinishedTrajectory:
+    data = _expect(raw, dict, where)
     prompt_id = _expect(data.get("prompt_id"), str, f"{where}.prompt_id")
     states = []
-    for i, item in enumerate(_expect(data.get("states"), list, f"{where}.states")):
-        item = _expect(item, list, f"{where}.states[{i}]")
+    for i, raw_item in enumerate(_expect(data.get("states"), list, f"{where}.states")):
+        item = _expect(raw_item, list, f"{where}.states[{i}]")
         if len(item) != 3 or not all(isinstance(x, str) for x in item) or item[2] not in STATUSES:
             raise CausalTreeFormatError(f"{where}.states[{i}]: expected [tool, size, status] strings "
                                         f"with status one of {STATUSES}, found {item!r}")

@@ -7,7 +7,7 @@ a trajectory is generated, and learns from finished trajectories.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal, NamedTuple, Protocol
 
 Status = Literal["success", "failure", "timeout"]
@@ -20,6 +20,7 @@ class ToolState:
     tool: str
     size: str  # a size class name, e.g. "S", "M", "L" (thresholds in SchedulerConfig)
     status: Status
+    _key: str = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         # The tree key, computed once: the same states are looked up at every later
