@@ -1,6 +1,6 @@
 """C-MLFQ queue service and routing: throughput, latency, cost and quality.
 
-    python benchmarks/bench_cmlfq.py [--clients 4] [--repeats 2] [--client-poll-s 0]
+    python benchmarks/bench_cmlfq.py [--clients 4] [--repeats 3] [--client-poll-s 0]
 
 In-process (no MPI, best of 3): the routing cost of ``CmlfqRouter.place`` after tool
 returns, the learning cost of ``observe`` per finished trajectory, the QueueService loop
@@ -25,12 +25,16 @@ favour one side of the ratio):
 
 A decision is a tool_return answered with a placement; its latency is the client's
 round trip. Tool returns are classified by the clients (the worker-classified report).
-Clients wait for replies as ``--client-spin-s``/``--client-poll-s`` say (probe 50 µs,
-then sleep between probes: on a host with more ranks than cores, spinning clients take
-the server's core). With ``--pin`` (default) the server rank has a core to itself and
-the clients share the others, as a controller rank would on a node; the raw phases run
-the same way. The server's time answering per decision and its CPU share are reported
-too. Prints a table; the last line is one JSON object with the headline figures.
+Clients wait for replies as ``--client-poll-s``/``--client-spin-s`` say. The default
+probes and yields the core between probes: with ``--pin`` (default) the server rank has a
+core to itself and the clients share the others, as a controller rank would on a node,
+and clients that share a core must yield it to each other (4 clients spinning in MPI's
+receive on one core starve the ones with a batch to build: the server then idles 60% of
+the service phase; clients that sleep between probes add the sleep to every round trip).
+The raw phases run the same way. Whether the scheduler ran compiled (``pip install -e .``
+builds it, libra_hpc/_compiled.py) is printed. The server's time answering per decision
+and its CPU share are reported too. Prints a table; the last line is one JSON object with
+the headline figures.
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ import sys
 import time
 from pathlib import Path
 
+from libra_hpc import _compiled
 from libra_hpc.scheduler.routers import make_router
 from libra_hpc.scheduler.service import QueueService
 from libra_hpc.scheduler.state import Classifier
@@ -354,8 +359,8 @@ def main() -> None:
     parser.add_argument("--mpi-seconds", type=float, default=2.0, help="duration of each raw request/reply phase")
     parser.add_argument("--mpi-prompts", "--prompts", dest="mpi_prompts", type=int, default=1200,
                         help="synthetic prompts of the MPI part (16 samples each, half for training)")
-    parser.add_argument("--repeats", type=int, default=2, help="raw and batched service phases, interleaved; best of each")
-    parser.add_argument("--client-poll-s", type=float, default=1e-5,
+    parser.add_argument("--repeats", type=int, default=3, help="raw and batched service phases, interleaved; best of each")
+    parser.add_argument("--client-poll-s", type=float, default=0.0,
                         help="QueueClient poll_s of every client, raw phase included: 0 probes and yields the core, "
                              "> 0 sleeps between probes, < 0 waits in MPI's (spinning) blocking receive")
     parser.add_argument("--client-spin-s", type=float, default=5e-5,
@@ -386,6 +391,7 @@ def main() -> None:
     results.update(bucket_accuracy=quality["bucket_accuracy"], top_level_accuracy=quality["top_level_accuracy"],
                    mean_level_error=quality["mean_level_error"])
     results.update(run_mpi(args))
+    results["scheduler"] = _compiled.status()  # the MPI ranks import the same build
     results["decisions_per_s"], results["p99_ms"] = results["batched_decisions_per_s"], results["batched_p99_ms"]
     poll = ("clients spin" if args.client_poll_s < 0 else "clients yield between probes" if args.client_poll_s == 0
             else f"clients probe {args.client_spin_s * 1e6:g} µs, then sleep {args.client_poll_s * 1e6:g} µs "
@@ -421,13 +427,13 @@ def main() -> None:
     print(f"{'measure':<{width}}  {'measured':>28}  target")
     for name, value, target in rows:
         print(f"{name:<{width}}  {value:>28}  {target}")
-    print(f"(MPI: {results['trajectories']} trajectories, {results['decisions']} decisions, "
+    print(f"(scheduler {results['scheduler']}; MPI: {results['trajectories']} trajectories, {results['decisions']} decisions, "
           f"{results['migrations']} migrations, {results['empty_asks']} empty asks, best of {args.repeats}; "
           f"clients at nice {args.client_nice}; {os.cpu_count()} cores)")
     keys = ("decisions_per_s", "raw_msgs_per_s", "p99_ms", "route_us", "loop_decisions_per_s", "rebuild_10k_s",
             "bucket_accuracy", "top_level_accuracy", "single_decisions_per_s", "raw_spin_msgs_per_s",
             "raw_same_clients_msgs_per_s")
-    print(json.dumps({k: round(results[k], 4) for k in keys}))
+    print(json.dumps({**{k: round(results[k], 4) for k in keys}, "scheduler": results["scheduler"]}))
 
 
 if __name__ == "__main__":

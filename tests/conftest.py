@@ -11,6 +11,17 @@ sys.path.insert(0, str(Path(__file__).parent))  # slurm_cluster.py, under any im
 from slurm_cluster import LocalSlurmCluster, free_port_base, missing_binaries  # noqa: E402
 
 
+def pytest_addoption(parser):
+    parser.addoption("--scheduler-source", action="store_true",
+                     help="run libra_hpc.scheduler from its Python sources where the install compiled it")
+
+
+def pytest_configure(config):
+    if config.getoption("--scheduler-source"):
+        from libra_hpc import _compiled
+        _compiled.use_sources()
+
+
 @pytest.fixture(scope="session")
 def slurm_cluster(tmp_path_factory):
     """A private 4-node x 4-GPU Slurm cluster with accounting, started once per session."""

@@ -2,7 +2,13 @@
 
 Pure logic (no MPI, no torch): tool-return states, the causal prefix tree, the routers and
 the leased queue service. ``mpi_service`` is the thin MPI transport (imported on its own).
+The hot-path modules run compiled when the install built them (``libra_hpc._compiled``).
 """
+
+from libra_hpc import _compiled
+
+_compiled.prefer_current()  # before the first compiled module is imported
+
 
 from libra_hpc.scheduler.routers import (
     buckets_from_instances,

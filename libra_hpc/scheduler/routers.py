@@ -35,6 +35,7 @@ from bisect import bisect_left
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import ClassVar
 
 from libra_hpc.scheduler.tree import CausalIndex
 from libra_hpc.scheduler.types import (
@@ -43,6 +44,7 @@ from libra_hpc.scheduler.types import (
     Placement,
     Router,
     TrajectoryView,
+    new_tuple,
 )
 
 logger = logging.getLogger(__name__)
@@ -70,15 +72,14 @@ class RouterOptions:
 ROUTERS: dict[str, type[RouterBase]] = {}
 
 
-def register(name: str) -> Callable[[type[RouterBase]], type[RouterBase]]:
-    """Class decorator: make a policy available to :func:`make_router` under ``name``."""
-    def add(cls: type[RouterBase]) -> type[RouterBase]:
-        if name in ROUTERS:
-            raise ValueError(f"router name {name!r} is already registered by {ROUTERS[name].__name__}")
-        cls.name = name
-        ROUTERS[name] = cls
-        return cls
-    return add
+def register(cls: type[RouterBase]) -> type[RouterBase]:
+    """Make a policy available to :func:`make_router` under its class attribute ``name``.
+    (Called after the class, not as a decorator: a decorated class cannot be compiled to
+    a native class, see libra_hpc/_compiled.py.)"""
+    if cls.name in ROUTERS:
+        raise ValueError(f"router name {cls.name!r} is already registered by {ROUTERS[cls.name].__name__}")
+    ROUTERS[cls.name] = cls
+    return cls
 
 
 def validate_buckets(buckets: Sequence[BucketSpec]) -> tuple[BucketSpec, ...]:
@@ -120,7 +121,7 @@ def outward_order(level: int, levels: int) -> tuple[int, ...]:
 class RouterBase:
     """Buckets, levels, per-instance outstanding work and the counters every policy shares."""
 
-    name = "base"
+    name: ClassVar[str] = "base"
 
     def __init__(self, buckets: Sequence[BucketSpec], *, affinity_tokens: int = 0):
         if affinity_tokens < 0:
@@ -252,10 +253,9 @@ class RouterBase:
         migrated = view.bucket is not None and view.bucket != bucket
         if migrated:
             self.migrations += 1
-        return Placement(bucket, instance, migrated, reason)
+        return new_tuple(Placement, (bucket, instance, migrated, reason))
 
 
-@register("cmlfq")
 class CmlfqRouter(RouterBase):
     """Causal MLFQ: start at the top level; after each tool return, look the trajectory's
     tool-return sequence up in the causal index (per-prompt tree, global fallback) and map
@@ -263,6 +263,8 @@ class CmlfqRouter(RouterBase):
     map to the same level and it differs from the current one (up or down). No length
     predictor. The trees are rebuilt from the recent window every ``rebuild_every``
     finished trajectories."""
+
+    name: ClassVar[str] = "cmlfq"
 
     def __init__(self, buckets: Sequence[BucketSpec], *, window: int = 256, min_samples: int = 8,
                  rebuild_every: int = 1000, retain: int | None = None, affinity_tokens: int = 0):
@@ -346,13 +348,14 @@ class CmlfqRouter(RouterBase):
         self.index = loaded
 
 
-@register("fifo")
 class FifoRouter(RouterBase):
     """Round-robin: a new trajectory takes the next instance over all buckets in level
     order; later turns take the next instance of the trajectory's bucket. Load-blind and
     never changes a trajectory's bucket (unless that bucket left the layout or all its
     instances are silent: then the next live instance over all). Silent instances are
     skipped while any instance is live."""
+
+    name: ClassVar[str] = "fifo"
 
     def __init__(self, buckets: Sequence[BucketSpec], *, affinity_tokens: int = 0):
         super().__init__(buckets)  # round-robin: no affinity
@@ -378,13 +381,14 @@ class FifoRouter(RouterBase):
         return self.record(view, level, instance, "round-robin over all")
 
 
-@register("least_load")
 class LeastLoadRouter(RouterBase):
     """One homogeneous pool: a new trajectory takes the instance with the least outstanding
     work over all buckets; later turns the least loaded instance of its own bucket (never
     migrates unless that bucket left the layout or all its instances are silent).
     Saturation only breaks ties in favour of unsaturated instances: the pool has nowhere
     else to send work; silent instances come last."""
+
+    name: ClassVar[str] = "least_load"
 
     def place(self, view: TrajectoryView) -> Placement:
         current = self.level_of.get(view.bucket) if view.bucket is not None else None
@@ -419,11 +423,12 @@ class _TrueLengthRouter(RouterBase):
         return self.placement(view, self.level_for(estimate), f"{self.name} estimate {estimate:.0f}")
 
 
-@register("length_aware")
 class LengthAwareRouter(_TrueLengthRouter):
     """A length predictor: the true remaining length times ``exp(N(0, noise))``, drawn
     afresh at every decision from a seeded generator; the estimate's level, least load
     inside, neighbour fallback."""
+
+    name: ClassVar[str] = "length_aware"
 
     def __init__(self, buckets: Sequence[BucketSpec], *, noise: float = 0.5, seed: int = 0, affinity_tokens: int = 0):
         super().__init__(buckets, affinity_tokens=affinity_tokens)
@@ -440,12 +445,17 @@ class LengthAwareRouter(_TrueLengthRouter):
         return true_remaining * math.exp(self.rng.gauss(0.0, self.noise)) if self.noise else float(true_remaining)
 
 
-@register("oracle")
 class OracleRouter(_TrueLengthRouter):
     """The level of the true remaining length, exactly (an upper bound for benchmarks)."""
 
+    name: ClassVar[str] = "oracle"
+
     def estimate(self, true_remaining: int) -> float:
         return float(true_remaining)
+
+
+for _policy in (CmlfqRouter, FifoRouter, LeastLoadRouter, LengthAwareRouter, OracleRouter):
+    register(_policy)
 
 
 def make_router(policy: str, buckets: Sequence[BucketSpec], *, window: int, min_samples: int,

@@ -90,8 +90,11 @@ from libra_hpc.scheduler.types import (
     FinishedTrajectory,
     Placement,
     Router,
+    RouterError,
+    ServiceInvariantError,
     ToolState,
     TrajectoryView,
+    new_tuple,
 )
 
 log = logging.getLogger(__name__)
@@ -104,21 +107,6 @@ MAX_TURN_TOKENS = 1 << 24
 enter the causal tree's statistics (and its saved file) and overflow float arithmetic at
 the next placement."""
 REASONS = ("malformed", "unknown_instance", "unknown_lease", "late_report", "duplicate_report")
-
-
-_new_tuple = tuple.__new__
-"""``_new_tuple(NamedTupleClass, (fields...))`` builds a named tuple without its Python-level
-``__new__`` (a third of the cost), for the few built per decision. Every field must be
-given, in order."""
-
-
-class RouterError(RuntimeError):
-    """The router returned a placement that does not exist (a bug in the router, not in
-    the request): raised out of :meth:`QueueService.handle`."""
-
-
-class ServiceInvariantError(AssertionError):
-    """:meth:`QueueService.audit` found a trajectory lost or in two places at once."""
 
 
 class _Reject(Exception):
@@ -225,8 +213,9 @@ class QueueService:
         self._finished: list[CompletedTrajectory] = []
         self._turn_tokens_total = 0
         self._turns_total = 0
-        self._counts = dict.fromkeys(("submitted", "placements", "decisions", "migrations", "handed_out",
-                                      "completed", "requeued_on_expiry", "instances_silent"), 0)
+        # Counters (stats()): attributes, not a dict, since several change per decision.
+        self._submitted = self._placements = self._decisions = self._migrations = self._handed_out = 0
+        self._completed = self._requeued_on_expiry = self._instances_silent = 0
         self._rejected = dict.fromkeys(REASONS, 0)
         self._ops = {"ask": self._ask, "tool_return": self._tool_return, "finish": self._finish,
                      "heartbeat": self._heartbeat, "stats": lambda message, now: {"ok": True, "stats": self.stats()}}
@@ -244,7 +233,7 @@ class QueueService:
             raise ValueError(f"submit: trajectory {tid!r} is already active ({self._trajs[tid].phase})")
         traj = _Trajectory(tid, prompt_id, true_remaining)
         self._trajs[tid] = traj
-        self._counts["submitted"] += 1
+        self._submitted += 1
         return self._place(traj, front=False)
 
     def handle(self, message: Any, now: float) -> dict:
@@ -284,7 +273,7 @@ class QueueService:
                 continue
             self._end_lease(traj, expired=True)
             traj.requeues += 1
-            self._counts["requeued_on_expiry"] += 1
+            self._requeued_on_expiry += 1
             log.info("lease %d of trajectory %s on instance %d expired at t=%.3f: turn re-queued", lid, traj.tid,
                      instance, now)
             lost.append(traj)
@@ -335,7 +324,7 @@ class QueueService:
         on it (returned, oldest first, to be placed again): a bucket of one dead instance
         would keep them forever. It is back at its next ask or heartbeat (:meth:`_back`)."""
         self._down.add(instance)
-        self._counts["instances_silent"] += 1
+        self._instances_silent += 1
         set_down = getattr(self._router, "set_down", None)
         if set_down is not None:
             set_down(instance, True)
@@ -379,7 +368,10 @@ class QueueService:
         a lease expire), ``late_reports``, ``duplicate_reports``, ``rejected`` (by
         reason); and now: ``active`` trajectories, ``leased`` turns, ``queued`` turns per
         bucket, ``silent`` instances, ``undrained`` completed trajectories."""
-        return {**self._counts, "late_reports": self._rejected["late_report"],
+        return {"submitted": self._submitted, "placements": self._placements, "decisions": self._decisions,
+                "migrations": self._migrations, "handed_out": self._handed_out, "completed": self._completed,
+                "requeued_on_expiry": self._requeued_on_expiry, "instances_silent": self._instances_silent,
+                "late_reports": self._rejected["late_report"],
                 "duplicate_reports": self._rejected["duplicate_report"], "rejected": dict(self._rejected),
                 "active": len(self._trajs), "leased": len(self._leases), "queued": dict(self._depth),
                 "silent": sorted(self._down), "undrained": len(self._finished)}
@@ -463,7 +455,7 @@ class QueueService:
         traj.generated += tokens
         self._turn_tokens_total += tokens
         self._turns_total += 1
-        self._counts["decisions"] += 1
+        self._decisions += 1
         placement = self._place(traj, front=False)
         return {"ok": True, "tid": traj.tid, "bucket": placement.bucket, "instance": placement.instance,
                 "migrated": placement.migrated, "reason": placement.reason}
@@ -477,11 +469,11 @@ class QueueService:
         for tokens in turns:  # what remained after each tool return: a suffix sum
             remaining.append(total)
             total -= tokens
-        self._router.observe(_new_tuple(FinishedTrajectory, (traj.prompt_id, traj.states, tuple(remaining))))
+        self._router.observe(new_tuple(FinishedTrajectory, (traj.prompt_id, traj.states, tuple(remaining))))
         del self._trajs[traj.tid]
-        self._finished.append(_new_tuple(CompletedTrajectory, (traj.tid, traj.prompt_id, traj.states, turns,
+        self._finished.append(new_tuple(CompletedTrajectory, (traj.tid, traj.prompt_id, traj.states, turns,
                                                                traj.migrations, traj.requeues)))
-        self._counts["completed"] += 1
+        self._completed += 1
         return {"ok": True, "tid": traj.tid, "turns": len(remaining)}
 
     def _batch(self, message: dict, now: float) -> dict:
@@ -490,15 +482,18 @@ class QueueService:
             raise _Reject("malformed", f"batch: field 'requests' must be a list of at most {MAX_BATCH_REQUESTS} "
                                        f"requests, got {type(requests).__name__}"
                                        f"{f' of {len(requests)}' if type(requests) is list else ''}")
-        replies, ops = [], self._batched_ops
-        for request in requests:  # as _dispatch(request, now, ops), inlined on the hot path
+        replies: list[dict] = []
+        for request in requests:  # as _dispatch(request, now, self._batched_ops), direct calls for the hot ops
             op = request.get("op") if type(request) is dict else None
-            handler = ops.get(op) if type(op) is str else None
-            if handler is None:
-                replies.append(self._dispatch(request, now, ops))  # it names what is wrong
-                continue
             try:
-                replies.append(handler(request, now))
+                if op == "tool_return":
+                    replies.append(self._tool_return(request, now))
+                elif op == "finish":
+                    replies.append(self._finish(request, now))
+                elif op == "ask":
+                    replies.append(self._ask(request, now))
+                else:
+                    replies.append(self._dispatch(request, now, self._batched_ops))  # the rest, or what is wrong
             except _Reject as refused:
                 replies.append(self._refuse(refused.reason, refused.error))
         return {"ok": True, "replies": replies}
@@ -514,7 +509,7 @@ class QueueService:
 
     def _place(self, traj: _Trajectory, front: bool) -> Placement:
         remaining = None if traj.true_remaining is None else max(0, traj.true_remaining - traj.generated)
-        view = _new_tuple(TrajectoryView, (traj.tid, traj.prompt_id, traj.states, traj.generated, traj.bucket,
+        view = new_tuple(TrajectoryView, (traj.tid, traj.prompt_id, traj.states, traj.generated, traj.bucket,
                                            remaining, traj.turn_tokens, traj.prev_instance))
         placement = self._router.place(view)
         bucket = self._bucket_of.get(placement.instance)
@@ -522,11 +517,11 @@ class QueueService:
             raise RouterError(f"router {getattr(self._router, 'name', '?')!r} placed trajectory {traj.tid} on "
                               f"instance {placement.instance} of bucket {placement.bucket!r}; instances by bucket: "
                               f"{self._bucket_of}")
-        self._counts["placements"] += 1
+        self._placements += 1
         traj.expected = self._turn_tokens_total // self._turns_total if self._turns_total else self._default_turn_tokens
         self._router.turn_started(placement.instance, traj.expected)
         if placement.migrated:
-            self._counts["migrations"] += 1
+            self._migrations += 1
             traj.migrations += 1
         traj.bucket = bucket
         traj.migrated = placement.migrated
@@ -556,7 +551,7 @@ class QueueService:
         self._held[instance] += 1
         traj.phase = LEASED
         traj.instance = instance
-        self._counts["handed_out"] += 1
+        self._handed_out += 1
         return {"lease": lid, "tid": traj.tid, "prompt_id": traj.prompt_id, "turn": len(traj.states),
                 "bucket": traj.bucket, "migrated": traj.migrated, "prev_instance": traj.prev_instance,
                 "lease_s": self._lease_s}

@@ -42,7 +42,7 @@ def size_class_names(size_thresholds: Sequence[int]) -> tuple[str, ...]:
 
 
 @lru_cache(maxsize=64)
-def _size_class_names(size_thresholds: tuple[int, ...]) -> tuple[str, ...]:
+def _size_class_names(size_thresholds: tuple[object, ...]) -> tuple[str, ...]:
     """Names of the ``len(size_thresholds) + 1`` size classes, smallest first.
 
     Raises ValueError when the thresholds are not strictly increasing positive integers

@@ -29,7 +29,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import NamedTuple, TypeVar
 
-from libra_hpc.scheduler.types import FinishedTrajectory, ToolState
+from libra_hpc.scheduler.types import CausalTreeFormatError, FinishedTrajectory, ToolState, new_tuple
 
 logger = logging.getLogger(__name__)
 _T = TypeVar("_T")
@@ -45,10 +45,6 @@ since) and teaches the trees its first ``MAX_DEPTH`` tool returns only. This als
 the cost of a lookup or an update, and the nesting of the saved JSON (a recursive
 format: Python's JSON and this module recurse once per level)."""
 STATUSES = ("success", "failure", "timeout")
-
-
-class CausalTreeFormatError(ValueError):
-    """A saved causal index (JSON) does not have the expected shape."""
 
 
 class NodeStats:
@@ -154,7 +150,7 @@ class _Node(NodeStats):
 
 def _keys(states: Sequence[ToolState]) -> list[str]:
     """Tree keys of the first :data:`MAX_DEPTH` states."""
-    return [state.key() for state in states[:MAX_DEPTH]]
+    return [state._key for state in states[:MAX_DEPTH]]  # as state.key(), without a method call
 
 
 class CausalTree:
@@ -280,9 +276,9 @@ class CausalIndex:
         own = tree.deepest(keys, self.min_samples) if tree is not None else None
         shared = self.global_tree.deepest(keys, self.min_samples)
         if own is not None and (shared is None or own[1] >= shared[1]):
-            return Match(own[0], "prompt", own[1])
+            return new_tuple(Match, (own[0], "prompt", own[1]))
         if shared is not None:
-            return Match(shared[0], "global", shared[1])
+            return new_tuple(Match, (shared[0], "global", shared[1]))
         return None
 
     def lookup(self, prompt_id: str, states: Sequence[ToolState]) -> tuple[NodeStats, str] | None:

@@ -12,6 +12,27 @@ from typing import Literal, NamedTuple, Protocol
 
 Status = Literal["success", "failure", "timeout"]
 
+new_tuple = tuple.__new__
+"""``new_tuple(NamedTupleClass, (field, ...))`` builds a named tuple without calling its
+Python-level ``__new__``, which costs more than the rest of a routing decision when called
+from the compiled scheduler (libra_hpc/_compiled.py). For the few built per decision; every
+field must be given, in order."""
+
+
+# The scheduler's errors that subclass a builtin error live here, in a module that stays
+# interpreted: a compiled (native) class may subclass Exception only (libra_hpc/_compiled.py).
+class RouterError(RuntimeError):
+    """The router returned a placement that does not exist (a bug in the router, not in
+    the request): raised out of :meth:`QueueService.handle`."""
+
+
+class ServiceInvariantError(AssertionError):
+    """:meth:`QueueService.audit` found a trajectory lost or in two places at once."""
+
+
+class CausalTreeFormatError(ValueError):
+    """A saved causal index (JSON) does not have the expected shape."""
+
 
 @dataclass(frozen=True, order=True)
 class ToolState:
@@ -84,7 +105,9 @@ class FinishedTrajectory(NamedTuple):
 class Router(Protocol):
     """Where turns run. Implementations: CmlfqRouter and the baselines, by registered name."""
 
-    name: str
+    @property
+    def name(self) -> str:
+        """The policy's registered name."""
 
     def place(self, view: TrajectoryView) -> Placement:
         """Choose bucket and instance for the trajectory's next turn (first turn when
