@@ -61,4 +61,8 @@ import shutil, torch, mpi4py
 from mpi4py import MPI
 assert shutil.which("mpiexec"), "mpiexec is not on PATH after install"
 print(f"[install] ok: torch {torch.__version__}, mpi4py {mpi4py.__version__} on {MPI.Get_library_version().splitlines()[0].strip()}")
+from libra_hpc import _compiled
+state = _compiled.status()
+print(f"[install] scheduler: {state}" + ("" if state == "compiled" else
+      " (mypyc could not compile it: see the pip log above; it runs as pure Python at about half the speed)"))
 PY

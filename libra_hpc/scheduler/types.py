@@ -7,8 +7,8 @@ a trajectory is generated, and learns from finished trajectories.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Literal, NamedTuple, Protocol
+from dataclasses import dataclass
+from typing import ClassVar, Literal, NamedTuple, Protocol
 
 Status = Literal["success", "failure", "timeout"]
 
@@ -41,7 +41,7 @@ class ToolState:
     tool: str
     size: str  # a size class name, e.g. "S", "M", "L" (thresholds in SchedulerConfig)
     status: Status
-    _key: str = field(init=False, repr=False, compare=False)
+    _key: ClassVar[str]  # set per instance in __post_init__; not a field (asdict() and the tool worker's JSON leave it out)
 
     def __post_init__(self) -> None:
         # The tree key, computed once: the same states are looked up at every later
