@@ -43,7 +43,7 @@ def extensions() -> list:
         # pydantic plugin to type-check, and the build environment has no pydantic).
         return mypycify(["--follow-imports=silent", "--ignore-missing-imports",
                          *(f"libra_hpc/scheduler/{module}.py" for module in COMPILED)],
-                        opt_level="3", group_name="libra_hpc_scheduler")
+                        opt_level="3", group_name="libra_hpc.scheduler._mypyc")  # its shared library stays in the package
     except (Exception, SystemExit) as exc:  # noqa: BLE001 - mypy reports type errors by exiting
         print(f"libra_hpc: mypyc refused the scheduler ({exc}); it will run as pure Python", file=sys.stderr)
         return []

@@ -31,6 +31,8 @@ data types every other package shares, and errors that subclass builtin errors, 
 compiled class cannot)."""
 
 SOURCES = Path(__file__).resolve().parent / "scheduler"
+GROUP = "_mypyc__mypyc"
+"""mypyc's shared library of the compiled modules, beside them (setup.py's group_name)."""
 
 
 def extension_of(module: str, folder: Path = SOURCES) -> Path | None:
@@ -88,7 +90,13 @@ def status() -> str:
 
 
 def prefer_current() -> None:
-    """Fall back to the sources when a compiled module is older than its source."""
+    """Fall back to the sources when a compiled module is older than its source, or when
+    the compiled modules' shared library is missing (a copy without it)."""
+    if any(extension_of(module) for module in COMPILED) and extension_of(GROUP) is None:
+        log.warning("%s: compiled modules without their shared library %s; running every scheduler module from "
+                    "its Python source. Rebuild with `pip install -e .`.", PACKAGE, GROUP)
+        use_sources()
+        return
     stale = stale_modules()
     if stale:
         log.warning("%s: %s changed since they were compiled; running every scheduler module from its Python "

@@ -66,3 +66,15 @@ def test_a_compiled_module_older_than_its_source_is_not_used(tmp_path):
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     assert "tree.py changed since they were compiled" in done.stderr and "pip install -e ." in done.stderr
+
+
+def test_compiled_modules_without_their_shared_library_are_not_used():
+    if _compiled.extension_of("service") is None:
+        return  # nothing compiled here: nothing to lose (CI builds it, test_ci_runs_the_compiled_scheduler)
+    code = ("import logging; logging.basicConfig(); from libra_hpc import _compiled; real = _compiled.extension_of; "
+            "_compiled.extension_of = lambda module, folder=_compiled.SOURCES: None if module == _compiled.GROUP "
+            "else real(module, folder); "
+            "from libra_hpc.scheduler import service; assert not _compiled.is_compiled(service)")
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert "without their shared library" in done.stderr
