@@ -24,7 +24,8 @@ favour one side of the ratio):
 - single (once): one request per report and per ask.
 
 A decision is a tool_return answered with a placement; its latency is the client's
-round trip. Tool returns are classified by the clients (the worker-classified report).
+round trip. Tool returns are classified by the clients (the worker-classified report),
+before the clocks start: each client only copies its report and adds the lease.
 Clients wait for replies as ``--client-poll-s``/``--client-spin-s`` say. The default
 probes and yields the core between probes: with ``--pin`` (default) the server rank has a
 core to itself and the clients share the others, as a controller rank would on a node,
@@ -181,7 +182,9 @@ def mpi_main(args) -> None:
     buckets = default_buckets()
     instances = [i for b in buckets for i in b.instances]
     train, work = split_by_sample(generate(args.mpi_prompts, 16, SEED), 8)
-    by_tid = {t.tid: t for t in work}
+    # Each client's reports, classified before the clocks start: classifying is a worker's
+    # work on its own node, and here four clients share one core with each other.
+    reports = {(t.tid, turn): report_of(t, turn) for t in work for turn in range(len(t.turns))} if rank else {}
     out = {}
 
     def phase(server, client, poll_s=None):
@@ -225,7 +228,7 @@ def mpi_main(args) -> None:
             gc.freeze()
         batched = mode == "batched"
         result = phase(lambda service=service: _timed_serve(comm, service, args.server_idle_sleep_s),
-                       lambda queue, batched=batched: _client(queue, rotation, by_tid, batched=batched),
+                       lambda queue, batched=batched: _client(queue, rotation, reports, batched=batched),
                        args.client_poll_s)
         if rank == 0:
             gc.unfreeze()
@@ -297,7 +300,7 @@ def _raw_client(queue, probe: dict, seconds: float) -> tuple[int, float]:
     return count, time.perf_counter() - start
 
 
-def _client(queue, instances: list[int], by_tid: dict, batched: bool) -> dict:
+def _client(queue, instances: list[int], reports_of: dict, batched: bool) -> dict:
     """A client stands for the leaders of one instance per bucket (a node's engines): each
     round it reports the turns it was handed (all generated in one engine step) and asks
     for every instance, its own first, so that every client stays busy whatever each
@@ -310,7 +313,7 @@ def _client(queue, instances: list[int], by_tid: dict, batched: bool) -> dict:
     while True:
         reports = []
         for turn in turns:
-            message = report_of(by_tid[turn["tid"]], turn["turn"])
+            message = reports_of[turn["tid"], turn["turn"]].copy()  # its report (tid, turn) with the lease
             message["lease"] = turn["lease"]
             reports.append(message)
         if batched:

@@ -31,7 +31,6 @@ import itertools
 import logging
 import math
 import random
-from bisect import bisect_left
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -131,6 +130,7 @@ class RouterBase:
         self.level_of = {bucket.name: level for level, bucket in enumerate(self.buckets)}
         self._level_of_instance = {i: level for level, bucket in enumerate(self.buckets) for i in bucket.instances}
         self.limits = [bucket.token_limit for bucket in self.buckets]
+        self._float_limits = [float(limit) for limit in self.limits]  # compared with token estimates
         self.outstanding = {instance: 0 for bucket in self.buckets for instance in bucket.instances}
         self._order = [outward_order(level, len(self.buckets)) for level in range(len(self.buckets))]
         self.down: set[int] = set()  # silent instances (see set_down)
@@ -189,8 +189,13 @@ class RouterBase:
 
     # --- shared placement rules ---
     def level_for(self, tokens: float) -> int:
-        """The level whose token_limit is the smallest >= ``tokens`` (beyond all: the last)."""
-        return min(bisect_left(self.limits, tokens), len(self.limits) - 1)
+        """The level whose token_limit is the smallest >= ``tokens`` (beyond all: the last).
+        A scan: there are a handful of levels, and it compiles to native comparisons."""
+        last = len(self._float_limits) - 1
+        for level in range(last):
+            if self._float_limits[level] >= tokens:
+                return level
+        return last
 
     def least_loaded(self, level: int, respect_saturation: bool = True, skip_down: bool = True) -> int | None:
         """The instance of ``level`` with the least outstanding work (first listed on ties);
@@ -297,9 +302,7 @@ class CmlfqRouter(RouterBase):
         estimate = stats.beyond(sum(view.turn_tokens[depth:]) if depth < len(states) else 0)
         if estimate is None:
             return self.placement(view, current, f"outlived every sample ({source} depth {depth})")
-        limits, last = self.limits, len(self.limits) - 1
-        by_mean, by_p90 = bisect_left(limits, estimate[0]), bisect_left(limits, estimate[1])  # as level_for()
-        by_mean, by_p90 = min(by_mean, last), min(by_p90, last)
+        by_mean, by_p90 = self.level_for(estimate[0]), self.level_for(estimate[1])
         if by_mean != by_p90:
             return self.placement(view, current, f"mean/p90 disagree ({source} depth {depth})")
         if by_mean == current:

@@ -558,7 +558,7 @@ class QueueService:
 
     def _claim(self, lid: int, op: str) -> _Trajectory:
         """End the lease ``lid`` for a report (returns its trajectory), or refuse the report."""
-        traj = self._leases.pop(lid, None)
+        traj = self._leases.get(lid)
         if traj is None:
             if not 0 < lid < self._next_lease:
                 raise _Reject("unknown_lease", f"{op}: lease {lid} was never handed out")
@@ -568,7 +568,8 @@ class QueueService:
             if lid >= self._next_lease - self._remember:  # neither live nor expired: reported
                 raise _Reject("duplicate_report", f"{op}: lease {lid} was already reported; this report is dropped")
             raise _Reject("late_report", f"{op}: lease {lid} ended too long ago to remember; this report is dropped")
-        traj.lease = 0  # as _end_lease(traj), inlined on the hot path
+        del self._leases[lid]  # as _end_lease(traj), inlined on the hot path
+        traj.lease = 0
         instance = traj.instance
         self._held[instance] -= 1
         self._router.turn_ended(instance, traj.expected)

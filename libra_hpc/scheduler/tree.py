@@ -21,13 +21,12 @@ import logging
 import os
 import tempfile
 import time
-from array import array
 from bisect import bisect_left, bisect_right, insort
 from collections import deque
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import NamedTuple, TypeVar
+from typing import Final, NamedTuple, TypeVar
 
 from libra_hpc.scheduler.types import CausalTreeFormatError, FinishedTrajectory, ToolState, new_tuple
 
@@ -45,6 +44,11 @@ since) and teaches the trees its first ``MAX_DEPTH`` tool returns only. This als
 the cost of a lookup or an update, and the nesting of the saved JSON (a recursive
 format: Python's JSON and this module recurse once per level)."""
 STATUSES = ("success", "failure", "timeout")
+NATIVE: Final = not __file__.endswith(".py")
+"""Whether this module runs compiled (libra_hpc/_compiled.py). Compiled, the window's
+binary searches are plain loops over native ints (:func:`_left`, :func:`_right`), a
+third of the cost of the C ``bisect`` functions there (each of their comparisons is a
+generic call); interpreted, the C functions are the faster ones."""
 
 
 class NodeStats:
@@ -53,14 +57,13 @@ class NodeStats:
     Invariants: ``n == min(count, window)``; ``_ring`` holds the window in arrival order
     rotated by ``_head`` (the oldest sample, once the window is full); ``_sorted`` is the
     window sorted; ``_sum`` is its sum. :meth:`add` costs O(log W) comparisons plus an
-    O(W) memmove in the sorted array; :attr:`mean` and :attr:`p90` are O(1).
+    O(W) memmove in the sorted list; :attr:`mean` and :attr:`p90` are O(1).
 
-    The window in arrival order is an ``array('q')`` ring, which the cyclic garbage
-    collector does not track, and a tree node is its own statistics (:class:`_Node`): a
-    leaf is two tracked objects (itself and the sorted list) instead of five. The sorted
-    window stays a list: bisect and insort on an array cost 0.77 µs per sample against
-    0.51 µs (measured, W=256). Full collections in the queue service are scheduled by
-    its transport anyway (scheduler/mpi_service.py)."""
+    Both windows are lists of the same int objects, and a tree node is its own statistics
+    (:class:`_Node`): one object fewer for the collector. (An ``array('q')`` ring, which the
+    collector does not track, costs a generic call per access once compiled; full
+    collections in the queue service are scheduled by its transport anyway,
+    scheduler/mpi_service.py.)"""
 
     __slots__ = ("_head", "_ring", "_sorted", "_sum", "count", "window")
 
@@ -69,7 +72,7 @@ class NodeStats:
             raise ValueError(f"node window must be >= 1 sample, got {window}")
         self.window = window
         self.count = 0  # samples ever added, including those that left the window
-        self._ring = array("q")
+        self._ring: list[int] = []
         self._head = 0
         self._sorted: list[int] = []
         self._sum = 0
@@ -86,9 +89,12 @@ class NodeStats:
             oldest = ring[head]
             ring[head] = tokens
             self._head = head + 1 if head + 1 < self.window else 0
-            del ordered[bisect_left(ordered, oldest)]
+            del ordered[_left(ordered, oldest) if NATIVE else bisect_left(ordered, oldest)]
             self._sum += tokens - oldest
-        insort(ordered, tokens)
+        if NATIVE:
+            ordered.insert(_right(ordered, tokens), tokens)
+        else:
+            insort(ordered, tokens)
 
     @property
     def n(self) -> int:
@@ -121,7 +127,7 @@ class NodeStats:
         if already <= 0:
             return (self.mean, self.p90) if self._sorted else None
         ordered = self._sorted
-        first = bisect_right(ordered, already)
+        first = _right(ordered, already) if NATIVE else bisect_right(ordered, already)
         n = len(ordered) - first
         if not n:
             return None
@@ -148,6 +154,30 @@ class _Node(NodeStats):
         return self
 
 
+def _left(ordered: list[int], x: int) -> int:
+    """``bisect_left`` for a list of ints, as a loop the compiled module runs on native ints."""
+    lo, hi = 0, len(ordered)
+    while lo < hi:
+        mid = (lo + hi) >> 1
+        if ordered[mid] < x:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo
+
+
+def _right(ordered: list[int], x: int) -> int:
+    """``bisect_right`` for a list of ints (see :func:`_left`)."""
+    lo, hi = 0, len(ordered)
+    while lo < hi:
+        mid = (lo + hi) >> 1
+        if x < ordered[mid]:
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
+
+
 def _keys(states: Sequence[ToolState]) -> list[str]:
     """Tree keys of the first :data:`MAX_DEPTH` states."""
     return [state._key for state in states[:MAX_DEPTH]]  # as state.key(), without a method call
@@ -166,12 +196,14 @@ class CausalTree:
         if len(remaining_after) != len(states) + 1:
             raise ValueError(f"remaining_after has {len(remaining_after)} entries for "
                              f"{len(states)} tool returns; expected {len(states) + 1}")
-        self._observe_keys(_keys(tuple(states)), remaining_after)
+        self._observe_keys(_keys(tuple(states)), tuple(remaining_after))
 
-    def _observe_keys(self, keys: Sequence[str], remaining_after: Sequence[int]) -> None:
+    def _observe_keys(self, keys: list[str], remaining_after: tuple[int, ...]) -> None:
         node = self.root
         node.add(remaining_after[0])
-        for depth, key in enumerate(keys, start=1):
+        depth = 0
+        for key in keys:
+            depth += 1
             children = node.children
             if children is None:
                 children = node.children = {}
@@ -187,11 +219,12 @@ class CausalTree:
         found = self.deepest(_keys(tuple(states)), min_samples)
         return found[0] if found else None
 
-    def deepest(self, keys: Sequence[str], min_samples: int) -> tuple[NodeStats, int] | None:
+    def deepest(self, keys: list[str], min_samples: int) -> tuple[NodeStats, int] | None:
         """Like :meth:`lookup` on pre-computed keys, also returning the node's depth."""
         node = self.root
-        best = (node, 0) if len(node._ring) >= min_samples else None
-        for depth, key in enumerate(keys, start=1):
+        best: _Node | None = node if len(node._ring) >= min_samples else None
+        depth = best_depth = 0
+        for key in keys:
             children = node.children
             if children is None:
                 break
@@ -199,9 +232,10 @@ class CausalTree:
             if child is None:
                 break
             node = child
+            depth += 1
             if len(node._ring) >= min_samples:
-                best = (node, depth)
-        return best
+                best, best_depth = node, depth
+        return None if best is None else (best, best_depth)
 
     def node_count(self) -> int:
         """Nodes in the tree, the root included (walks the whole tree: not for hot paths)."""
@@ -460,9 +494,10 @@ def _check_finished(finished: FinishedTrajectory) -> None:
         raise ValueError(f"finished trajectory of prompt {finished.prompt_id!r}: remaining_after has "
                          f"{len(finished.remaining_after)} entries for {len(finished.states)} tool returns; "
                          f"expected {len(finished.states) + 1}")
-    if min(finished.remaining_after) < 0 or max(finished.remaining_after) > MAX_SAMPLE:
-        raise ValueError(f"finished trajectory of prompt {finished.prompt_id!r}: remaining tokens "
-                         f"{finished.remaining_after} must lie between 0 and {MAX_SAMPLE}")
+    for remaining in finished.remaining_after:  # a loop: it compiles to native comparisons
+        if not 0 <= remaining <= MAX_SAMPLE:
+            raise ValueError(f"finished trajectory of prompt {finished.prompt_id!r}: remaining tokens "
+                             f"{finished.remaining_after} must lie between 0 and {MAX_SAMPLE}")
 
 
 def _finished_to_json(finished: FinishedTrajectory) -> dict:
