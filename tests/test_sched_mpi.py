@@ -58,6 +58,7 @@ def test_serve_keeps_collections_off_the_request_path_and_restores_the_collector
     thresholds, counters = gc.get_threshold(), {"full_collections": 0}
     with pytest.raises(RuntimeError), _Collector(10.0, clock, counters) as collector:
         assert gc.get_freeze_count() > 0 and gc.get_threshold()[2] == 1 << 30
+        assert gc.get_threshold()[0] >= 20_000  # young collections made rarer too
         assert not collector.due(idle=True)  # t=5: not yet
         assert collector.due(idle=False)  # t=20: twice the period, even between requests
         raise RuntimeError("a router bug")
