@@ -128,13 +128,29 @@ class CompletedTrajectory(NamedTuple):
     requeues: int  # leases that expired under it
 
 
+class _Instance:
+    """One rollout instance as the service keeps it: its bucket, the turns queued on it, the
+    leases it holds, when it last asked or sent a heartbeat (None: never), and the queues
+    its asks drain (its own first, then its bucket's other instances)."""
+
+    __slots__ = ("bucket", "held", "id", "queue", "renewed", "sources")
+
+    def __init__(self, instance_id: int, bucket: str):
+        self.id = instance_id
+        self.bucket = bucket
+        self.queue: deque[_Trajectory] = deque()
+        self.held = 0
+        self.renewed: float | None = None
+        self.sources: list[_Instance] = []
+
+
 class _Trajectory:
     """One active trajectory. While its turn is leased, ``lease`` is the lease id (0: none)
-    and ``deadline`` when it lapses unless renewed; ``instance`` is where the turn is
-    queued or leased and ``expected`` the tokens it is charged there: a trajectory holds at
-    most one lease, so the lease needs no object of its own."""
+    and ``deadline`` when it lapses unless renewed; ``at`` is the instance its turn is
+    queued on or leased to and ``expected`` the tokens it is charged there: a trajectory
+    holds at most one lease, so the lease needs no object of its own."""
 
-    __slots__ = ("bucket", "deadline", "expected", "generated", "instance", "lease", "migrated", "migrations", "phase",
+    __slots__ = ("at", "bucket", "deadline", "expected", "generated", "lease", "migrated", "migrations", "phase",
                  "prev_instance", "prompt_id", "requeues", "states", "tid", "true_remaining", "turn_tokens")
 
     def __init__(self, tid: str, prompt_id: str, true_remaining: int | None):
@@ -145,7 +161,7 @@ class _Trajectory:
         self.turn_tokens: tuple[int, ...] = ()
         self.generated = 0
         self.bucket: str | None = None  # of the current turn
-        self.instance = -1  # queued on / leased to
+        self.at = _NOWHERE  # queued on / leased to (set when its first turn is placed)
         self.expected = 0  # tokens its current turn is charged to that instance (load accounting)
         self.prev_instance: int | None = None  # where the previous turn ran
         self.migrated = False
@@ -154,6 +170,9 @@ class _Trajectory:
         self.deadline = 0.0
         self.migrations = 0
         self.requeues = 0
+
+
+_NOWHERE = _Instance(-1, "")
 
 
 class QueueService:
@@ -188,19 +207,17 @@ class QueueService:
                                                                             thresholds, markers)
         self._default_turn_tokens = int(default_turn_tokens)
         self._remember = int(remember_leases)
-        self._bucket_of: dict[int, str] = {}
-        self._sources: dict[int, tuple[int, ...]] = {}  # instance → queues it drains, its own first
+        self._instances: dict[int, _Instance] = {}
         for bucket in buckets:
-            for i, instance in enumerate(bucket.instances):
-                if instance in self._bucket_of:
+            for instance in bucket.instances:
+                if instance in self._instances:
                     raise ValueError(f"QueueService: instance {instance} is in buckets "
-                                     f"{self._bucket_of[instance]!r} and {bucket.name!r}")
-                self._bucket_of[instance] = bucket.name
-                self._sources[instance] = bucket.instances[i:] + bucket.instances[:i]
-        self._queues: dict[int, deque[_Trajectory]] = {i: deque() for i in self._bucket_of}
+                                     f"{self._instances[instance].bucket!r} and {bucket.name!r}")
+                self._instances[instance] = _Instance(instance, bucket.name)
+            for i, instance in enumerate(bucket.instances):
+                self._instances[instance].sources = [self._instances[source]
+                                                     for source in bucket.instances[i:] + bucket.instances[:i]]
         self._depth: dict[str, int] = {b.name: 0 for b in buckets}
-        self._held: dict[int, int] = dict.fromkeys(self._bucket_of, 0)
-        self._renewed: dict[int, float] = {}
         self._trajs: dict[str, _Trajectory] = {}
         self._leases: dict[int, _Trajectory] = {}  # lease id → the trajectory whose turn it holds
         self._down: set[int] = set()  # silent instances (see _silent)
@@ -265,8 +282,9 @@ class QueueService:
             traj = self._leases.get(lid)
             if traj is None:
                 continue  # ended by a report
-            instance = traj.instance
-            deadline = max(traj.deadline, self._renewed.get(instance, traj.deadline - self._lease_s) + self._lease_s)
+            instance = traj.at.id
+            renewed = traj.at.renewed
+            deadline = traj.deadline if renewed is None else max(traj.deadline, renewed + self._lease_s)
             if deadline > now:  # renewed since: look again then
                 traj.deadline = deadline
                 heapq.heappush(heap, (deadline, lid))
@@ -301,19 +319,19 @@ class QueueService:
             return
         self._next_liveness = now + self._lease_s / 4
         lost: list[_Trajectory] = []
-        for instance, queue in self._queues.items():
-            if queue and instance not in self._down and \
-                    now - self._renewed.get(instance, self._first_seen) >= self._lease_s:
-                lost.extend(self._silent(instance, now, f"held {len(queue)} queued turns without asking"))
+        for instance, at in self._instances.items():
+            renewed = at.renewed if at.renewed is not None else self._first_seen
+            if at.queue and instance not in self._down and now - renewed >= self._lease_s:
+                lost.extend(self._silent(instance, now, f"held {len(at.queue)} queued turns without asking"))
         self._requeue(lost)
 
     def _take_queue(self, instance: int) -> list[_Trajectory]:
         """Empty ``instance``'s queue (oldest first), its load accounting included."""
-        queue = self._queues[instance]
-        taken = list(queue)
-        queue.clear()
+        at = self._instances[instance]
+        taken = list(at.queue)
+        at.queue.clear()
         if taken:
-            self._depth[self._bucket_of[instance]] -= len(taken)
+            self._depth[at.bucket] -= len(taken)
         for traj in taken:
             self._router.turn_ended(instance, traj.expected)
         return taken
@@ -381,48 +399,49 @@ class QueueService:
         queues and leases. A full scan, for tests: raises ServiceInvariantError when a
         trajectory is lost, in two places, or its phase disagrees with where it is."""
         seen: dict[str, str] = {}
-        for instance, queue in self._queues.items():
-            for traj in queue:
+        for instance, at in self._instances.items():
+            for traj in at.queue:
                 self._audit_one(seen, traj, QUEUED, instance)
         for lid, traj in self._leases.items():
             if traj.lease != lid:
                 raise ServiceInvariantError(f"trajectory {traj.tid} is filed under lease {lid} but holds {traj.lease}")
-            self._audit_one(seen, traj, LEASED, traj.instance)
+            self._audit_one(seen, traj, LEASED, traj.at.id)
         if seen.keys() != self._trajs.keys():
             raise ServiceInvariantError(f"lost: {sorted(self._trajs.keys() - seen.keys())}, "
                                         f"unknown: {sorted(seen.keys() - self._trajs.keys())}")
         depth = {b: 0 for b in self._depth}
-        for instance, queue in self._queues.items():
-            depth[self._bucket_of[instance]] += len(queue)
-        held = {i: 0 for i in self._held}
+        for at in self._instances.values():
+            depth[at.bucket] += len(at.queue)
+        held = {i: 0 for i in self._instances}
         for traj in self._leases.values():
-            held[traj.instance] += 1
-        if depth != self._depth or held != self._held:
-            raise ServiceInvariantError(f"counters drifted: depth {self._depth} vs {depth}, held {self._held} vs {held}")
+            held[traj.at.id] += 1
+        counted = {i: at.held for i, at in self._instances.items()}
+        if depth != self._depth or held != counted:
+            raise ServiceInvariantError(f"counters drifted: depth {self._depth} vs {depth}, held {counted} vs {held}")
         return seen
 
     def _audit_one(self, seen: dict[str, str], traj: _Trajectory, phase: str, instance: int) -> None:
         if traj.tid in seen:
             raise ServiceInvariantError(f"trajectory {traj.tid} is both {seen[traj.tid]} and {phase}")
-        if traj.phase != phase or traj.instance != instance or self._trajs.get(traj.tid) is not traj:
-            raise ServiceInvariantError(f"trajectory {traj.tid}: phase {traj.phase} on {traj.instance}, "
+        if traj.phase != phase or traj.at.id != instance or self._trajs.get(traj.tid) is not traj:
+            raise ServiceInvariantError(f"trajectory {traj.tid}: phase {traj.phase} on {traj.at.id}, "
                                         f"found {phase} on {instance}")
         seen[traj.tid] = phase
 
     # ------------------------------------------------------------------- operations
 
     def _ask(self, message: dict, now: float) -> dict:
-        instance = self._instance(message, "ask")
+        at = self._instance(message, "ask")
         want = _int(message, "max", "ask", minimum=1)
-        self._renewed[instance] = now
-        if instance in self._down:
-            self._back(instance)
+        at.renewed = now
+        if at.id in self._down:
+            self._back(at.id)
         room = min(want, self._max_batch)
         turns: list[dict] = []
-        for source in self._sources[instance]:
-            queue = self._queues[source]
+        for source in at.sources:
+            queue = source.queue
             while queue and room:
-                turns.append(self._hand_out(queue.popleft(), instance, now))
+                turns.append(self._hand_out(queue.popleft(), at, now))
                 room -= 1
             if not room:
                 break
@@ -456,9 +475,9 @@ class QueueService:
         self._turn_tokens_total += tokens
         self._turns_total += 1
         self._decisions += 1
-        placement = self._place(traj, front=False)
-        return {"ok": True, "tid": traj.tid, "bucket": placement.bucket, "instance": placement.instance,
-                "migrated": placement.migrated, "reason": placement.reason}
+        bucket, instance, migrated, reason = self._place(traj, front=False)
+        return {"ok": True, "tid": traj.tid, "bucket": bucket, "instance": instance, "migrated": migrated,
+                "reason": reason}
 
     def _finish(self, message: dict, now: float) -> dict:
         tokens = _int(message, "tokens", "finish", minimum=0, maximum=MAX_TURN_TOKENS)
@@ -499,11 +518,11 @@ class QueueService:
         return {"ok": True, "replies": replies}
 
     def _heartbeat(self, message: dict, now: float) -> dict:
-        instance = self._instance(message, "heartbeat")
-        self._renewed[instance] = now
-        if instance in self._down:
-            self._back(instance)
-        return {"ok": True, "leases": self._held[instance]}
+        at = self._instance(message, "heartbeat")
+        at.renewed = now
+        if at.id in self._down:
+            self._back(at.id)
+        return {"ok": True, "leases": at.held}
 
     # ---------------------------------------------------------------------- helpers
 
@@ -512,35 +531,35 @@ class QueueService:
         view = new_tuple(TrajectoryView, (traj.tid, traj.prompt_id, traj.states, traj.generated, traj.bucket,
                                            remaining, traj.turn_tokens, traj.prev_instance))
         placement = self._router.place(view)
-        bucket = self._bucket_of.get(placement.instance)
-        if bucket is None or bucket != placement.bucket:
+        bucket, instance, migrated, _ = placement
+        at = self._instances.get(instance)
+        if at is None or at.bucket != bucket:
             raise RouterError(f"router {getattr(self._router, 'name', '?')!r} placed trajectory {traj.tid} on "
-                              f"instance {placement.instance} of bucket {placement.bucket!r}; instances by bucket: "
-                              f"{self._bucket_of}")
+                              f"instance {instance} of bucket {bucket!r}; instances by bucket: "
+                              f"{ {i: known.bucket for i, known in self._instances.items()} }")
         self._placements += 1
         traj.expected = self._turn_tokens_total // self._turns_total if self._turns_total else self._default_turn_tokens
-        self._router.turn_started(placement.instance, traj.expected)
-        if placement.migrated:
+        self._router.turn_started(instance, traj.expected)
+        if migrated:
             self._migrations += 1
             traj.migrations += 1
         traj.bucket = bucket
-        traj.migrated = placement.migrated
+        traj.migrated = migrated
         traj.phase = QUEUED
-        traj.instance = placement.instance
-        queue = self._queues[placement.instance]
-        queue.appendleft(traj) if front else queue.append(traj)
+        traj.at = at
+        at.queue.appendleft(traj) if front else at.queue.append(traj)
         self._depth[bucket] += 1
         return placement
 
-    def _hand_out(self, traj: _Trajectory, instance: int, now: float) -> dict:
+    def _hand_out(self, traj: _Trajectory, at: _Instance, now: float) -> dict:
         bucket = traj.bucket
         assert bucket is not None, "a queued turn has a bucket"
         self._depth[bucket] -= 1
         lid = self._next_lease
         self._next_lease += 1
-        if traj.instance != instance:  # a sibling's queue: the turn's load moves here
-            self._router.turn_ended(traj.instance, traj.expected)
-            self._router.turn_started(instance, traj.expected)
+        if traj.at is not at:  # a sibling's queue: the turn's load moves here
+            self._router.turn_ended(traj.at.id, traj.expected)
+            self._router.turn_started(at.id, traj.expected)
         deadline = traj.deadline = now + self._lease_s
         traj.lease = lid
         self._leases[lid] = traj
@@ -548,9 +567,9 @@ class QueueService:
         if len(self._expiry) > 4 * len(self._leases) + 4096:  # mostly ended leases: compact (amortised O(1))
             self._expiry = [(held.deadline, held.lease) for held in self._leases.values()]
             heapq.heapify(self._expiry)
-        self._held[instance] += 1
+        at.held += 1
         traj.phase = LEASED
-        traj.instance = instance
+        traj.at = at
         self._handed_out += 1
         return {"lease": lid, "tid": traj.tid, "prompt_id": traj.prompt_id, "turn": len(traj.states),
                 "bucket": traj.bucket, "migrated": traj.migrated, "prev_instance": traj.prev_instance,
@@ -570,10 +589,10 @@ class QueueService:
             raise _Reject("late_report", f"{op}: lease {lid} ended too long ago to remember; this report is dropped")
         del self._leases[lid]  # as _end_lease(traj), inlined on the hot path
         traj.lease = 0
-        instance = traj.instance
-        self._held[instance] -= 1
-        self._router.turn_ended(instance, traj.expected)
-        traj.prev_instance = instance
+        at = traj.at
+        at.held -= 1
+        self._router.turn_ended(at.id, traj.expected)
+        traj.prev_instance = at.id
         return traj
 
     def _end_lease(self, traj: _Trajectory, expired: bool) -> None:
@@ -586,8 +605,8 @@ class QueueService:
                 oldest = self._next_lease - self._remember
                 self._expired = {old for old in self._expired if old >= oldest}
                 self._prune_expired_at = max(1024, 2 * len(self._expired))
-        self._held[traj.instance] -= 1
-        self._router.turn_ended(traj.instance, traj.expected)
+        traj.at.held -= 1
+        self._router.turn_ended(traj.at.id, traj.expected)
 
     def _record_turn(self, traj: _Trajectory, tokens: int) -> None:
         traj.turn_tokens += (tokens,)
@@ -595,12 +614,13 @@ class QueueService:
         self._turn_tokens_total += tokens
         self._turns_total += 1
 
-    def _instance(self, message: dict, op: str) -> int:
+    def _instance(self, message: dict, op: str) -> _Instance:
         instance = _int(message, "instance", op)
-        if instance not in self._bucket_of:
+        at = self._instances.get(instance)
+        if at is None:
             raise _Reject("unknown_instance", f"{op}: instance {instance} is in no bucket; known instances: "
-                                              f"{sorted(self._bucket_of)}")
-        return instance
+                                              f"{sorted(self._instances)}")
+        return at
 
     def _refuse(self, reason: str, error: str) -> dict:
         self._rejected[reason] += 1
