@@ -36,7 +36,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
-from libra_hpc.scheduler.tree import CausalIndex
+from libra_hpc.scheduler.tree import MAX_DEPTH, CausalIndex
 from libra_hpc.scheduler.types import (
     BucketSpec,
     FinishedTrajectory,
@@ -280,6 +280,7 @@ class CmlfqRouter(RouterBase):
         self.index = CausalIndex(window, min_samples, retain or max(rebuild_every, window))
         self.observed = 0
         self.rebuilt_at = 0  # value of `observed` at the last rebuild
+        self._reasons: dict[str, dict[str, list[str]]] = {}  # see _why()
 
     @classmethod
     def build(cls, buckets: Sequence[BucketSpec], options: RouterOptions) -> CmlfqRouter:
@@ -293,21 +294,32 @@ class CmlfqRouter(RouterBase):
         states = view.states
         if not states:
             return self.placement(view, current, "no tool return")
-        found = self.index.match(view.prompt_id, states)
-        if found is None:
+        stats, source, depth = self.index.find(view.prompt_id, states)
+        if stats is None:
             return self.placement(view, current, "no trusted node")
-        stats, source, depth = found
         # A shallower node describes what remained back at its tool return; condition it
         # on the tokens generated since (samples that lasted longer, minus those tokens).
         estimate = stats.beyond(sum(view.turn_tokens[depth:]) if depth < len(states) else 0)
         if estimate is None:
-            return self.placement(view, current, f"outlived every sample ({source} depth {depth})")
+            return self.placement(view, current, self._why("outlived every sample", source, depth))
         by_mean, by_p90 = self.level_for(estimate[0]), self.level_for(estimate[1])
         if by_mean != by_p90:
-            return self.placement(view, current, f"mean/p90 disagree ({source} depth {depth})")
+            return self.placement(view, current, self._why("mean/p90 disagree", source, depth))
         if by_mean == current:
-            return self.placement(view, current, f"stay ({source} depth {depth})")
-        return self.placement(view, by_mean, f"move ({source} depth {depth})")
+            return self.placement(view, current, self._why("stay", source, depth))
+        return self.placement(view, by_mean, self._why("move", source, depth))
+
+    def _why(self, verdict: str, source: str, depth: int) -> str:
+        """The reason ``f"{verdict} ({source} depth {depth})"``, one shared string per value
+        (built once; the service sends it back with every placement, and a string that
+        recurs in a message is pickled once)."""
+        by_source = self._reasons.get(verdict)
+        if by_source is None:
+            by_source = self._reasons[verdict] = {}
+        by_depth = by_source.get(source)
+        if by_depth is None:
+            by_depth = by_source[source] = [f"{verdict} ({source} depth {d})" for d in range(MAX_DEPTH + 1)]
+        return by_depth[depth]
 
     def observe(self, finished: FinishedTrajectory) -> None:
         """Learn incrementally (O(depth)). A rebuild falls due every ``rebuild_every``

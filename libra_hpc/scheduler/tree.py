@@ -28,7 +28,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Final, NamedTuple, TypeVar
 
-from libra_hpc.scheduler.types import CausalTreeFormatError, FinishedTrajectory, ToolState, new_tuple
+from libra_hpc.scheduler.types import CausalTreeFormatError, FinishedTrajectory, ToolState
 
 logger = logging.getLogger(__name__)
 _T = TypeVar("_T")
@@ -216,11 +216,11 @@ class CausalTree:
     def lookup(self, states: Sequence[ToolState], min_samples: int) -> NodeStats | None:
         """The deepest node on the path of ``states`` (exact match as far as the tree
         goes) whose window holds at least ``min_samples`` samples, or None."""
-        found = self.deepest(_keys(tuple(states)), min_samples)
-        return found[0] if found else None
+        return self.deepest(_keys(tuple(states)), min_samples)[0]
 
-    def deepest(self, keys: list[str], min_samples: int) -> tuple[NodeStats, int] | None:
-        """Like :meth:`lookup` on pre-computed keys, also returning the node's depth."""
+    def deepest(self, keys: list[str], min_samples: int) -> tuple[NodeStats | None, int]:
+        """Like :meth:`lookup` on pre-computed keys, also returning the node's depth (0
+        when there is none). A plain tuple: compiled, it is returned without allocating."""
         node = self.root
         best: _Node | None = node if len(node._ring) >= min_samples else None
         depth = best_depth = 0
@@ -235,7 +235,7 @@ class CausalTree:
             depth += 1
             if len(node._ring) >= min_samples:
                 best, best_depth = node, depth
-        return None if best is None else (best, best_depth)
+        return best, best_depth
 
     def node_count(self) -> int:
         """Nodes in the tree, the root included (walks the whole tree: not for hot paths)."""
@@ -305,15 +305,21 @@ class CausalIndex:
         trusted node (samples of the same prompt are the closest evidence), unless the
         global tree has a trusted node strictly deeper on the path (a longer causal
         context beats prompt identity); None when neither tree has a trusted node."""
+        stats, source, depth = self.find(prompt_id, states)
+        return None if stats is None else Match(stats, source, depth)
+
+    def find(self, prompt_id: str, states: Sequence[ToolState]) -> tuple[NodeStats | None, str, int]:
+        """:meth:`match` as a plain tuple, ``(None, "", 0)`` when no node is trusted (the
+        router's call on every decision: compiled, nothing is allocated)."""
         keys = _keys(tuple(states))
         tree = self.prompt_trees.get(prompt_id)
-        own = tree.deepest(keys, self.min_samples) if tree is not None else None
-        shared = self.global_tree.deepest(keys, self.min_samples)
-        if own is not None and (shared is None or own[1] >= shared[1]):
-            return new_tuple(Match, (own[0], "prompt", own[1]))
+        own, own_depth = tree.deepest(keys, self.min_samples) if tree is not None else (None, 0)
+        shared, shared_depth = self.global_tree.deepest(keys, self.min_samples)
+        if own is not None and (shared is None or own_depth >= shared_depth):
+            return own, "prompt", own_depth
         if shared is not None:
-            return new_tuple(Match, (shared[0], "global", shared[1]))
-        return None
+            return shared, "global", shared_depth
+        return None, "", 0
 
     def lookup(self, prompt_id: str, states: Sequence[ToolState]) -> tuple[NodeStats, str] | None:
         """(statistics, ``"prompt"`` or ``"global"``) by the rule of :meth:`match`."""
