@@ -331,3 +331,24 @@ def test_rebuild_defers_sparse_prompts_without_changing_any_tree():
             index.observe(finished)
     assert lazy.to_json()["prompts"] == eager.to_json()["prompts"]  # saving replays the rest
     assert lazy.to_json()["global"] == eager.to_json()["global"] and not lazy._deferred
+
+
+def test_keys_given_by_the_caller_are_the_keys_of_the_states():
+    index = CausalIndex(window=8, min_samples=1, retain=8)
+    keys = (FAIL.key(), OK.key())
+    index.observe(FinishedTrajectory("a", (FAIL, OK), (900, 600, 100), keys))
+    index.observe(FinishedTrajectory("a", (FAIL,), (500, 200)))  # computed from the states
+    assert index.find("a", (FAIL, OK), keys)[1:] == index.find("a", (FAIL, OK))[1:] == ("prompt", 2)
+    assert index.find("a", (FAIL,), (FAIL.key(),))[0].samples == index.find("a", (FAIL,))[0].samples == (600, 200)
+    assert index.find("a", (FAIL, OK), ("wrong",))[2] == 2  # not one per state: computed from the states
+    with pytest.raises(ValueError, match="1 tree keys for 2 tool returns"):
+        index.observe(FinishedTrajectory("a", (FAIL, OK), (900, 600, 100), (FAIL.key(),)))
+
+
+@given(st.lists(st.integers(-5, 60), max_size=40), st.integers(-10, 70))
+def test_native_binary_searches_agree_with_bisect(values, x):
+    from bisect import bisect_left, bisect_right
+
+    from libra_hpc.scheduler.tree import _left, _right
+    ordered = sorted(values)
+    assert (_left(ordered, x), _right(ordered, x)) == (bisect_left(ordered, x), bisect_right(ordered, x))

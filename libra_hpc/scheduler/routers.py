@@ -294,7 +294,7 @@ class CmlfqRouter(RouterBase):
         states = view.states
         if not states:
             return self.placement(view, current, "no tool return")
-        stats, source, depth = self.index.find(view.prompt_id, states)
+        stats, source, depth = self.index.find(view.prompt_id, states, view.keys)
         if stats is None:
             return self.placement(view, current, "no trusted node")
         # A shallower node describes what remained back at its tool return; condition it

@@ -151,14 +151,15 @@ class _Trajectory:
     queued on or leased to and ``expected`` the tokens it is charged there: a trajectory
     holds at most one lease, so the lease needs no object of its own."""
 
-    __slots__ = ("at", "bucket", "deadline", "expected", "generated", "lease", "migrated", "migrations", "phase",
-                 "prev_instance", "prompt_id", "requeues", "states", "tid", "true_remaining", "turn_tokens")
+    __slots__ = ("at", "bucket", "deadline", "expected", "generated", "keys", "lease", "migrated", "migrations",
+                 "phase", "prev_instance", "prompt_id", "requeues", "states", "tid", "true_remaining", "turn_tokens")
 
     def __init__(self, tid: str, prompt_id: str, true_remaining: int | None):
         self.tid = tid
         self.prompt_id = prompt_id
         self.true_remaining = true_remaining  # output tokens in all, if known (oracle)
         self.states: tuple[ToolState, ...] = ()  # tuples: handed to the router as they are
+        self.keys: tuple[str, ...] = ()  # the states' tree keys (TrajectoryView.keys)
         self.turn_tokens: tuple[int, ...] = ()
         self.generated = 0
         self.bucket: str | None = None  # of the current turn
@@ -494,6 +495,7 @@ class QueueService:
             raise _Reject("malformed", f"tool_return (lease {lid}): {exc}") from None
         traj = self._claim(lid, "tool_return")
         traj.states += (state,)
+        traj.keys += (state.key(),)
         traj.turn_tokens += (tokens,)  # as _record_turn(), inlined on the hot path
         traj.generated += tokens
         self._turn_tokens_total += tokens
@@ -512,7 +514,7 @@ class QueueService:
         for tokens in turns:  # what remained after each tool return: a suffix sum
             remaining.append(total)
             total -= tokens
-        self._calls.observe(new_tuple(FinishedTrajectory, (traj.prompt_id, traj.states, tuple(remaining))))
+        self._calls.observe(new_tuple(FinishedTrajectory, (traj.prompt_id, traj.states, tuple(remaining), traj.keys)))
         del self._trajs[traj.tid]
         self._finished.append(new_tuple(CompletedTrajectory, (traj.tid, traj.prompt_id, traj.states, turns,
                                                                traj.migrations, traj.requeues)))
@@ -553,7 +555,7 @@ class QueueService:
     def _place(self, traj: _Trajectory, front: bool) -> Placement:
         remaining = None if traj.true_remaining is None else max(0, traj.true_remaining - traj.generated)
         view = new_tuple(TrajectoryView, (traj.tid, traj.prompt_id, traj.states, traj.generated, traj.bucket,
-                                           remaining, traj.turn_tokens, traj.prev_instance))
+                                           remaining, traj.turn_tokens, traj.prev_instance, traj.keys))
         placement = self._calls.place(view)
         bucket, instance, migrated, _ = placement
         at = self._instances.get(instance)

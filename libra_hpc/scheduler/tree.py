@@ -178,9 +178,12 @@ def _right(ordered: list[int], x: int) -> int:
     return lo
 
 
-def _keys(states: Sequence[ToolState]) -> list[str]:
-    """Tree keys of the first :data:`MAX_DEPTH` states."""
-    return [state._key for state in states[:MAX_DEPTH]]  # as state.key(), without a method call
+def _keys(states: Sequence[ToolState], keys: tuple[str, ...] = ()) -> tuple[str, ...]:
+    """Tree keys of the first :data:`MAX_DEPTH` states: from ``keys`` when it holds one per
+    state (the queue service keeps them, so a lookup reads no ToolState), else computed."""
+    if len(keys) == len(states):
+        return keys[:MAX_DEPTH] if len(keys) > MAX_DEPTH else keys
+    return tuple([state._key for state in states[:MAX_DEPTH]])  # as state.key(), without a method call
 
 
 class CausalTree:
@@ -198,7 +201,7 @@ class CausalTree:
                              f"{len(states)} tool returns; expected {len(states) + 1}")
         self._observe_keys(_keys(tuple(states)), tuple(remaining_after))
 
-    def _observe_keys(self, keys: list[str], remaining_after: tuple[int, ...]) -> None:
+    def _observe_keys(self, keys: tuple[str, ...], remaining_after: tuple[int, ...]) -> None:
         node = self.root
         node.add(remaining_after[0])
         depth = 0
@@ -218,7 +221,7 @@ class CausalTree:
         goes) whose window holds at least ``min_samples`` samples, or None."""
         return self.deepest(_keys(tuple(states)), min_samples)[0]
 
-    def deepest(self, keys: list[str], min_samples: int) -> tuple[NodeStats | None, int]:
+    def deepest(self, keys: tuple[str, ...], min_samples: int) -> tuple[NodeStats | None, int]:
         """Like :meth:`lookup` on pre-computed keys, also returning the node's depth (0
         when there is none). A plain tuple: compiled, it is returned without allocating."""
         node = self.root
@@ -293,7 +296,7 @@ class CausalIndex:
         self._add(finished)
 
     def _add(self, finished: FinishedTrajectory) -> None:
-        keys = _keys(finished.states)
+        keys = _keys(finished.states, finished.keys)
         tree = self.prompt_trees.get(finished.prompt_id)
         if tree is None:
             tree = self._prompt_tree(finished.prompt_id)
@@ -308,10 +311,12 @@ class CausalIndex:
         stats, source, depth = self.find(prompt_id, states)
         return None if stats is None else Match(stats, source, depth)
 
-    def find(self, prompt_id: str, states: Sequence[ToolState]) -> tuple[NodeStats | None, str, int]:
+    def find(self, prompt_id: str, states: Sequence[ToolState],
+             keys: tuple[str, ...] = ()) -> tuple[NodeStats | None, str, int]:
         """:meth:`match` as a plain tuple, ``(None, "", 0)`` when no node is trusted (the
-        router's call on every decision: compiled, nothing is allocated)."""
-        keys = _keys(tuple(states))
+        router's call on every decision: compiled, nothing is allocated). ``keys``: the
+        states' tree keys if the caller has them (:attr:`TrajectoryView.keys`)."""
+        keys = _keys(tuple(states), keys)
         tree = self.prompt_trees.get(prompt_id)
         own, own_depth = tree.deepest(keys, self.min_samples) if tree is not None else (None, 0)
         shared, shared_depth = self.global_tree.deepest(keys, self.min_samples)
@@ -330,7 +335,7 @@ class CausalIndex:
         """A new tree for ``prompt_id``, holding what the last rebuild deferred for it."""
         tree = self.prompt_trees[prompt_id] = CausalTree(self.window)
         for finished in self._deferred.pop(prompt_id, ()):
-            tree._observe_keys(_keys(finished.states), finished.remaining_after)
+            tree._observe_keys(_keys(finished.states, finished.keys), finished.remaining_after)
         return tree
 
     def rebuild(self) -> None:
@@ -350,10 +355,10 @@ class CausalIndex:
             for finished in self.recent:
                 counts[finished.prompt_id] = counts.get(finished.prompt_id, 0) + 1
             for finished in self.recent:
-                self.global_tree._observe_keys(_keys(finished.states), finished.remaining_after)
+                self.global_tree._observe_keys(_keys(finished.states, finished.keys), finished.remaining_after)
                 if counts[finished.prompt_id] >= self.min_samples:
                     tree = self.prompt_trees.get(finished.prompt_id) or self._prompt_tree(finished.prompt_id)
-                    tree._observe_keys(_keys(finished.states), finished.remaining_after)
+                    tree._observe_keys(_keys(finished.states, finished.keys), finished.remaining_after)
                 else:
                     self._deferred.setdefault(finished.prompt_id, []).append(finished)
         logger.info("rebuilt causal trees of %d prompts from %d finished trajectories in %.3f s",
@@ -496,6 +501,9 @@ def _node_from_json(raw: object, window: int, where: str, depth: int = 0) -> _No
 
 
 def _check_finished(finished: FinishedTrajectory) -> None:
+    if finished.keys and len(finished.keys) != len(finished.states):
+        raise ValueError(f"finished trajectory of prompt {finished.prompt_id!r}: {len(finished.keys)} tree keys for "
+                         f"{len(finished.states)} tool returns; give one per state, or none")
     if len(finished.remaining_after) != len(finished.states) + 1:
         raise ValueError(f"finished trajectory of prompt {finished.prompt_id!r}: remaining_after has "
                          f"{len(finished.remaining_after)} entries for {len(finished.states)} tool returns; "

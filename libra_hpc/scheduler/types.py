@@ -81,6 +81,9 @@ class TrajectoryView(NamedTuple):
     trajectory has generated since that node."""
     instance: int | None = None
     """The instance its previous turn ran on: its KV prefix is cached there (None: new)."""
+    keys: tuple[str, ...] = ()
+    """``states``' tree keys (:meth:`ToolState.key`), when the caller keeps them (the queue
+    service does); otherwise empty, and a router that needs them computes them."""
 
 
 class Placement(NamedTuple):
@@ -100,6 +103,8 @@ class FinishedTrajectory(NamedTuple):
     prompt_id: str
     states: tuple[ToolState, ...]
     remaining_after: tuple[int, ...]
+    keys: tuple[str, ...] = ()
+    """``states``' tree keys, when the caller keeps them (see :attr:`TrajectoryView.keys`)."""
 
 
 class Router(Protocol):
