@@ -252,7 +252,7 @@ class QueueService:
         self._prune_expired_at = 1024
         self._expiry: list[tuple[float, int]] = []
         self._next_lease = 1
-        self._finished: list[CompletedTrajectory] = []
+        self._finished: list[_Trajectory] = []  # completed, not drained yet (drain_finished builds the records)
         self._turn_tokens_total = 0
         self._turns_total = 0
         # Counters (stats()): attributes, not a dict, since several change per decision.
@@ -402,7 +402,8 @@ class QueueService:
     def drain_finished(self) -> list[CompletedTrajectory]:
         """Completed trajectories since the last call, in completion order."""
         done, self._finished = self._finished, []
-        return done
+        return [CompletedTrajectory(traj.tid, traj.prompt_id, traj.states, traj.turn_tokens, traj.migrations,
+                                    traj.requeues) for traj in done]
 
     def stats(self) -> dict:
         """Counters since start: ``submitted``, ``placements`` (all router decisions),
@@ -473,20 +474,21 @@ class QueueService:
         return {"ok": True, "turns": turns, "active": len(self._trajs)}
 
     def _tool_return(self, message: dict, now: float) -> dict:
-        get = message.get
-        tool, output, tokens, lid = get("tool"), get("output"), get("tokens"), get("lease")
-        size = get("size") if output is None else None
+        # message.get(...) each time, not a bound method kept in a local: compiled, that is a native lookup
+        tool, output = message.get("tool"), message.get("output")
+        tokens, lid = message.get("tokens"), message.get("lease")
+        size = message.get("size") if output is None else None
         if (type(tool) is not str or type(tokens) is not int or not 0 <= tokens <= MAX_TURN_TOKENS
                 or type(lid) is not int):  # one test on the hot path; the slow path names the field
             _check_tool_return(message)
         try:
             if size is not None:  # classified by the worker
-                status = get("status")
+                status = message.get("status")
                 if type(size) is not str or type(status) is not str:
                     _check_tool_return(message)
                 state = self._fast_classify.state(tool, size, status)
             else:
-                exit_code, timed_out = get("exit_code"), get("timed_out", False)
+                exit_code, timed_out = message.get("exit_code"), message.get("timed_out", False)
                 if type(output) is not str or (exit_code is not None and type(exit_code) is not int) \
                         or type(timed_out) is not bool:
                     _check_tool_return(message)
@@ -516,8 +518,7 @@ class QueueService:
             total -= tokens
         self._calls.observe(new_tuple(FinishedTrajectory, (traj.prompt_id, traj.states, tuple(remaining), traj.keys)))
         del self._trajs[traj.tid]
-        self._finished.append(new_tuple(CompletedTrajectory, (traj.tid, traj.prompt_id, traj.states, turns,
-                                                               traj.migrations, traj.requeues)))
+        self._finished.append(traj)
         self._completed += 1
         return {"ok": True, "tid": traj.tid, "turns": len(remaining)}
 
