@@ -129,8 +129,7 @@ class RouterBase:
         self.affinity_tokens = affinity_tokens
         self.level_of = {bucket.name: level for level, bucket in enumerate(self.buckets)}
         self._level_of_instance = {i: level for level, bucket in enumerate(self.buckets) for i in bucket.instances}
-        self.limits = [bucket.token_limit for bucket in self.buckets]
-        self._float_limits = [float(limit) for limit in self.limits]  # compared with token estimates
+        self.limits = [float(bucket.token_limit) for bucket in self.buckets]  # by level; compared with token estimates
         self.outstanding = {instance: 0 for bucket in self.buckets for instance in bucket.instances}
         self._order = [outward_order(level, len(self.buckets)) for level in range(len(self.buckets))]
         self.down: set[int] = set()  # silent instances (see set_down)
@@ -191,9 +190,9 @@ class RouterBase:
     def level_for(self, tokens: float) -> int:
         """The level whose token_limit is the smallest >= ``tokens`` (beyond all: the last).
         A scan: there are a handful of levels, and it compiles to native comparisons."""
-        last = len(self._float_limits) - 1
+        last = len(self.limits) - 1
         for level in range(last):
-            if self._float_limits[level] >= tokens:
+            if self.limits[level] >= tokens:
                 return level
         return last
 
