@@ -1,0 +1,69 @@
+"""The control plane's message tags and the one way a rank waits for a message.
+
+Every control-plane message is a pickled object sent point to point with one of the tags
+below (never a world-wide collective after start: a rank waiting in MPICH's blocking
+receive or ``bcast`` busy-polls a core, and on a host with more ranks than cores that
+starves the ranks doing work). Data-plane traffic (weights, trajectories) uses its own
+communicators and is not listed here.
+
+| tag | from → to | what |
+|---|---|---|
+| ``QUEUE_REQUEST`` | rollout leader → controller | C-MLFQ queue request (scheduler/mpi_service.py) |
+| ``QUEUE_REPLY`` | controller → rollout leader | its reply |
+| ``COMMAND`` | controller → any rank | a command (layout change, step, stop) |
+| ``REPORT`` | any rank → controller | the answer to a command, a step report, a heartbeat |
+| ``TOOL_DONE`` | tool worker → controller | a tool action's completion |
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+QUEUE_REQUEST = 0x1F01
+QUEUE_REPLY = 0x1F02
+COMMAND = 0x2001
+REPORT = 0x2002
+TOOL_DONE = 0x2003
+
+TAG_NAMES = {QUEUE_REQUEST: "queue_request", QUEUE_REPLY: "queue_reply", COMMAND: "command", REPORT: "report",
+             TOOL_DONE: "tool_done"}
+
+
+class Backoff:
+    """Sleeps between probes that found nothing: ``first_s`` after the first empty probe,
+    doubling up to ``max_s``; :meth:`reset` after a message. A rank idle for long wakes
+    every ``max_s`` (its reaction time), one that just got a message reacts within
+    microseconds."""
+
+    def __init__(self, first_s: float = 5e-5, max_s: float = 0.02):
+        if not 0 < first_s <= max_s:
+            raise ValueError(f"Backoff: need 0 < first_s ({first_s}) <= max_s ({max_s})")
+        self.first_s, self.max_s = first_s, max_s
+        self.next_s = first_s
+
+    def reset(self) -> None:
+        self.next_s = self.first_s
+
+    def sleep(self) -> None:
+        time.sleep(self.next_s)
+        self.next_s = min(self.max_s, self.next_s * 2)
+
+
+def wait_message(comm: Any, source: int, tag: int, *, backoff: Backoff | None = None,
+                 timeout_s: float | None = None, status: Any = None) -> Any:
+    """Receive the next message from ``source`` (MPI.ANY_SOURCE allowed) with ``tag``,
+    probing without blocking and sleeping in between (:class:`Backoff`): an idle rank
+    costs almost no CPU. Raises TimeoutError naming the tag and source after
+    ``timeout_s``. ``status`` (an MPI.Status) receives the sender and tag."""
+    wait = backoff or Backoff()
+    wait.reset()
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    while True:
+        message = comm.improbe(source=source, tag=tag, status=status)
+        if message is not None:
+            return message.recv()
+        if deadline is not None and time.monotonic() >= deadline:
+            raise TimeoutError(f"no {TAG_NAMES.get(tag, hex(tag))} message from rank {source} "
+                               f"within {timeout_s} s")
+        wait.sleep()
