@@ -1,5 +1,7 @@
 """Rank-side entry point: ``srun --mpi=pmi2 python -m libra_hpc.run --config X``
-(or under ``mpiexec``). Rank 0 runs the controller, every other rank a GPU slot."""
+(or under ``mpiexec``). Rank 0 runs the controller, every other rank a GPU slot; the
+MPI world is the control plane (:mod:`libra_hpc.cluster.world`), torch worlds are the
+roles' own (:mod:`libra_hpc.runtime.worker`)."""
 
 from __future__ import annotations
 

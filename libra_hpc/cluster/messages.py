@@ -67,3 +67,20 @@ def wait_message(comm: Any, source: int, tag: int, *, backoff: Backoff | None = 
             raise TimeoutError(f"no {TAG_NAMES.get(tag, hex(tag))} message from rank {source} "
                                f"within {timeout_s} s")
         wait.sleep()
+
+
+
+def wait_sent(requests: list[Any], *, backoff: Backoff | None = None, timeout_s: float | None = None) -> None:
+    """Wait until the non-blocking sends ``requests`` (``comm.isend``) have left this
+    rank, sleeping between tests as :func:`wait_message` does (``Waitall``, like a blocking
+    send of a message too big for MPICH's eager protocol, polls a core until the receiver
+    takes it). Raises TimeoutError after ``timeout_s`` (the sends stay posted)."""
+    from mpi4py import MPI
+
+    wait = backoff or Backoff()
+    wait.reset()
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    while not MPI.Request.Testall(requests):
+        if deadline is not None and time.monotonic() >= deadline:
+            raise TimeoutError(f"{len(requests)} message(s) not taken by their receivers within {timeout_s} s")
+        wait.sleep()

@@ -3,8 +3,11 @@ and record what every group reports.
 
 Until the cost-based planner lands, the layout decision is the scripted one of the
 config: the initial layout, the hybrid pool lent to training at
-``planner.borrow_at_step`` and given back at ``planner.return_at_step``. Each step is one control round: broadcast the command (with a
-new layout when it changes), let every group run its check collective, gather reports.
+``planner.borrow_at_step`` and given back at ``planner.return_at_step``. Each step is one
+control round over the MPI control plane (:class:`~libra_hpc.cluster.world.World`): send
+every worker the step's command (with a new layout when it changes), let every group run
+its check collective (MPI; training ranks also their torch world, rebuilt when the
+training group changes), collect one report per worker.
 """
 
 from __future__ import annotations
@@ -45,13 +48,15 @@ def run_controller(world: World, cfg: ExperimentConfig, runlog: RunLog, stop: St
             break
         start = time.perf_counter()
         new = layout if step == 0 else next_layout(cfg, step, layout, initial)
-        world.broadcast({"op": "step", "step": step, "layout": new})
+        world.command({"op": "step", "step": step, "layout": new})
         if new is not None:
             world.apply(new)
             layout = new
-            runlog.event("layout_applied", step=step, apply_s=round(time.perf_counter() - start, 4), **new.summary())
-            log.info("step %d: layout v%d applied (%s)", step, new.version, new.reason)
-        reports = [r for r in world.gather(None) if r is not None]
+        reports = world.reports()
+        if new is not None:
+            apply_s = max(r["apply_s"] for r in reports)
+            runlog.event("layout_applied", step=step, apply_s=apply_s, **new.summary())
+            log.info("step %d: layout v%d applied in %.3f s (%s)", step, new.version, apply_s, new.reason)
         _check(reports, step, runlog)
         runlog.metric(
             step,
@@ -60,24 +65,34 @@ def run_controller(world: World, cfg: ExperimentConfig, runlog: RunLog, stop: St
             gpus_training=len(layout.slots_of("training")),
             gpus_rollout=len(layout.slots_of("rollout")),
             rollout_instances=len(layout.rollout_instances),
-            probe_ms_max=max(r["torch_ms"] for r in reports),
+            probe_ms_max=max(r.get("torch_ms", r["mpi_ms"]) for r in reports),
         )
         steps_done = step + 1
-    world.broadcast({"op": "stop"})
+    world.command({"op": "stop"})
     runlog.event("shutdown", steps=steps_done, of=cfg.rl.steps, final_layout_version=layout.version)
 
 
 def _check(reports: list[dict], step: int, runlog: RunLog) -> None:
+    """Every rank's group all-reduce over MPI, and on training ranks over their torch
+    world, must equal its group's size."""
     groups: dict[str, list[dict]] = {}
     for report in reports:
         groups.setdefault(report["group"], []).append(report)
-    bad = [r for r in reports if r["mpi_sum"] != r["size"] or r["torch_sum"] != r["size"]]
+    bad = [r for r in reports
+           if r["mpi_sum"] != r["size"] or (r["role"] == "training" and r.get("torch_sum") != r["size"])]
     runlog.event(
         "group_check",
         step=step,
         ok=not bad,
-        groups={name: {"size": rs[0]["size"], "ranks": sorted(r["rank"] for r in rs),
-                       "torch_ms_max": max(r["torch_ms"] for r in rs)} for name, rs in sorted(groups.items())},
+        groups={name: _group_summary(rs) for name, rs in sorted(groups.items())},
     )
     if bad:
         raise GroupCheckError(f"step {step}: check collective failed on {bad}")
+
+
+def _group_summary(reports: list[dict]) -> dict:
+    summary = {"size": reports[0]["size"], "ranks": sorted(r["rank"] for r in reports),
+               "formed_at": reports[0]["formed_at"], "mpi_ms_max": max(r["mpi_ms"] for r in reports)}
+    if "torch_ms" in reports[0]:
+        summary.update(torch_ms_max=max(r["torch_ms"] for r in reports), torch_world=reports[0]["torch_world"])
+    return summary

@@ -8,7 +8,7 @@ from libra_hpc.engines.train.checkpoint import load_checkpoint, save_checkpoint
 from libra_hpc.engines.train.convert import ModelShape
 from libra_hpc.engines.train.engine import MegatronTrainEngine, StepStats
 from libra_hpc.engines.train.loss import PolicyBatch, policy_gradient_loss
-from libra_hpc.engines.train.parallel import Placement, start_torch_world
+from libra_hpc.engines.train.parallel import Placement, TrainingWorld, start_torch_world, stop_torch_world
 
 __all__ = ["MegatronTrainEngine", "ModelShape", "Placement", "PolicyBatch", "StepStats", "load_checkpoint",
-           "policy_gradient_loss", "save_checkpoint", "start_torch_world"]
+           "policy_gradient_loss", "save_checkpoint", "start_torch_world", "stop_torch_world", "TrainingWorld"]
