@@ -12,10 +12,11 @@ import pytest
 from libra_hpc.planner.costs import RolloutCost
 from libra_hpc.planner.profiles import load_hardware, load_model
 from libra_hpc.sim.config import CostSpec, SchedulerSpec, load_sim_config
-from libra_hpc.sim.context import Context, resplit_hybrid
+from libra_hpc.planner.control import resplit_hybrid, same_plan
+from libra_hpc.sim.context import Context
 from libra_hpc.sim.engine import EventLoop
 from libra_hpc.sim.instance import ConstantStepModel, CostStepModel, RolloutInstance, Run
-from libra_hpc.sim.policies import SETUPS, Planner, same_plan
+from libra_hpc.sim.policies import SETUPS, control_loop
 from libra_hpc.sim.rollout import InstanceSpec, RolloutSide
 from libra_hpc.sim.workload import ToolCall, Trajectory
 
@@ -172,12 +173,12 @@ def test_prefix_cache_hit_only_where_the_previous_turn_ran():
 @pytest.fixture(scope="module")
 def swe():
     ctx = Context(load_sim_config("configs/sim/a800-swe.yaml", {"rl.steps": 2}))
-    return ctx, Planner(ctx, SETUPS["libra"])
+    return ctx, control_loop(ctx, SETUPS["libra"])
 
 
 def test_an_identical_candidate_plan_is_not_applied(swe):
-    ctx, planner = swe
-    plan = planner._plan(planner._prior()).plan
+    ctx, control = swe
+    plan = control.best_plan(control.prior()).plan
     shuffled = replace(plan, rollout=tuple(reversed(plan.rollout)), objective=plan.objective - 100)
     assert same_plan(plan, shuffled)
     other = replace(plan, train=replace(plan.train, dp=plan.train.dp + 1))
@@ -185,14 +186,15 @@ def test_an_identical_candidate_plan_is_not_applied(swe):
 
 
 def test_hybrid_node_rollout_is_resplit_when_training_may_bind(swe):
-    ctx, planner = swe
-    plan = planner._plan(planner._prior()).plan
+    ctx, control = swe
+    plan = control.best_plan(control.prior()).plan
     c = ctx.cfg.cluster
     tp2 = replace(plan, train=replace(plan.train, tp=2, pp=1, dp=10))
-    assert ctx.plan_allocation(replace(tp2, t_train=1.0, t_rollout=1e4), True).pool is None  # rollout-bound: kept
-    alloc = ctx.plan_allocation(replace(tp2, t_train=1e4, t_rollout=1.0), True)
-    assert alloc.pool is not None and len(alloc.pool.all_replicas()) == 4
+    assert control._allocation(replace(tp2, t_train=1.0, t_rollout=1e4), "test")[2] is None  # rollout-bound: kept
+    resplit, layout, pool = control._allocation(replace(tp2, t_train=1e4, t_rollout=1.0), "test")
+    assert pool is not None and len(pool.all_replicas()) == 4
     last = c.nodes - 1
-    assert all(s.tp == 2 for s in alloc.plan.rollout if s.slots[0].node == last)
-    assert alloc.rollout_gpus == plan.rollout_gpus
+    assert all(s.tp == 2 for s in resplit.rollout if s.slots[0].node == last)
+    assert all(g.tp == 2 for g in layout.rollout_instances if g.slots[0].node == last)
+    assert resplit.rollout_gpus == plan.rollout_gpus == len(layout.slots_of("rollout"))
     assert resplit_hybrid(plan, 8, last) is None  # nothing wider than TP8: unchanged

@@ -10,7 +10,8 @@ import pytest
 
 from libra_hpc.planner.costs import TrainShape
 from libra_hpc.sim.config import CostSpec, SchedulerSpec, validate_sim_config
-from libra_hpc.sim.context import Allocation, Context
+from libra_hpc.cluster.layout import Group, Layout, Slot
+from libra_hpc.sim.context import Context
 from libra_hpc.sim.controller import PolicyRun
 from libra_hpc.sim.engine import EventLoop
 from libra_hpc.sim.instance import ConstantStepModel
@@ -107,8 +108,9 @@ def pipeline_ctx(tmp_path):
 
 
 def steady_step(ctx, policy, train_s, colocated=False):
-    alloc = Allocation(TrainShape(1, 1, 1, 1, 4, 128), (InstanceSpec(1, 1),), colocated)
-    rec = PolicyRun(ctx, SETUPS[policy], alloc, 12, train_time=lambda shape, tokens: train_s).run()
+    layout = Layout(1, 1, (Group(1, "rollout", (Slot(0, 0),), 1),))  # one TP1 instance (training beside or on it)
+    rec = PolicyRun(ctx, SETUPS[policy], layout, TrainShape(1, 1, 1, 1, 4, 128), 12,
+                    train_time=lambda shape, tokens: train_s, colocated=colocated).run()
     assert [r["rollout_s"] for r in rec.rows][:1] == pytest.approx([1.0])
     return statistics.fmean(r["step_s"] for r in rec.rows[4:])
 
@@ -131,7 +133,9 @@ def test_hybrid_replica_is_lent_when_training_is_the_bottleneck(tmp_path):
     zero-gradient step) and the step drops from 3 s to 1.5 s."""
     from libra_hpc.cluster.layout import Slot
     from libra_hpc.planner.search import Plan, RolloutInstance
-    from libra_hpc.sim.policies import Planner
+    from libra_hpc.planner.search import PlanResult
+    from libra_hpc.sim.context import instances_of
+    from libra_hpc.sim.policies import control_loop
 
     trajectories = [Trajectory(f"s{s}/p{i}/0", f"p{i}", s, 0, 10, (100,), ()) for s in range(14) for i in range(4)]
     write_trace(tmp_path / "trace.jsonl", trajectories)
@@ -146,9 +150,11 @@ def test_hybrid_replica_is_lent_when_training_is_the_bottleneck(tmp_path):
     node = lambda n: tuple(Slot(n, g) for g in range(8))
     shape = TrainShape(8, 1, 1, 1, 4, 128)
     plan = Plan(shape, node(0), (RolloutInstance(8, node(1)), RolloutInstance(8, node(2))), 3.0, 1.0, 3.0, "async")
-    alloc = ctx.plan_allocation(plan, hybrid=True)
-    assert alloc.pool is not None and [s.replica for s in alloc.instances] == [None, 0]
-    run = PolicyRun(ctx, SETUPS["libra_no_replan"], alloc, 14, Planner(ctx, SETUPS["libra_no_replan"]),
+    control = control_loop(ctx, SETUPS["libra_no_replan"])
+    first = control._change(0, PlanResult(plan, (), 0, 0.0), "test plan", None)
+    control.apply(first)
+    assert first.pool is not None and [s.replica for s in instances_of(first.layout, first.pool)] == [None, 0]
+    run = PolicyRun(ctx, SETUPS["libra_no_replan"], first.layout, shape, 14, control,
                     train_time=lambda s, tokens: 3.0 / s.dp)
     rec = run.run()
     moves = [(e["from_state"], e["to_state"]) for e in rec.events if e["kind"] == "hybrid_transition"]

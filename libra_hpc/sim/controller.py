@@ -31,13 +31,15 @@ import time as wallclock
 from collections import deque
 from collections.abc import Callable
 
-from libra_hpc.planner.costs import TrainingCost, TrainShape
-from libra_hpc.sim.context import Allocation, Context
+from libra_hpc.cluster.layout import Layout
+from libra_hpc.planner.control import ControlLoop, LayoutChange, PoolEvent
+from libra_hpc.planner.costs import TrainShape
+from libra_hpc.sim.context import Context, describe, instances_of, length_profile, samples_of
 from libra_hpc.sim.engine import Event, EventLoop
-from libra_hpc.sim.policies import Planner, PolicySetup
+from libra_hpc.sim.policies import PolicySetup
 from libra_hpc.sim.recorder import Recorder
 from libra_hpc.sim.rollout import RolloutSide
-from libra_hpc.sim.training import grown, step_s
+from libra_hpc.sim.training import step_s
 
 log = logging.getLogger(__name__)
 
@@ -72,13 +74,18 @@ class Sample(_Call):
 
 
 class PolicyRun:
-    """One policy over ``steps`` RL steps from ``alloc`` (planned policies: ``planner``)."""
+    """One policy over ``steps`` RL steps on ``layout`` with the core training shape
+    ``train`` (``colocated``: training time-shares the rollout slots). A planned policy
+    passes its ``control`` loop (libra_hpc/planner/control.py), which made the layout and
+    makes every later decision; this class only carries them out."""
 
-    def __init__(self, ctx: Context, setup: PolicySetup, alloc: Allocation, steps: int,
-                 planner: Planner | None = None, train_time: Callable[[TrainShape, float], float] | None = None):
+    def __init__(self, ctx: Context, setup: PolicySetup, layout: Layout, train: TrainShape, steps: int,
+                 control: ControlLoop | None = None, train_time: Callable[[TrainShape, float], float] | None = None,
+                 colocated: bool = False):
         """``train_time(shape, mean_tokens)``: seconds of a training step (default: the
         planner's training cost model; tests inject fixed times)."""
-        self.ctx, self.setup, self.alloc, self.steps, self.planner = ctx, setup, alloc, steps, planner
+        self.ctx, self.setup, self.steps, self.control = ctx, setup, steps, control
+        self.layout, self.train, self.colocated = layout, train, colocated
         self.train_time = train_time or (lambda shape, tokens: step_s(ctx.model, ctx.hw, shape, tokens, ctx.cal))
         self.cfg = ctx.cfg
         self.loop = EventLoop()
@@ -96,7 +103,7 @@ class PolicyRun:
         self.train_done: dict[int, float] = {}
         self.synced = 0  # weight version the rollout instances hold
         self.blocked_until = 0.0  # after a plan change nothing restarts before this
-        self.pending: Allocation | None = None  # a plan waiting for rollout to drain
+        self.pending: LayoutChange | None = None  # a layout waiting for rollout to drain
         self.last = {"rollout_s": None, "train_s": None}
         self.fetching: set[int] = set()
         self.sample_period = 5.0
@@ -105,7 +112,7 @@ class PolicyRun:
     # ------------------------------------------------------------------ run
     def run(self) -> Recorder:
         t0 = wallclock.perf_counter()
-        self.rollout.configure(self.alloc.instances, 0.0, self.planner.initial_lengths() if self.planner else None)
+        self.rollout.configure(self._instances(), 0.0, self._initial_turns())
         self._record_allocation(0.0, "initial")
         self.loop.schedule_all(self._try_submit(0.0))
         self.loop.schedule(Sample(self.sample_period, self._sample))
@@ -116,11 +123,28 @@ class PolicyRun:
         counts = {**self.rollout.counts, "busy_gpu_s": self.rollout.busy_gpu_s(),
                   "prefill_gpu_s": self.rollout.prefill_gpu_s()}
         self.rec.finish(max(self.train_done.values()), wallclock.perf_counter() - t0, self.loop.fired, counts,
-                        self.planner.considered if self.planner else [])
+                        self.control.considered if self.control else [])
         return self.rec
 
+    @property
+    def pool(self):
+        return self.control.pool if self.control is not None else None
+
+    def _instances(self):
+        return instances_of(self.layout, self.pool)
+
+    def _initial_turns(self) -> list[tuple[int, ...]] | None:
+        """Per-turn generated tokens the first bucket limits are placed on: the prior's
+        (clairvoyant: batch 0's true ones); None for unplanned policies."""
+        if self.control is None:
+            return None
+        if self.setup.clairvoyant:
+            return [t.turns for t in self.ctx.batch(0)]
+        return self.control.prior_turns()
+
     def _record_allocation(self, now: float, why: str) -> None:
-        self.rec.allocation(now, self.alloc, why, self._train_gpus(), self.rollout.serving_gpus())
+        self.rec.allocation(now, describe(self.layout, self.train, self.pool, self.colocated), why,
+                            self._train_gpus(), self.rollout.serving_gpus())
 
     # ------------------------------------------------------------------ rollout
     def _try_submit(self, now: float) -> list[Event]:
@@ -180,8 +204,8 @@ class PolicyRun:
         batch = self.ctx.batch(step)
         self.recent.extend(t.turns for t in batch)
         events: list[Event] = []
-        if self.planner is not None:
-            self.planner.observe(batch)
+        if self.control is not None:
+            self.control.observe(samples_of(batch))
             events += self._adapt(step, now)
         if self.sync:
             return events + self._start_training(now + self.cfg.costs.colocate_switch_s / 2)
@@ -189,12 +213,11 @@ class PolicyRun:
 
     # ------------------------------------------------------------------ training
     def _train_gpus(self) -> int:
-        pool = self.alloc.pool
-        return self.alloc.train.gpus + (len(pool.training_replicas()) * pool.replica_size if pool else 0)
+        pool = self.pool
+        return self.train.gpus + (len(pool.training_replicas()) * pool.replica_size if pool else 0)
 
     def _shape(self):
-        pool = self.alloc.pool
-        return grown(self.alloc.train, len(pool.training_replicas())) if pool else self.alloc.train
+        return self.control.training_shape() if self.control is not None else self.train
 
     def _start_training(self, now: float):
         j = self.train_next
@@ -218,48 +241,42 @@ class PolicyRun:
         info = self.batch_info.pop(j)
         self.last["train_s"] = info["train_s"]
         prev = self.train_done.get(j - 1, 0.0)
-        self.rec.step(j, now, now - prev, info, self.ctx.gpus if self.alloc.colocated else None)
+        self.rec.step(j, now, now - prev, info, self.ctx.gpus if self.colocated else None)
         events = self._hybrid_after_step(now)
         return events + self._start_training(now) + self._try_submit(now)
 
-    # ------------------------------------------------------------------ planner and hybrid pool
-    def _rollout_side_s(self) -> float:
-        """The rollout time to weigh against the training time: the last makespan M over
-        k. In steady state a step takes max(T, (M + T) / (k + 1)), which is T exactly when
-        T >= M / k: training is the bottleneck iff T > M / k (k = 0: M, both always add up)."""
-        return self.last["rollout_s"] / max(1, self.k)
-
+    # ------------------------------------------------------------------ carrying out the control loop's decisions
     def _adapt(self, step: int, now: float) -> list[Event]:
-        t_train = self.last["train_s"]
+        """Batch ``step``'s rollout ended: apply a waiting layout once rollout has drained,
+        else ask the control loop (a new layout, or hybrid-pool transitions)."""
         if self.pending is not None:
             return self._apply_pending(now)
-        pressure = {"rollout_train_ratio": self._rollout_side_s() / t_train} if t_train else {}
-        new = self.planner.consider(step, self.alloc, pressure)
-        if new is not None:
-            self.pending = new
+        nxt = step + 1
+        future = ((lambda: length_profile(self.ctx.batch(nxt), self.cfg.batch_size) if nxt < self.cfg.rl.steps else None)
+                  if self.setup.clairvoyant else None)
+        out = self.control.after_rollout(step, now, self.last["rollout_s"], self.last["train_s"], future)
+        if out.change is not None:
+            self.pending = out.change
             return self._apply_pending(now)
-        if self.alloc.pool is None or t_train is None:
-            return []
-        return self._hybrid_decide(now, t_train, self._rollout_side_s())
+        return self._carry_out(now, out.pool_events) if out.pool_decided else []
 
     def _apply_pending(self, now: float) -> list[Event]:
-        """Apply the waiting plan once rollout has drained."""
+        """Apply the waiting layout once rollout has drained."""
         if self.rollout.active:
             return []
-        self.alloc, self.pending = self.pending, None
+        change, self.pending = self.pending, None
+        self.control.apply(change)
+        self.layout, self.train = change.layout, change.plan.train
         self.fetching.clear()
-        self.rollout.configure(self.alloc.instances, now, list(self.recent))
+        self.rollout.configure(self._instances(), now, list(self.recent))
         self.blocked_until = now + self.cfg.costs.reconfig_s
         self._record_allocation(now, "replan")
         return []
 
-    def _hybrid_decide(self, now: float, t_train: float, t_roll: float) -> list[Event]:
-        pool = self.alloc.pool
-        margin = self.cfg.planner.hybrid_margin
-        if t_train > t_roll * (1 + margin) and not self._can_grow():
-            return []
+    def _carry_out(self, now: float, pool_events: list[PoolEvent]) -> list[Event]:
+        """Drain the instances of a borrowed replica, serve again with an abandoned join."""
         events: list[Event] = []
-        for e in pool.decide(now, t_train, t_roll, margin):
+        for e in pool_events:
             self.rec.hybrid(e)
             if not e.changed:
                 continue
@@ -275,22 +292,21 @@ class PolicyRun:
         return events
 
     def _instances_of(self, rid: int) -> list[int]:
-        return [s.iid for s in self.alloc.instances if s.replica == rid]
+        return [s.iid for s in self._instances() if s.replica == rid]
 
     def _replica_of(self, iid: int) -> int | None:
-        return next((s.replica for s in self.alloc.instances if s.iid == iid), None)
+        return next((s.replica for s in self._instances() if s.iid == iid), None)
 
     def _drained(self, iid: int, now: float) -> list[Event]:
         rid = self._replica_of(iid)
-        if rid is None or self.alloc.pool is None:
+        if rid is None or self.pool is None:
             return []
         if all(self.rollout.mode[i] == "lent" for i in self._instances_of(rid)):
             return self._replica_drained(rid, now)
         return []
 
     def _replica_drained(self, rid: int, now: float) -> list[Event]:
-        pool = self.alloc.pool
-        if pool.replica(rid).state != "requested":
+        if self.pool.replica(rid).state != "requested":
             return []
         self._progress(rid, now)  # requested -> fetching_state
         self.fetching.add(rid)
@@ -299,7 +315,7 @@ class PolicyRun:
     def _reblock(self, now: float) -> list[Event]:
         """After a rebuild of the rollout side (nothing in flight), replicas lent or
         draining stay blocked; a draining one is empty now and goes on to fetch."""
-        pool = self.alloc.pool
+        pool = self.pool
         if pool is None or self.rollout.router is None:
             return []
         events: list[Event] = []
@@ -311,34 +327,28 @@ class PolicyRun:
         return events
 
     def _progress(self, rid: int, now: float) -> None:
-        for e in self.alloc.pool.progress(rid, now):
+        for e in self.control.progress(rid, now):
             self.rec.hybrid(e)
 
-    def _can_grow(self) -> bool:
-        shape = grown(self._shape(), 1)
-        return not TrainingCost(self.ctx.model, self.ctx.hw, shape, self.ctx.cal).infeasible
-
     def _fetched(self, now: float, rid: int):
-        if self.alloc.pool is None or rid not in self.fetching:
+        if self.pool is None or rid not in self.fetching:
             return  # a replan replaced the pool meanwhile
         self.fetching.discard(rid)
-        if self.alloc.pool.replica(rid).state == "fetching_state":
+        if self.pool.replica(rid).state == "fetching_state":
             self._progress(rid, now)  # -> zero_grad_sync, done with the next training step
         return
 
     def _hybrid_after_step(self, now: float) -> list[Event]:
-        """A training step ended: a replica in its zero-gradient step becomes active, a
-        releasing one serves rollout again."""
-        pool = self.alloc.pool
-        if pool is None:
+        """A training step ended: the control loop moves replicas on (zero-gradient step →
+        active, releasing → rollout); a released one serves rollout again."""
+        if self.pool is None:
             return []
+        moved = self.control.after_training_step(now)
         events: list[Event] = []
-        moved = [r.rid for r in pool.in_state("zero_grad_sync", "releasing")]
-        for rid in moved:
-            was = pool.replica(rid).state
-            self._progress(rid, now)
-            if was == "releasing":
-                events += self.rollout.unblock(self._instances_of(rid), now)
+        for e in moved:
+            self.rec.hybrid(e)
+            if e.changed and e.from_state == "releasing":
+                events += self.rollout.unblock(self._instances_of(e.replica), now)
         if moved:
             self._record_allocation(now, "hybrid pool")
         return events

@@ -35,11 +35,11 @@ class Recorder:
         self.events: list[dict] = []
         self.summary: dict = {}
 
-    def allocation(self, now: float, alloc, why: str, train_gpus: int, rollout_gpus: int) -> None:
-        """The GPUs serving rollout and training from ``now`` (colocated: both all GPUs)."""
-        rollout = rollout_gpus
-        entry = {"t": now, "rollout_gpus": rollout, "train_gpus": train_gpus, "why": why,
-                 "describe": alloc.describe()}
+    def allocation(self, now: float, described: str, why: str, train_gpus: int, rollout_gpus: int) -> None:
+        """The GPUs serving rollout and training from ``now`` (colocated: both all GPUs);
+        ``described``: the layout in one line (libra_hpc/sim/context.py describe)."""
+        entry = {"t": now, "rollout_gpus": rollout_gpus, "train_gpus": train_gpus, "why": why,
+                 "describe": described}
         if self.timeline and all(self.timeline[-1][k] == entry[k] for k in ("rollout_gpus", "train_gpus", "describe")):
             return
         self.timeline.append(entry)

@@ -7,9 +7,9 @@ import time
 from dataclasses import dataclass, field
 
 from libra_hpc.sim.config import SimConfig
-from libra_hpc.sim.context import Context, critical_path_s
+from libra_hpc.sim.context import Context, critical_path_s, describe, length_profile
 from libra_hpc.sim.controller import PolicyRun
-from libra_hpc.sim.policies import SETUPS, Planner
+from libra_hpc.sim.policies import SETUPS, control_loop
 from libra_hpc.sim.recorder import Recorder
 from libra_hpc.sim.search import search_async_static, search_colocated
 from libra_hpc.sim.workload import summary
@@ -35,27 +35,30 @@ class ScenarioResult:
 
 def run_policy(ctx: Context, name: str, steps: int | None = None,
                searched: dict | None = None) -> tuple[Recorder, list[dict], str]:
-    """One policy: its starting allocation (search or planner), then the run. ``searched``
-    memoises the asynchronous search (``async_static`` and ``oracle_best`` share it)."""
+    """One policy: its starting layout (search, or the control loop's first decision), then
+    the run. ``searched`` memoises the asynchronous search (``async_static`` and
+    ``oracle_best`` share it)."""
     setup = SETUPS[name]
     steps = steps or ctx.cfg.rl.steps
-    planner, table = None, []
+    control, table, colocated = None, [], name == "colocated"
     searched = {} if searched is None else searched
-    if name == "colocated":
-        alloc, table = search_colocated(ctx)
+    if colocated:
+        layout, train, table = search_colocated(ctx)
     elif name in ("async_static", "oracle_best"):
         if "async" not in searched:
             searched["async"] = search_async_static(ctx)
-        alloc, table = searched["async"]
+        layout, train, table = searched["async"]
     else:
-        planner = Planner(ctx, setup)
-        alloc = planner.initial()
-    log.info("%s starts with %s", name, alloc.describe())
-    rec = PolicyRun(ctx, setup, alloc, steps, planner).run()
+        control = control_loop(ctx, setup)
+        first = control.initial(length_profile(ctx.batch(0), ctx.cfg.batch_size) if setup.clairvoyant else None)
+        layout, train = first.layout, first.plan.train
+    start = describe(layout, train, control.pool if control else None, colocated)
+    log.info("%s starts with %s", name, start)
+    rec = PolicyRun(ctx, setup, layout, train, steps, control, colocated=colocated).run()
     s = rec.summary
     log.info("%s: %.0f tokens/s, median step %.1f s, %d events in %.1f s", name, s["tokens_per_s"],
              s["step_s_median"], s["events"], s["wall_s"])
-    return rec, table, alloc.describe()
+    return rec, table, start
 
 
 def run_scenario(cfg: SimConfig, policies: list[str] | None = None) -> ScenarioResult:

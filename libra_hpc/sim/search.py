@@ -11,7 +11,7 @@ instances, each step alone, and costing training on its training GPUs:
 Two stages keep it cheap at 4096 GPUs: every candidate is screened with the planner's cost
 model on the middle sample step (``rollout_makespan`` of the batch's lengths), then the best
 four (two above 512 GPUs) are simulated on every sample step and the best simulated wins. The training shape per GPU count is the fastest that fits
-(libra_hpc/sim/training.py). Returns the chosen allocation and every candidate's score.
+(libra_hpc/sim/training.py). Returns the chosen layout, its training shape and every candidate's score.
 """
 
 from __future__ import annotations
@@ -20,8 +20,10 @@ import logging
 import math
 import statistics
 
+from libra_hpc.cluster.layout import Layout
+from libra_hpc.planner.costs import TrainShape
 from libra_hpc.planner.costs import rollout_makespan as rollout_cost_makespan
-from libra_hpc.sim.context import Allocation, Context, length_profile
+from libra_hpc.sim.context import Context, instances_of, length_profile
 from libra_hpc.sim.engine import EventLoop
 from libra_hpc.sim.rollout import RolloutSide
 from libra_hpc.sim.training import best_shape, step_s
@@ -30,8 +32,12 @@ log = logging.getLogger(__name__)
 KEEP = 4
 
 
-def rollout_makespan(ctx: Context, alloc: Allocation, step: int, router: str = "least_load") -> float:
-    """Seconds to roll out batch ``step`` alone on ``alloc``'s instances, from idle."""
+Candidate = tuple[str, Layout, TrainShape]
+"""(description, layout, training shape)."""
+
+
+def rollout_makespan(ctx: Context, layout: Layout, step: int, router: str = "least_load") -> float:
+    """Seconds to roll out batch ``step`` alone on ``layout``'s instances, from idle."""
     done: dict[int, float] = {}
 
     def finished(batch: int, now: float):
@@ -39,7 +45,7 @@ def rollout_makespan(ctx: Context, alloc: Allocation, step: int, router: str = "
 
     loop = EventLoop()
     side = RolloutSide(ctx.step_models, ctx.cfg.scheduler, ctx.cfg.costs, router, ctx.cfg.seed, finished)
-    side.configure(alloc.instances, 0.0)
+    side.configure(instances_of(layout), 0.0)
     loop.schedule_all(side.submit(step, ctx.batch(step), 0.0))
     loop.run()
     return done[step]
@@ -52,47 +58,48 @@ def sample_steps(ctx: Context) -> list[int]:
     return sorted({round(i * last / (n - 1)) for i in range(n)})
 
 
-def _score(ctx: Context, alloc: Allocation, steps: list[int], sync: bool) -> float:
+def _score(ctx: Context, layout: Layout, train_shape: TrainShape, steps: list[int], sync: bool) -> float:
     values = []
     for s in steps:
         batch = ctx.batch(s)
         mean_tokens = sum(t.total_tokens for t in batch) / len(batch)
-        roll = rollout_makespan(ctx, alloc, s)
-        train = step_s(ctx.model, ctx.hw, alloc.train, mean_tokens, ctx.cal)
+        roll = rollout_makespan(ctx, layout, s)
+        train = step_s(ctx.model, ctx.hw, train_shape, mean_tokens, ctx.cal)
         k = ctx.cfg.rl.max_staleness  # the pipelined step (libra_hpc/sim/policies.py: step_objective)
         values.append(roll + train + ctx.cfg.costs.colocate_switch_s if sync
                       else max(train, (roll + ctx.weight_sync_s + train) / (k + 1)))
     return statistics.fmean(values)
 
 
-def _screen(ctx: Context, alloc: Allocation, step: int, sync: bool) -> float:
+def _screen(ctx: Context, layout: Layout, train_shape: TrainShape, step: int, sync: bool) -> float:
     """Stage 1: the planner's cost model (rollout makespan of the batch's length profile
     over the allocation's instances) in place of a simulation."""
     batch = ctx.batch(step)
     pools: dict[int, int] = {}
-    for inst in alloc.instances:
+    for inst in layout.rollout_instances:
         pools[inst.tp] = pools.get(inst.tp, 0) + 1
     roll = rollout_cost_makespan([(ctx.rollout_costs[tp], n) for tp, n in pools.items()],
                                  length_profile(batch, len(batch))).makespan_s
-    train = step_s(ctx.model, ctx.hw, alloc.train, statistics.fmean(t.total_tokens for t in batch), ctx.cal)
+    train = step_s(ctx.model, ctx.hw, train_shape, statistics.fmean(t.total_tokens for t in batch), ctx.cal)
     k = ctx.cfg.rl.max_staleness
     return roll + train + ctx.cfg.costs.colocate_switch_s if sync else max(train, (roll + train) / (k + 1))
 
 
-def _two_stage(ctx: Context, candidates: list[tuple[str, Allocation]], sync: bool) -> tuple[Allocation, list[dict]]:
+def _two_stage(ctx: Context, candidates: list[Candidate], sync: bool) -> tuple[Layout, TrainShape, list[dict]]:
     steps = sample_steps(ctx)
     middle = steps[len(steps) // 2]
-    first = sorted(((_screen(ctx, a, middle, sync), name, a) for name, a in candidates), key=lambda x: x[0])
+    first = sorted(((_screen(ctx, lay, shape, middle, sync), name, (lay, shape)) for name, lay, shape in candidates),
+                   key=lambda x: x[0])
     table = [{"candidate": name, "stage1_s": round(score, 3)} for score, name, _ in first]
     keep = KEEP if ctx.gpus <= 512 else 2
-    second = sorted(((_score(ctx, a, steps, sync), name, a) for _, name, a in first[:keep]), key=lambda x: x[0])
+    second = sorted(((_score(ctx, *a, steps, sync), name, a) for _, name, a in first[:keep]), key=lambda x: x[0])
     scores = {name: score for score, name, _ in second}
     for row in table:
         if row["candidate"] in scores:
             row["score_s"] = round(scores[row["candidate"]], 3)
     best = second[0]
     log.info("search (%s): best %s, %.1f s per step over steps %s", "sync" if sync else "async", best[1], best[0], steps)
-    return best[2], table
+    return best[2][0], best[2][1], table
 
 
 def packed_seq_len(ctx: Context) -> int:
@@ -101,7 +108,7 @@ def packed_seq_len(ctx: Context) -> int:
     return max(math.ceil(statistics.fmean(t.total_tokens for t in ctx.batch(s))) for s in sample_steps(ctx))
 
 
-def search_colocated(ctx: Context) -> tuple[Allocation, list[dict]]:
+def search_colocated(ctx: Context) -> tuple[Layout, TrainShape, list[dict]]:
     """Colocated: training on (nearly) all GPUs, homogeneous rollout TP on all, chosen by simulation."""
     seq = packed_seq_len(ctx)
     shapes = [s for n in range(ctx.gpus, ctx.gpus // 2, -1)
@@ -111,7 +118,7 @@ def search_colocated(ctx: Context) -> tuple[Allocation, list[dict]]:
                          f"batch {ctx.cfg.batch_size} (the global batch must split over DP × micro-batch)")
     # The fastest shape on at most all GPUs (48 GPUs cannot split a batch of 320 over DP: 40 train, 8 wait).
     shape = min(shapes, key=lambda s: step_s(ctx.model, ctx.hw, s, seq, ctx.cal))
-    candidates = [(f"rollout TP{tp} on all {ctx.gpus} GPUs", ctx.static_allocation(shape, tp, colocated=True))
+    candidates = [(f"rollout TP{tp} on all {ctx.gpus} GPUs", ctx.static_layout(shape, tp, colocated=True), shape)
                   for tp in ctx.tps]
     return _two_stage(ctx, candidates, sync=True)
 
@@ -128,7 +135,7 @@ def train_sizes(ctx: Context, seq_len: int, limit: int = 15) -> list[int]:
     return sorted({whole[round(i * (len(whole) - 1) / (limit - 1))] for i in range(limit)})
 
 
-def search_async_static(ctx: Context) -> tuple[Allocation, list[dict]]:
+def search_async_static(ctx: Context) -> tuple[Layout, TrainShape, list[dict]]:
     """Disaggregated async: training GPU count × homogeneous rollout TP, by simulation."""
     candidates = []
     seq = packed_seq_len(ctx)
@@ -138,7 +145,7 @@ def search_async_static(ctx: Context) -> tuple[Allocation, list[dict]]:
             continue
         for tp in ctx.tps:
             candidates.append((f"train {n} GPUs (TP{shape.tp} PP{shape.pp} DP{shape.dp}) + rollout TP{tp}",
-                               ctx.static_allocation(shape, tp)))
+                               ctx.static_layout(shape, tp), shape))
     if not candidates:
         raise ValueError(f"no training shape fits any whole-node split of {ctx.gpus} GPUs")
     return _two_stage(ctx, candidates, sync=False)

@@ -1,0 +1,420 @@
+"""Libra's control loop: the one decision-maker that the job and the simulator drive.
+
+It takes observations and returns decisions; it never measures, waits or moves anything
+itself (pure: no MPI, no torch, no clock):
+
+| call | observation in | decision out |
+|---|---|---|
+| :meth:`ControlLoop.initial` | nothing (the length prior) or known lengths | the first :class:`LayoutChange` |
+| :meth:`ControlLoop.observe` | length samples of finished trajectories | (the window the next plans are made on) |
+| :meth:`ControlLoop.after_rollout` | a batch's rollout makespan and the last training step time | a new layout (plan search → gate → reprice of the current plan → same-plan check), else hybrid-pool transitions |
+| :meth:`ControlLoop.apply` | the driver applied a change (rollout drained, groups rebuilt) | (the current layout and pool) |
+| :meth:`ControlLoop.progress` / :meth:`ControlLoop.after_training_step` | a hybrid replica finished a phase / a training step ended | pool transitions |
+
+The current allocation is a :class:`~libra_hpc.cluster.layout.Layout` (who trains, which
+rollout instances exist, which slots form the hybrid pool), with the plan it came from
+(the predicted step times) and its :class:`~libra_hpc.planner.hybrid.HybridPool`.
+
+Every call is appended to :attr:`ControlLoop.journal` (inputs and decisions as plain
+data) so that a recorded stream of observations can be replayed into a fresh loop: the
+same inputs give the same decisions, whoever drives it (tests/test_control_golden.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from libra_hpc.cluster.layout import Layout, LayoutError
+from libra_hpc.planner.costs import Calibration, LengthProfile, LengthSample, RolloutCost, TrainingCost, TrainShape
+from libra_hpc.planner.gate import GateOptions, ReplanGate
+from libra_hpc.planner.hybrid import HybridPool, HybridPoolError, PhaseTimeouts, PoolEvent
+from libra_hpc.planner.prior import prior_lengths
+from libra_hpc.planner.profiles import HardwareProfile, ModelProfile
+from libra_hpc.planner.search import Plan, PlanError, PlannerOptions, PlanResult, RLBatch, plan, plan_to_layout, reprice
+from libra_hpc.planner.search import RolloutInstance as PlanInstance
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Prior:
+    """Trajectory lengths assumed before any is observed (``planner.prior`` in the config)."""
+
+    prompt_tokens: int = 1024
+    gen_tokens_median: int = 2048
+    tail_shape: float = 1.2
+    turns: int = 4
+    tool_s_per_turn: float = 2.0
+
+
+@dataclass(frozen=True)
+class ControlOptions:
+    """What the loop plans for and may do. Units: GPUs, sequences, tokens, seconds, steps."""
+
+    nodes: int
+    gpus_per_node: int
+    global_batch: int
+    """Trajectories per RL step (prompts × group size)."""
+    seq_len: int
+    """Longest trajectory in tokens: the prior's cap."""
+    max_staleness: int
+    """Policy versions rollout may run ahead of training (k); 0 is synchronous."""
+    rollout_tps: tuple[int, ...]
+    """Rollout instance TP sizes that fit the model (descending)."""
+    prior: Prior = Prior()
+    seed: int = 0
+    hybrid_nodes: int = 1
+    """Last nodes that form the hybrid pool when the plan leaves them to rollout."""
+    min_rollout_gpus: int = 1
+    window: int = 512
+    """Finished trajectories the length profile of a replan is built from."""
+    gate: GateOptions = GateOptions()
+    hybrid_margin: float = 0.1
+    """Borrow when T_train > T_rollout × (1 + margin), release in reverse."""
+    reconfig_s: float = 30.0
+    """Seconds a layout change costs (the gate weighs the gain against it)."""
+    hybrid_timeouts: PhaseTimeouts = PhaseTimeouts()
+    replan: bool = True
+    hybrid: bool = True
+    clairvoyant: bool = False
+    """Plan on the true lengths the driver passes (an oracle for comparisons)."""
+    single_tp: bool = False
+    """Restrict the search to the one rollout TP size that is best for the prior."""
+    refine_top: int = 6
+
+    @property
+    def gpus(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+
+@dataclass(frozen=True)
+class LayoutChange:
+    """A decision to run on ``layout`` (its plan's predictions, its hybrid pool)."""
+
+    step: int
+    layout: Layout
+    plan: Plan
+    pool: HybridPool | None
+    reason: str
+    gain_s: float | None = None
+    """Predicted step-time saving against the current plan (None for the first layout)."""
+    result: PlanResult | None = None
+    """The search behind it (runners-up, time spent)."""
+
+    def describe(self) -> str:
+        pool = f", hybrid pool {len(self.pool.all_replicas())} replica(s)" if self.pool else ""
+        return self.plan.describe() + pool
+
+
+@dataclass
+class AfterRollout:
+    """What :meth:`ControlLoop.after_rollout` decided: a layout change, or pool transitions."""
+
+    change: LayoutChange | None = None
+    pool_events: list[PoolEvent] = field(default_factory=list)
+    pool_decided: bool = False
+    """The hybrid pool's policy ran (a pool exists, no layout change, a training time is
+    known, and a borrow would fit): ``pool_events`` is its answer, possibly empty."""
+
+
+def feasible_tps(model: ModelProfile, hw: HardwareProfile, tps: Sequence[int], cal: Calibration) -> tuple[int, ...]:
+    """The rollout TP sizes of ``tps`` whose instances can hold the model (descending)."""
+    out = []
+    for tp in sorted(set(tps)):
+        why = RolloutCost(model, hw, tp, cal).infeasible
+        if why:
+            log.info("rollout TP%d left out: %s", tp, why)
+        else:
+            out.append(tp)
+    return tuple(sorted(out, reverse=True))
+
+
+def grown(shape: TrainShape, extra_replicas: int) -> TrainShape:
+    """``shape`` with ``extra_replicas`` more DP replicas (hybrid replicas lent to training)."""
+    return replace(shape, dp=shape.dp + extra_replicas)
+
+
+def same_plan(a: Plan, b: Plan) -> bool:
+    """Same training shape and the same rollout instances per TP size: applying one over the
+    other would only permute slots (a drain and a reconfiguration for nothing)."""
+    return a.train == b.train and a.train_gpus == b.train_gpus and a.rollout_counts == b.rollout_counts
+
+
+def length_profile(samples: Sequence[LengthSample], batch_size: int) -> LengthProfile:
+    return LengthProfile.from_samples(list(samples), batch_size)
+
+
+class ControlLoop:
+    """Libra's decisions for one run (see the module docstring)."""
+
+    def __init__(self, model: ModelProfile, hw: HardwareProfile, options: ControlOptions,
+                 calibration: Calibration | None = None):
+        if not options.rollout_tps:
+            raise PlanError(f"no rollout TP size fits {model.name} on {hw.name}")
+        self.model, self.hw, self.o = model, hw, options
+        self.cal = calibration or Calibration()
+        self.window: deque[LengthSample] = deque(maxlen=options.window)
+        self.gate = ReplanGate(GateOptions(every_steps=1, margin_s=0.0, confirm_checks=1, min_dwell_steps=0)
+                               if options.clairvoyant else options.gate)
+        tps = (self._best_single_tp(),) if options.single_tp else options.rollout_tps
+        self.search = PlannerOptions(rollout_tps=tps, min_rollout_gpus=options.min_rollout_gpus,
+                                     refine_top=options.refine_top)
+        self.min_gap = 1 if options.clairvoyant else max(1, self.gate.opt.every_steps // 5)
+        self.last_check = -(10 ** 9)
+        self.layout: Layout | None = None
+        self.plan: Plan | None = None
+        self.pool: HybridPool | None = None
+        self.considered: list[dict] = []
+        """Plans looked at and why each was (not) applied, for events.jsonl and reports."""
+        self.journal: list[dict] = []
+
+    # ------------------------------------------------------------------ planning
+    def prior(self) -> LengthProfile:
+        p, o = self.o.prior, self.o
+        return prior_lengths(prompt_tokens=p.prompt_tokens, gen_tokens_median=p.gen_tokens_median,
+                             tail_shape=p.tail_shape, turns=p.turns, tool_s_per_turn=p.tool_s_per_turn,
+                             seq_len=o.seq_len, batch_size=o.global_batch, seed=o.seed)
+
+    def prior_turns(self) -> list[tuple[int, ...]]:
+        """Per-turn generated tokens of the prior (each trajectory cut into ``prior.turns``
+        equal turns): what the first bucket limits are placed on."""
+        prior, n = self.prior(), max(1, self.o.prior.turns)
+        return [(max(1, round(g / n)),) * n for g, c in zip(prior.gen, prior.count) for _ in range(c)]
+
+    def step_objective(self, t_train: float, t_rollout: float) -> float:
+        """Steady-state step time of the pipeline with staleness ``k``: training step ``s``
+        ends at max(end(s - k - 1) + T_rollout, end(s - 1)) + T_train, so a step takes
+        max(T_train, (T_rollout + T_train) / (k + 1)) (k = 0: their sum)."""
+        return max(t_train, (t_rollout + t_train) / (self.o.max_staleness + 1))
+
+    def best_plan(self, lengths: LengthProfile, options: PlannerOptions | None = None) -> PlanResult:
+        """The better of plan()'s asynchronous and synchronous searches on ``lengths`` under
+        :meth:`step_objective` (plan()'s async objective max(T_train, T_rollout) assumes one
+        batch in flight; with overlapping batches the step mixes both objectives, and the
+        sync search minimises T_train + T_rollout, the rollout-bound case). Its
+        ``plan.objective`` is the step objective. Training sequences are packed to the
+        profile's mean length."""
+        o = self.o
+        batch = RLBatch(o.global_batch, math.ceil(lengths.mean_seq_tokens))
+        best = None
+        for mode in ("async", "sync"):
+            r = plan(self.model, self.hw, o.nodes, o.gpus_per_node, lengths, batch, mode=mode,
+                     options=options or self.search, calibration=self.cal)
+            obj = self.step_objective(r.plan.t_train, r.plan.t_rollout)
+            if best is None or obj < best[0]:
+                best = (obj, replace(r, plan=replace(r.plan, objective=obj)))
+        return best[1]
+
+    def _best_single_tp(self) -> int:
+        best = None
+        for tp in self.o.rollout_tps:
+            try:
+                r = self.best_plan(self.prior(), PlannerOptions(rollout_tps=(tp,), min_rollout_gpus=self.o.min_rollout_gpus))
+            except PlanError:
+                continue
+            if best is None or r.plan.objective < best[0]:
+                best = (r.plan.objective, tp)
+        if best is None:
+            raise PlanError("no single rollout TP size gives a plan for the prior")
+        return best[1]
+
+    # ------------------------------------------------------------------ decisions
+    def initial(self, lengths: LengthProfile | None = None) -> LayoutChange:
+        """The first layout: planned on the prior (clairvoyant: on ``lengths``). Applied at once."""
+        result = self.best_plan(lengths if lengths is not None else self.prior())
+        self.considered.append({"step": 0, "kind": "initial_plan", "plan": result.plan.describe(),
+                                "objective_s": result.plan.objective})
+        change = self._change(0, result, "initial plan", None)
+        self.apply(change)
+        self._log("initial", {"lengths": lengths}, change)
+        return change
+
+    def observe(self, samples: Sequence[LengthSample]) -> None:
+        """Finished trajectories (prompt + tool-output tokens, generated tokens, turns, tool s)."""
+        self.window.extend(samples)
+        self._log("observe", {"samples": [tuple(s) for s in samples]}, None)
+
+    def pressure(self, makespan_s: float, t_train: float | None) -> dict:
+        """The gate's pressure signal: rollout time weighed against training (the makespan
+        over k; training is the bottleneck iff T_train > M / k)."""
+        return {"rollout_train_ratio": self.rollout_side_s(makespan_s) / t_train} if t_train else {}
+
+    def rollout_side_s(self, makespan_s: float) -> float:
+        """The rollout time to weigh against the training time: in steady state a step
+        takes max(T, (M + T) / (k + 1)), which is T exactly when T >= M / k."""
+        return makespan_s / max(1, self.o.max_staleness)
+
+    def after_rollout(self, step: int, now: float, makespan_s: float, t_train: float | None,
+                      future: Callable[[], LengthProfile | None] | None = None) -> AfterRollout:
+        """Batch ``step``'s rollout is complete (it took ``makespan_s``; the last training
+        step took ``t_train``, None before the first): a new layout when the gate applies a
+        better plan, else the hybrid pool's transitions. ``future``: the next batch's true
+        lengths (clairvoyant loops only; None past the last step)."""
+        change = self._consider(step, self.pressure(makespan_s, t_train), future)
+        out = AfterRollout(change)
+        if change is None and self.pool is not None and t_train is not None:
+            events = self._hybrid_decide(now, t_train, self.rollout_side_s(makespan_s))
+            out.pool_events, out.pool_decided = events or [], events is not None
+        self._log("after_rollout", {"step": step, "now": now, "makespan_s": makespan_s, "t_train": t_train}, out)
+        return out
+
+    def apply(self, change: LayoutChange) -> None:
+        """The driver runs ``change`` from now on (after draining what it had to)."""
+        self.layout, self.plan, self.pool = change.layout, change.plan, change.pool
+        if change.step:
+            self._log("apply", {"step": change.step}, None)
+
+    def progress(self, rid: int, now: float) -> list[PoolEvent]:
+        """Hybrid replica ``rid`` finished its current phase (drained, fetched its state)."""
+        events = self.pool.progress(rid, now) if self.pool is not None else []
+        self._log("progress", {"rid": rid, "now": now}, events)
+        return events
+
+    def after_training_step(self, now: float) -> list[PoolEvent]:
+        """A training step ended: a replica in its zero-gradient step becomes active, a
+        releasing one goes back to rollout."""
+        events: list[PoolEvent] = []
+        if self.pool is not None:
+            for r in self.pool.in_state("zero_grad_sync", "releasing"):
+                events += self.pool.progress(r.rid, now)
+        self._log("after_training_step", {"now": now}, events)
+        return events
+
+    def training_shape(self) -> TrainShape:
+        """The current training shape, hybrid replicas in training included."""
+        lent = len(self.pool.training_replicas()) if self.pool is not None else 0
+        return grown(self.plan.train, lent)
+
+    # ------------------------------------------------------------------ internals
+    def _consider(self, step: int, pressure: dict,
+                  future: Callable[[], LengthProfile | None] | None) -> LayoutChange | None:
+        if not self.o.replan or not self.window or self.plan is None:
+            return None
+        if step - self.last_check < self.min_gap or not self.gate.due(step, pressure):
+            return None  # pressure checks at most every every_steps // 5 steps (each costs a plan search)
+        self.last_check = step
+        if self.o.clairvoyant:
+            lengths = future() if future is not None else None
+            if lengths is None:
+                return None
+        else:
+            lengths = length_profile(list(self.window), self.o.global_batch)
+        try:
+            candidate = self.best_plan(lengths)
+        except PlanError as exc:
+            log.warning("replan at step %d found no plan: %s", step, exc)
+            return None
+        if same_plan(candidate.plan, self.plan):
+            self.considered.append({"step": step, "kind": "replan_check", "apply": False,
+                                    "reason": "the best plan is the current one", "candidate": candidate.plan.describe()})
+            return None
+        o = self.o
+        now_plan = reprice(self.plan, self.model, self.hw, o.gpus_per_node, lengths, self.cal,
+                           RLBatch(o.global_batch, math.ceil(lengths.mean_seq_tokens)))  # as best_plan's
+        now_plan = replace(now_plan, objective=self.step_objective(now_plan.t_train, now_plan.t_rollout))
+        decision = self.gate.consider(step, now_plan.objective, candidate, o.reconfig_s, pressure, current=self.plan)
+        self.considered.append({"step": step, "kind": "replan_check", "trigger": decision.trigger,
+                                "apply": decision.apply, "reason": decision.reason,
+                                "current_objective_s": now_plan.objective, "candidate": candidate.plan.describe(),
+                                "candidate_objective_s": candidate.plan.objective})
+        if not decision.apply:
+            return None
+        return self._change(step, candidate, decision.reason, now_plan.objective - candidate.plan.objective)
+
+    def _hybrid_decide(self, now: float, t_train: float, t_roll: float) -> list[PoolEvent] | None:
+        """Borrow or release a hybrid replica; None (nothing considered) when training is
+        the bottleneck but one more replica would not fit its memory."""
+        margin = self.o.hybrid_margin
+        if t_train > t_roll * (1 + margin) and not self._can_grow():
+            return None
+        return self.pool.decide(now, t_train, t_roll, margin)
+
+    def _can_grow(self) -> bool:
+        return not TrainingCost(self.model, self.hw, grown(self.training_shape(), 1), self.cal).infeasible
+
+    def _change(self, step: int, result: PlanResult, reason: str, gain_s: float | None) -> LayoutChange:
+        plan_, layout, pool = self._allocation(result.plan, reason)
+        version = 0 if self.layout is None else self.layout.version + 1
+        return LayoutChange(step, replace(layout, version=version), plan_, pool, reason, gain_s, result)
+
+    def _allocation(self, plan_: Plan, reason: str) -> tuple[Plan, Layout, HybridPool | None]:
+        """The plan's layout; with the hybrid pool on, its last ``hybrid_nodes`` nodes form
+        the pool when they hold rollout instances only and split into whole replicas.
+
+        The pool's rule: no rollout instance on a hybrid node may span more than one
+        training replica (lending a replica must stop no other instance). The replica's
+        slots on a node come in Megatron order (TP chunks, interleaved over PP and DP), so a
+        plan whose hybrid-node instances are wider than a replica's chunk cannot form it
+        (TP2 PP1 DP10 or TP1 DP20 fail with TP4 rollout on the node). When that happens and
+        the plan predicts that training may become the bottleneck (``t_train × (1 +
+        hybrid_margin) >= t_rollout / k``, when the pool lends replicas), the hybrid node's
+        instances are re-split into the largest smaller TP size that forms the pool
+        (:func:`resplit_hybrid`): narrower instances decode slower, a price worth paying
+        only for a pool that may be used. Otherwise, or when no split forms it, the plan
+        runs without a pool (logged)."""
+        o = self.o
+        layout = plan_to_layout(plan_, o.nodes, o.gpus_per_node, 0, reason=reason)
+        pool = None
+        if o.hybrid and o.hybrid_nodes:
+            first = None
+            k = max(1, o.max_staleness)
+            useful = plan_.t_train * (1 + o.hybrid_margin) >= plan_.t_rollout / k
+            splits = sorted((t for t in o.rollout_tps if t < o.gpus_per_node), reverse=True) if useful else []
+            for tp in [None, *splits]:
+                candidate = plan_ if tp is None else resplit_hybrid(plan_, tp, o.nodes - o.hybrid_nodes)
+                if candidate is None:
+                    continue
+                try:
+                    hl = plan_to_layout(candidate, o.nodes, o.gpus_per_node, o.hybrid_nodes, reason=reason)
+                    pool = HybridPool.from_layout(hl, min_rollout_gpus=o.min_rollout_gpus, timeouts=o.hybrid_timeouts)
+                except (LayoutError, HybridPoolError) as exc:
+                    first = first or str(exc)
+                    continue
+                if tp is not None:
+                    log.info("plan %s: hybrid-node rollout re-split to TP%d so the hybrid pool forms (%s)",
+                             plan_.describe(), tp, first)
+                plan_, layout = candidate, hl
+                break
+            if pool is None:
+                log.info("plan %s runs without a hybrid pool: %s%s", plan_.describe(), first,
+                         "" if useful else " (not re-split: the plan predicts training will not be the bottleneck)")
+        return plan_, layout, pool
+
+    def _log(self, call: str, given: dict, out: Any) -> None:
+        self.journal.append({"call": call, "in": given, "out": journal_form(out)})
+
+
+def resplit_hybrid(plan_: Plan, tp: int, first_hybrid_node: int) -> Plan | None:
+    """``plan_`` with every rollout instance wider than ``tp`` on nodes from
+    ``first_hybrid_node`` on cut into instances of ``tp`` GPUs (slots in order); None when
+    no instance there is wider (nothing would change)."""
+    out, changed = [], False
+    for inst in plan_.rollout:
+        if inst.tp > tp and inst.slots[0].node >= first_hybrid_node:
+            out.extend(PlanInstance(tp, inst.slots[i:i + tp]) for i in range(0, inst.tp, tp))
+            changed = True
+        else:
+            out.append(inst)
+    return replace(plan_, rollout=tuple(out)) if changed else None
+
+
+def journal_form(out: Any) -> Any:
+    """A decision as plain data (what the golden test compares)."""
+    if out is None:
+        return None
+    if isinstance(out, LayoutChange):
+        return {"step": out.step, "layout": out.layout.summary(), "plan": out.plan.describe(),
+                "t_train": out.plan.t_train, "t_rollout": out.plan.t_rollout, "objective": out.plan.objective,
+                "reason": out.reason, "gain_s": out.gain_s,
+                "pool": None if out.pool is None else [[str(s) for s in r.slots] for r in out.pool.all_replicas()]}
+    if isinstance(out, AfterRollout):
+        return {"change": journal_form(out.change), "pool_events": journal_form(out.pool_events),
+                "pool_decided": out.pool_decided}
+    if isinstance(out, list):
+        return [e.to_dict() for e in out]
+    raise TypeError(f"no journal form for {type(out).__name__}")
