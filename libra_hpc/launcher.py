@@ -58,63 +58,54 @@ def describe(cfg: ExperimentConfig, executor: str, why: str) -> str:
     return "\n".join(lines)
 
 
-def describe_plan(cfg: ExperimentConfig) -> str:
-    """The plan the cost models choose for this config (``launch.py --plan``): training
-    shape, rollout instance mix, predicted times, the per-node grid and the runners-up.
-    Lengths come from ``planner.prior`` (nothing has been observed before a run)."""
-    from libra_hpc.planner import PlannerOptions, RLBatch, load_hardware, load_model, plan
-    from libra_hpc.planner.prior import prior_lengths
+def first_decision(cfg: ExperimentConfig):
+    """``(model profile, hardware profile, LayoutChange)``: the control loop's first decision
+    for ``cfg``, on the planner's default calibration."""
+    from libra_hpc.planner.control import ControlLoop, ControlOptions, feasible_tps, profiles
+    from libra_hpc.planner.costs import Calibration
 
+    try:
+        model, hardware = profiles(cfg)
+    except ConfigError as exc:  # the profile files: name the fields that chose them
+        raise ConfigError("model.name / cluster.hardware", [f"model.name={cfg.model.name!r}, cluster.hardware="
+                                                             f"{cfg.cluster.hardware!r}: {p}" for p in exc.problems]) from None
+    cal = Calibration()
+    options = ControlOptions.from_config(cfg, feasible_tps(model, hardware, list(cfg.scheduler.bucket_token_limits), cal))
+    return model, hardware, ControlLoop(model, hardware, options, cal).initial()
+
+
+def describe_plan(cfg: ExperimentConfig) -> str:
+    """The first layout Libra's control loop (libra_hpc/planner/control.py) chooses for this
+    config (``launch.py --plan``): training shape, rollout instance mix, predicted times, the
+    per-node grid with the hybrid pool and the runners-up. Lengths come from
+    ``planner.prior`` (nothing has been observed before a run). The simulator's first
+    planning round on the same config makes the same decision (tests/test_control_plan.py)."""
     c, prior = cfg.cluster, cfg.planner.prior
-    model = _profile(load_model, cfg.model.name, "model.name")
-    hardware = _profile(load_hardware, c.hardware, "cluster.hardware")
-    batch = RLBatch(cfg.training.global_batch_size, cfg.training.seq_len)
-    lengths = prior_lengths(prompt_tokens=prior.prompt_tokens, gen_tokens_median=prior.gen_tokens_median,
-                            tail_shape=prior.tail_shape, turns=prior.turns, tool_s_per_turn=prior.tool_s_per_turn,
-                            seq_len=batch.seq_len, batch_size=batch.global_batch, seed=cfg.rl.seed)
-    mode = "sync" if cfg.rl.max_staleness == 0 else "async"
-    result = plan(model, hardware, c.nodes, c.gpus_per_node, lengths, batch, mode=mode,
-                  options=PlannerOptions(min_rollout_gpus=cfg.planner.min_rollout_gpus))
-    chosen = result.plan
-    objective = "max(T_train, T_rollout): rollout and training pipelined" if mode == "async" else "T_train + T_rollout"
+    model, hardware, first = first_decision(cfg)
+    chosen, result = first.plan, first.result
+    k = cfg.rl.max_staleness
+    pool = (f"hybrid pool: {len(first.pool.all_replicas())} replica(s) of {first.pool.replica_size} GPUs on the last "
+            f"{cfg.planner.hybrid_nodes} node(s) (*)" if first.pool else
+            f"hybrid pool: none (planner.hybrid_nodes={cfg.planner.hybrid_nodes}: this plan leaves no whole rollout "
+            "nodes that split into training replicas, or training is not predicted to become the bottleneck)")
     lines = [
         f"plan for {model.name} on {c.nodes} nodes × {c.gpus_per_node} {hardware.name} "
-        f"({mode}, rl.max_staleness={cfg.rl.max_staleness}; objective {objective})",
+        f"(rl.max_staleness={k}; objective: the pipelined step max(T_train, (T_rollout + T_train) / {k + 1}))",
         f"  {chosen.describe()}",
         f"  predicted per RL step: T_train {chosen.t_train:.1f} s, T_rollout {chosen.t_rollout:.1f} s, "
-        f"objective {chosen.objective:.1f} s",
-        f"  batch {batch.global_batch} × {batch.seq_len} tokens; lengths from planner.prior (median "
-        f"{prior.gen_tokens_median} generated tokens, Pareto tail {prior.tail_shape}, {prior.turns} turns)",
+        f"step {chosen.objective:.1f} s ({chosen.mode} search)",
+        f"  batch {cfg.batch_size} trajectories (rl.prompts_per_step × rl.group_size), packed to the prior's mean "
+        f"length; lengths from planner.prior (median {prior.gen_tokens_median} generated tokens, Pareto tail "
+        f"{prior.tail_shape}, {prior.turns} turns)",
         f"  searched in {result.elapsed_s * 1e3:.0f} ms ({result.evaluated} rollout makespans)",
+        f"  {pool}",
         "",
-        *_plan_grid(chosen, cfg),
+        first.layout.table(),
         "",
-        "runners-up:",
+        f"runners-up in the {chosen.mode} search (objective {'T_train + T_rollout' if chosen.mode == 'sync' else 'max(T_train, T_rollout)'}):",
         *(f"  {r.description}: {r.reason}" for r in result.runners_up),
     ]
     return "\n".join(lines)
-
-
-def _plan_grid(chosen, cfg: ExperimentConfig) -> list[str]:
-    """The plan's node × GPU grid, hybrid pool marked (*), or a warning when the plan
-    leaves no whole rollout nodes for ``planner.hybrid_nodes`` to take."""
-    from libra_hpc.cluster.layout import LayoutError
-    from libra_hpc.planner import plan_to_layout
-
-    c, hybrid = cfg.cluster, cfg.planner.hybrid_nodes
-    try:
-        return [plan_to_layout(chosen, c.nodes, c.gpus_per_node, hybrid_nodes=hybrid, reason="planner").table()]
-    except LayoutError as exc:
-        grid = plan_to_layout(chosen, c.nodes, c.gpus_per_node, reason="planner").table()
-        return [f"WARNING planner.hybrid_nodes={hybrid} does not fit this plan ({exc}); shown without it", grid]
-
-
-def _profile(load, name: str, field: str):
-    """Load a planner profile; a failure names the config field that chose it."""
-    try:
-        return load(name)
-    except ConfigError as exc:
-        raise ConfigError(field, [f"{field}={name!r}: {p}" for p in exc.problems]) from None
 
 
 def launch_local(cfg: ExperimentConfig, wait: bool, out: TextIO) -> int:

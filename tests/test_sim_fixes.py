@@ -11,7 +11,8 @@ import pytest
 
 from libra_hpc.planner.costs import RolloutCost
 from libra_hpc.planner.profiles import load_hardware, load_model
-from libra_hpc.sim.config import CostSpec, SchedulerSpec, load_sim_config
+from libra_hpc.config import SchedulerConfig
+from libra_hpc.sim.config import CostSpec, load_sim_config
 from libra_hpc.planner.control import resplit_hybrid, same_plan
 from libra_hpc.sim.context import Context
 from libra_hpc.sim.engine import EventLoop
@@ -119,7 +120,7 @@ def test_jump_ahead_instance_matches_a_step_by_step_loop_on_random_cases():
 def _two_buckets(model, seats=1, saturation=1.0):
     """A TP1 instance (top level, limit 100 remaining tokens) and a TP2 one (unbounded)."""
     ended = {}
-    sched = SchedulerSpec(bucket_token_limits={1: 100, 2: 1 << 30}, bucket_limits="fixed", saturation=saturation)
+    sched = SchedulerConfig(bucket_token_limits={1: 100, 2: 1 << 30}, bucket_limits="fixed", saturation=saturation)
     side = RolloutSide({1: model, 2: model}, sched, CostSpec(max_num_seqs=seats), "cmlfq", 0,
                        lambda batch, now: ended.setdefault(batch, now) and None)
     side.configure([InstanceSpec(1, 1), InstanceSpec(2, 2)], 0.0)

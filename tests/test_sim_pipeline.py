@@ -9,7 +9,8 @@ import statistics
 import pytest
 
 from libra_hpc.planner.costs import TrainShape
-from libra_hpc.sim.config import CostSpec, SchedulerSpec, validate_sim_config
+from libra_hpc.config import SchedulerConfig
+from libra_hpc.sim.config import CostSpec, validate_sim_config
 from libra_hpc.cluster.layout import Group, Layout, Slot
 from libra_hpc.sim.context import Context
 from libra_hpc.sim.controller import PolicyRun
@@ -20,7 +21,7 @@ from libra_hpc.sim.rollout import InstanceSpec, RolloutSide, share_limits
 from libra_hpc.sim.trace import write_trace
 from libra_hpc.sim.workload import ToolCall, Trajectory
 
-SCHED = SchedulerSpec(bucket_token_limits={1: 1 << 30}, bucket_limits="fixed")
+SCHED = SchedulerConfig(bucket_token_limits={1: 1 << 30}, bucket_limits="fixed")
 
 
 def rollout(trajectories, model, seats=256, policy="cmlfq"):
@@ -97,8 +98,9 @@ def pipeline_ctx(tmp_path):
     def make(staleness, switch=0.4):
         cfg = validate_sim_config({
             "name": "pipeline", "trace": str(tmp_path / "trace.jsonl"),
-            "cluster": {"nodes": 2, "gpus_per_node": 8},
-            "rl": {"steps": 12, "prompts_per_step": 4, "group_size": 1, "max_staleness": staleness, "seq_len": 4096},
+            "cluster": {"nodes": 2, "gpus_per_node": 8, "hardware": "a800-80g"}, "model": {"name": "qwen3-14b"},
+            "training": {"seq_len": 4096}, "planner": {"min_rollout_gpus": 8},
+            "rl": {"steps": 12, "prompts_per_step": 4, "group_size": 1, "max_staleness": staleness},
             "costs": {"weight_sync_s": 0.0, "colocate_switch_s": switch},
             "scheduler": {"bucket_token_limits": {1: 1 << 30}, "bucket_limits": "fixed"}})
         ctx = Context(cfg)
@@ -140,8 +142,9 @@ def test_hybrid_replica_is_lent_when_training_is_the_bottleneck(tmp_path):
     trajectories = [Trajectory(f"s{s}/p{i}/0", f"p{i}", s, 0, 10, (100,), ()) for s in range(14) for i in range(4)]
     write_trace(tmp_path / "trace.jsonl", trajectories)
     cfg = validate_sim_config({
-        "name": "hybrid", "trace": str(tmp_path / "trace.jsonl"), "cluster": {"nodes": 3, "gpus_per_node": 8},
-        "rl": {"steps": 14, "prompts_per_step": 4, "group_size": 1, "max_staleness": 1, "seq_len": 4096},
+        "name": "hybrid", "trace": str(tmp_path / "trace.jsonl"), "cluster": {"nodes": 3, "gpus_per_node": 8, "hardware": "a800-80g"},
+        "model": {"name": "qwen3-14b"}, "training": {"seq_len": 4096},
+        "rl": {"steps": 14, "prompts_per_step": 4, "group_size": 1, "max_staleness": 1},
         "costs": {"weight_sync_s": 0.0, "hybrid_fetch_s": 0.2},
         "scheduler": {"bucket_token_limits": {8: 1 << 30}, "bucket_limits": "fixed"},
         "planner": {"hybrid_nodes": 1, "min_rollout_gpus": 8}})

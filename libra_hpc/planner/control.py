@@ -34,7 +34,7 @@ from libra_hpc.planner.costs import Calibration, LengthProfile, LengthSample, Ro
 from libra_hpc.planner.gate import GateOptions, ReplanGate
 from libra_hpc.planner.hybrid import HybridPool, HybridPoolError, PhaseTimeouts, PoolEvent
 from libra_hpc.planner.prior import prior_lengths
-from libra_hpc.planner.profiles import HardwareProfile, ModelProfile
+from libra_hpc.planner.profiles import HardwareProfile, ModelProfile, load_hardware, load_model
 from libra_hpc.planner.search import Plan, PlanError, PlannerOptions, PlanResult, RLBatch, plan, plan_to_layout, reprice
 from libra_hpc.planner.search import RolloutInstance as PlanInstance
 
@@ -91,6 +91,24 @@ class ControlOptions:
     def gpus(self) -> int:
         return self.nodes * self.gpus_per_node
 
+    @classmethod
+    def from_config(cls, cfg: Any, rollout_tps: Sequence[int], **setup: Any) -> ControlOptions:
+        """The options an experiment config gives (a simulator scenario is one too): the
+        cluster shape, the batch (``rl.prompts_per_step × rl.group_size``), ``rl`` and the
+        ``planner`` section. ``setup``: what the caller adds (``reconfig_s``,
+        ``hybrid_timeouts``) or what a policy may do (``replan``, ``hybrid``, ...).
+        ``launch.py --plan`` and the simulator both come through here, so they plan on
+        the same inputs."""
+        c, p, pr = cfg.cluster, cfg.planner, cfg.planner.prior
+        return cls(
+            nodes=c.nodes, gpus_per_node=c.gpus_per_node, global_batch=cfg.batch_size, seq_len=cfg.training.seq_len,
+            max_staleness=cfg.rl.max_staleness, rollout_tps=tuple(rollout_tps),
+            prior=Prior(pr.prompt_tokens, pr.gen_tokens_median, pr.tail_shape, pr.turns, pr.tool_s_per_turn),
+            seed=cfg.rl.seed, hybrid_nodes=p.hybrid_nodes, min_rollout_gpus=p.min_rollout_gpus, window=p.window,
+            gate=GateOptions(every_steps=p.every_steps, margin_s=p.margin_s, confirm_checks=p.confirm_checks,
+                             min_dwell_steps=p.min_dwell_steps),
+            hybrid_margin=p.hybrid_margin, **setup)
+
 
 @dataclass(frozen=True)
 class LayoutChange:
@@ -132,6 +150,13 @@ def feasible_tps(model: ModelProfile, hw: HardwareProfile, tps: Sequence[int], c
         else:
             out.append(tp)
     return tuple(sorted(out, reverse=True))
+
+
+def profiles(cfg: Any) -> tuple[ModelProfile, HardwareProfile]:
+    """The planner's profiles an experiment config names (``model.name``,
+    ``cluster.hardware``), the hardware's node size set to ``cluster.gpus_per_node``."""
+    hw = load_hardware(cfg.cluster.hardware)
+    return load_model(cfg.model.name), hw.model_copy(update={"gpus_per_node": cfg.cluster.gpus_per_node})
 
 
 def grown(shape: TrainShape, extra_replicas: int) -> TrainShape:

@@ -14,12 +14,7 @@ from libra_hpc.planner.costs import (
     TrainShape,
 )
 from libra_hpc.planner.hybrid import HybridPool
-from libra_hpc.planner.profiles import (
-    HardwareProfile,
-    ModelProfile,
-    load_hardware,
-    load_model,
-)
+from libra_hpc.planner.control import profiles
 from libra_hpc.sim.config import SimConfig
 from libra_hpc.sim.instance import CostStepModel, StepModel
 from libra_hpc.sim.rollout import InstanceSpec
@@ -34,9 +29,7 @@ class Context:
 
     def __init__(self, cfg: SimConfig):
         self.cfg = cfg
-        self.model: ModelProfile = load_model(cfg.cluster.model)
-        hw = load_hardware(cfg.cluster.hardware)
-        self.hw: HardwareProfile = hw.model_copy(update={"gpus_per_node": cfg.cluster.gpus_per_node})
+        self.model, self.hw = profiles(cfg)
         self.cal = Calibration(max_num_seqs=cfg.costs.max_num_seqs, note="simulator defaults")
         self.step_models: dict[int, StepModel] = {}
         self.rollout_costs: dict[int, RolloutCost] = {}
@@ -51,7 +44,7 @@ class Context:
             raise ValueError(f"no rollout TP size of scheduler.bucket_token_limits fits {self.model.name} on {self.hw.name}")
         self.tps = tuple(sorted(self.step_models, reverse=True))
         self.workload = (TraceWorkload(read_trace(cfg.trace)) if cfg.trace is not None
-                         else SyntheticWorkload(cfg.workload, cfg.rl, cfg.seed))
+                         else SyntheticWorkload(cfg.workload, cfg.rl, cfg.rl.seed, cfg.training.seq_len))
         weight_bytes = self.model.weight_bytes(2)
         link = self.hw.link_bps(inter_node=True)
         self.weight_sync_s = cfg.costs.weight_sync_s if cfg.costs.weight_sync_s is not None else weight_bytes / link

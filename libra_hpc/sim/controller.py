@@ -89,7 +89,7 @@ class PolicyRun:
         self.train_time = train_time or (lambda shape, tokens: step_s(ctx.model, ctx.hw, shape, tokens, ctx.cal))
         self.cfg = ctx.cfg
         self.loop = EventLoop()
-        self.rollout = RolloutSide(ctx.step_models, self.cfg.scheduler, self.cfg.costs, setup.router, self.cfg.seed,
+        self.rollout = RolloutSide(ctx.step_models, self.cfg.scheduler, self.cfg.costs, setup.router, self.cfg.rl.seed,
                                    self._batch_done, self._drained)
         self.rec = Recorder(setup.name)
         self.sync = setup.mode == "sync"

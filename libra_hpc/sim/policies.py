@@ -28,8 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from libra_hpc.planner.control import ControlLoop, ControlOptions, Prior
-from libra_hpc.planner.gate import GateOptions
+from libra_hpc.planner.control import ControlLoop, ControlOptions
 from libra_hpc.planner.hybrid import PhaseTimeouts
 from libra_hpc.sim.context import Context
 
@@ -66,18 +65,11 @@ SETUPS: dict[str, PolicySetup] = {s.name: s for s in (
 
 
 def control_options(ctx: Context, setup: PolicySetup) -> ControlOptions:
-    """The control loop's options for one simulated policy: the scenario's planner section,
-    the feasible rollout TP sizes, and what the policy may do."""
-    cfg, p = ctx.cfg, ctx.cfg.planner
-    pr = p.prior
-    return ControlOptions(
-        nodes=cfg.cluster.nodes, gpus_per_node=cfg.cluster.gpus_per_node, global_batch=cfg.batch_size,
-        seq_len=cfg.rl.seq_len, max_staleness=cfg.rl.max_staleness, rollout_tps=ctx.tps,
-        prior=Prior(pr.prompt_tokens, pr.gen_tokens_median, pr.tail_shape, pr.turns, pr.tool_s_per_turn),
-        seed=cfg.seed, hybrid_nodes=p.hybrid_nodes, min_rollout_gpus=p.min_rollout_gpus, window=p.window,
-        gate=GateOptions(every_steps=p.every_steps, margin_s=p.margin_s, confirm_checks=p.confirm_checks,
-                         min_dwell_steps=p.min_dwell_steps),
-        hybrid_margin=p.hybrid_margin, reconfig_s=cfg.costs.reconfig_s, hybrid_timeouts=HYBRID_TIMEOUTS,
+    """The control loop's options for one simulated policy: the scenario's (the same
+    :meth:`ControlOptions.from_config` as ``launch.py --plan``), the feasible rollout TP
+    sizes, the simulator's reconfiguration cost, and what the policy may do."""
+    return ControlOptions.from_config(
+        ctx.cfg, ctx.tps, reconfig_s=ctx.cfg.costs.reconfig_s, hybrid_timeouts=HYBRID_TIMEOUTS,
         replan=setup.replan, hybrid=setup.hybrid, clairvoyant=setup.clairvoyant, single_tp=setup.single_tp)
 
 

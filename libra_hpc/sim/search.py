@@ -44,7 +44,7 @@ def rollout_makespan(ctx: Context, layout: Layout, step: int, router: str = "lea
         done[batch] = now
 
     loop = EventLoop()
-    side = RolloutSide(ctx.step_models, ctx.cfg.scheduler, ctx.cfg.costs, router, ctx.cfg.seed, finished)
+    side = RolloutSide(ctx.step_models, ctx.cfg.scheduler, ctx.cfg.costs, router, ctx.cfg.rl.seed, finished)
     side.configure(instances_of(layout), 0.0)
     loop.schedule_all(side.submit(step, ctx.batch(step), 0.0))
     loop.run()
