@@ -3,7 +3,12 @@
 Every section is a pydantic model with ``extra="forbid"`` and strict types, so a misspelled
 key, a string where a number belongs, or an impossible cluster shape fails *before* anything
 is submitted, with the dotted path of the field, what was given and what is allowed.
-Field docstrings are the reference documentation (configs/README.md mirrors them).
+Field docstrings are the reference documentation (configs/README.md is generated from them
+by libra_hpc/config_reference.py).
+
+The simulator's scenarios (libra_hpc/sim/config.py) are this schema plus the simulator's own
+sections, read by the same loader (:func:`load_config` with ``schema=SimConfig``) and
+refused with the same error (:class:`ConfigError`).
 
 Nothing here reads the environment: the only inputs are the YAML file and ``--set``
 overrides given on the command line.
@@ -14,8 +19,10 @@ from __future__ import annotations
 import difflib
 import math
 import re
+import types
+import typing
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -23,10 +30,50 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 _SLURM_TIME = re.compile(r"^(?:(\d+)-)?(\d+)(?::(\d+))?(?::(\d+))?$")
 
 
+class DuplicateKeyError(yaml.YAMLError):
+    """A YAML mapping gives the same key twice. YAML leaves this to the reader and PyYAML
+    keeps the last value without a word, so a file that sets ``every_steps`` twice would run
+    with whichever came last; refused instead. ``problems`` has one line per repeat."""
+
+    def __init__(self, problems: list[str]):
+        self.problems = problems
+        super().__init__("; ".join(problems))
+
+
 class _YamlLoader(yaml.SafeLoader):
     """SafeLoader with YAML 1.2 numbers: ``2:00:00`` stays a string (YAML 1.1 reads it as
     the base-60 number 7200, which would wreck Slurm time limits) and ``1e-5`` is a float
-    (YAML 1.1 wants ``1.0e-5``)."""
+    (YAML 1.1 wants ``1.0e-5``). A key given twice in one mapping is refused
+    (:class:`DuplicateKeyError`)."""
+
+    def construct_document(self, node):
+        problems: list[str] = []
+        self._find_duplicates(node, [], problems)
+        if problems:
+            raise DuplicateKeyError(problems)
+        return super().construct_document(node)
+
+    def _find_duplicates(self, node, path: list[str], problems: list[str]) -> None:
+        if isinstance(node, yaml.SequenceNode):
+            for i, item in enumerate(node.value):
+                self._find_duplicates(item, [*path, str(i)], problems)
+        elif isinstance(node, yaml.MappingNode):
+            first: dict[Any, int] = {}
+            for key_node, value_node in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *base`: explicit keys may override it
+                    continue
+                key = self.construct_object(key_node, deep=True) if isinstance(key_node, yaml.ScalarNode) else None
+                if isinstance(key, typing.Hashable) and key is not None:
+                    line = key_node.start_mark.line + 1
+                    if key in first:
+                        dotted = ".".join([*path, str(key)])
+                        problems.append(f"{dotted}: the key {str(key)!r} is given twice (lines {first[key]} and "
+                                        f"{line}); a repeated key would silently replace the first value, keep one")
+                    else:
+                        first[key] = line
+                    self._find_duplicates(value_node, [*path, str(key)], problems)
+                else:
+                    self._find_duplicates(value_node, path, problems)
 
 
 _YamlLoader.yaml_implicit_resolvers = {
@@ -44,7 +91,9 @@ _YamlLoader.add_implicit_resolver(
 
 
 def parse_yaml(text: str):
-    """YAML as the config reads it (see _YamlLoader)."""
+    """YAML as every config file of the project is read (see _YamlLoader): YAML 1.2
+    numbers, a key given twice refused. Raises yaml.YAMLError (DuplicateKeyError for a
+    repeated key)."""
     return yaml.load(text, Loader=_YamlLoader)  # noqa: S506 - a SafeLoader subclass
 
 
@@ -111,15 +160,17 @@ class ModelConfig(_Section):
     """The policy model."""
 
     name: str = "tiny"
-    """A label for logs and reports; ``tiny`` is the small model built locally. *Validated; not used by the runtime until the engines land.*"""
+    """Model profile of the planner's cost models and the simulator: a name under
+    ``configs/models`` (``qwen3-14b``, ``qwen3-32b``, ``qwen3-4b``, ``qwen3-30b-a3b``,
+    ``qwen2.5-7b``, ``tiny``) or a path; also the model's label in logs and reports.
+    ``tiny`` is the small model built locally."""
     path: str | None = None
     """Directory of a Hugging Face checkpoint (``config.json``, ``*.safetensors``, tokenizer
     files); null: the tiny local model (``libra_hpc/engines/tiny.py``), built once under
     ``~/.cache/libra_hpc/tiny-<fingerprint>``. ``engines.resolve_model`` checks it and the
-    engines load it. *The runtime does not start the engines yet.*"""
+    engines load it."""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    """Parameter and activation dtype of both engines (vLLM rollout, Megatron training).
-    *The runtime does not start the engines yet.*"""
+    """Parameter and activation dtype of both engines (vLLM rollout, Megatron training)."""
 
 
 class TrainingConfig(_Section):
@@ -133,28 +184,24 @@ class TrainingConfig(_Section):
     data_parallel: int = Field(1, ge=1)
     """Data-parallel replicas in the core training group (hybrid replicas come on top)."""
     micro_batch_size: int = Field(1, ge=1)
-    """Sequences per micro-batch per DP replica (one forward/backward of the Megatron training engine).
-    *Used by the Megatron training engine; the runtime does not drive training yet.*"""
-    global_batch_size: int = Field(12, ge=1)
-    """Sequences per optimizer step across all replicas. *Validated; not used by the runtime until the engines land.*"""
-    seq_len: int = Field(4096, ge=1)
-    """Tokens per training sequence (prompt + response, packed or padded); the planner's
-    training cost and memory model use it."""
+    """Sequences per micro-batch per DP replica (one forward/backward of the Megatron training engine)."""
+    seq_len: int = Field(4096, ge=16)
+    """Longest trajectory in tokens (prompt + every turn + tool outputs): the rollout
+    context cap and the training sequence length (packed or padded). The planner's training
+    cost and memory models and the simulator's workload use it. The global batch of a step
+    is not set here: it is ``rl.prompts_per_step × rl.group_size`` sequences."""
     lr: float = Field(1e-5, gt=0)
-    """Adam learning rate. *Used by the Megatron training engine (``MegatronTrainEngine.from_config``); the
-    runtime does not drive training yet.*"""
+    """Adam learning rate."""
     grad_clip: float = Field(1.0, gt=0)
     """Largest global L2 norm of the gradients in a step; larger ones are scaled down to it
-    (the Megatron optimizer's ``clip_grad``). *Used by the Megatron training engine; the runtime does not
-    drive training yet.*"""
+    (the Megatron optimizer's ``clip_grad``)."""
     ppo_clip: float = Field(0.2, gt=0, lt=1)
     """ε of the clipped policy-gradient surrogate: the importance ratio new/old policy of
-    each token is clipped to [1-ε, 1+ε] (GRPO/PPO). *Used by the Megatron training engine; the runtime does
-    not drive training yet.*"""
+    each token is clipped to [1-ε, 1+ε] (GRPO/PPO)."""
     distributed_optimizer: bool = False
     """Shard the Adam moments and fp32 main weights over the data-parallel replicas
     (megatron's distributed optimizer): optimizer memory per GPU divided by DP, same
-    steps. *Used by the Megatron training engine; the runtime does not drive training yet.*"""
+    steps."""
 
 
 class RolloutConfig(_Section):
@@ -174,15 +221,14 @@ class RolloutConfig(_Section):
             return self.tp_per_node  # type: ignore[return-value]
         return [self.tp_per_node]  # type: ignore[list-item]
     max_new_tokens: int = Field(256, ge=1)
-    """Generation cap per turn, in tokens. *Validated; not used by the runtime until the engines land.*"""
+    """Generation cap per turn, in tokens."""
     temperature: float = Field(1.0, ge=0)
-    """Sampling temperature. *Validated; not used by the runtime until the engines land.*"""
+    """Sampling temperature."""
     kv_cache_gib: float = Field(0.25, gt=0)
     """KV cache of a rollout instance per GPU slot (per TP rank), in GiB: a fixed size, not a
     share of memory, so instances sharing a machine do not compete for it. The tiny model
     keeps 1 KiB per token in fp32, so 0.25 GiB holds 256k tokens; on GPUs set it to what
-    the slot has left after the weights. *Read by ``VllmRolloutEngine.from_config``; the
-    runtime does not start the engines yet.*"""
+    the slot has left after the weights."""
 
 
 class LengthPrior(_Section):
@@ -211,7 +257,24 @@ class PlannerConfig(_Section):
     """Rollout nodes (the last ones) that form the hybrid pool: they can be lent to
     training as whole DP replicas and given back, without stopping the job."""
     min_rollout_gpus: int = Field(1, ge=1)
-    """Rollout never shrinks below this many GPU slots."""
+    """Rollout never shrinks below this many GPU slots (no plan, no hybrid-pool loan takes
+    it lower)."""
+    window: int = Field(512, ge=8)
+    """Finished trajectories the planner's observed length profile is built from (the
+    most recent ones)."""
+    every_steps: int = Field(10, ge=1)
+    """Replanning gate: RL steps between periodic checks of whether another plan pays off
+    (a pressure event may check earlier; libra_hpc/planner/gate.py)."""
+    margin_s: float = Field(10.0, ge=0)
+    """Replanning gate: seconds a change must save over the next ``every_steps`` steps,
+    after paying its reconfiguration cost, before it counts as a win."""
+    confirm_checks: int = Field(2, ge=1)
+    """Replanning gate: consecutive winning checks, for the same plan, before it is applied."""
+    min_dwell_steps: int = Field(10, ge=0)
+    """Replanning gate: RL steps after an applied change during which no other is applied."""
+    hybrid_margin: float = Field(0.1, ge=0)
+    """Hybrid pool: lend it to training when the training step takes more than the rollout
+    phase × (1 + margin); give it back when rollout takes more than training × (1 + margin)."""
     borrow_at_step: int | None = 2
     """Step at which the hybrid pool is lent to training (a scripted decision until the
     cost-based replanning gate lands); null: never."""
@@ -222,8 +285,7 @@ class PlannerConfig(_Section):
 
 class SchedulerConfig(_Section):
     """Routing of trajectory turns to rollout buckets (C-MLFQ) and the queue service
-    (``libra_hpc.scheduler``). The runtime starts the service on the controller once the
-    rollout engines land; today the benchmark and tests drive it."""
+    (``libra_hpc.scheduler``)."""
 
     policy: Literal["cmlfq", "fifo", "least_load", "length_aware", "oracle"] = "cmlfq"
     """Registered routing policy: ``cmlfq`` (causal tool-return signals), ``fifo``
@@ -233,7 +295,22 @@ class SchedulerConfig(_Section):
     bucket_token_limits: dict[int, int] = Field(default_factory=lambda: {1: 1024, 2: 4096, 4: 16384, 8: 1 << 30})
     """Rollout TP size → the most remaining output tokens a trajectory may have to be
     routed to that bucket. Small TP: high throughput for short work; large TP: low
-    latency for long work. Buckets are the MLFQ levels in ascending limit order."""
+    latency for long work. Buckets are the MLFQ levels in ascending limit order. In a
+    simulator scenario its keys are also the rollout TP sizes the planner may use."""
+    bucket_limits: Literal["fixed", "share"] = "share"
+    """``fixed``: the limits above. ``share``: when nothing is in flight the limits follow
+    the layout, on the quantity C-MLFQ compares (remaining output tokens after a tool
+    return): bucket ``i`` (ascending TP) takes the turns whose remaining tokens are up to the
+    length at which the tokens they decode (plus every first turn, which starts on the top
+    level) reach the cumulative GPU share of buckets ``0..i`` in the recent window, so a plan
+    with no TP-1 instances has no idle large-TP bucket waiting for trajectories the fixed
+    limits would never send there."""
+    saturation: float = Field(1.0, gt=0)
+    """An instance counts as saturated for routing (the router sends the turn to a
+    neighbouring bucket) when its leased turns reach this multiple of its *decode knee*:
+    the smallest batch whose step takes twice a lone sequence's step at the mean KV need
+    of a turn (at most the seats the KV capacity allows); in tokens, times the mean turn
+    length. 1.0: saturated once each sequence decodes at half its lone speed."""
     size_thresholds: list[int] = Field(default_factory=lambda: [256, 4096])
     """Tool output sizes (characters) that separate the payload size classes: with
     ``[256, 4096]`` an output is S below 256, M below 4096, L otherwise."""
@@ -270,74 +347,79 @@ class ToolsConfig(_Section):
     orchestration of tool resources (libra_hpc/tools/scheduling.py)."""
 
     wall_time_s: float = Field(10.0, gt=0)
-    """Wall-clock limit of one tool call, in seconds; the whole process tree is killed at it. *Used by libra_hpc.tools; the runtime does not drive tool calls yet.*"""
+    """Wall-clock limit of one tool call, in seconds; the whole process tree is killed at it."""
     max_workers: int = Field(4, ge=1)
-    """Upper bound of the CPU sandbox pool (concurrent sandboxed calls). *Used by libra_hpc.tools; the runtime does not drive tool calls yet.*"""
+    """Upper bound of the CPU sandbox pool (concurrent sandboxed calls)."""
     min_workers: int = Field(0, ge=0)
-    """Sandbox units kept alive even when idle (the pool never shrinks below this). *Used by libra_hpc.tools; the runtime does not drive tool calls yet.*"""
+    """Sandbox units kept alive even when idle (the pool never shrinks below this)."""
     idle_timeout_s: float = Field(30.0, ge=0)
-    """Seconds a unit stays idle before the pool shrinks by it. *Used by libra_hpc.tools; the runtime does not drive tool calls yet.*"""
+    """Seconds a unit stays idle before the pool shrinks by it."""
     isolation: Literal["auto", "bwrap", "rlimit"] = "auto"
-    """`bwrap`: mount/pid/net/IPC namespaces, only /usr and the interpreter visible, private tmpfs working directory, a seccomp filter that denies new namespaces, the kernel keyring, mounts, ptrace, bpf and similar (needs bubblewrap, x86_64 or aarch64); `auto`: the same, and an error naming this option when bwrap cannot run (never a silent fallback); `rlimit`: the explicit opt-in to a weaker fallback, root only (refused otherwise): limits, a new session, the slot uid and a private host directory. Its weaknesses: world-readable host files and the network, 127.0.0.1 included (a local reward endpoint), stay reachable; the working directory is on the host's disk with no total cap (RLIMIT_FSIZE bounds each file only); no seccomp filter, so the kernel keyring and user namespaces are available; files the slot uid leaves in world-writable directories and its System V IPC objects are deleted after each call, but data written into existing world-writable files is not undone. *Used by libra_hpc.tools; the runtime does not drive tool calls yet.*"""
+    """`bwrap`: mount/pid/net/IPC namespaces, only /usr and the interpreter visible, private tmpfs working directory, a seccomp filter that denies new namespaces, the kernel keyring, mounts, ptrace, bpf and similar (needs bubblewrap, x86_64 or aarch64); `auto`: the same, and an error naming this option when bwrap cannot run (never a silent fallback); `rlimit`: the explicit opt-in to a weaker fallback, root only (refused otherwise): limits, a new session, the slot uid and a private host directory. Its weaknesses: world-readable host files and the network, 127.0.0.1 included (a local reward endpoint), stay reachable; the working directory is on the host's disk with no total cap (RLIMIT_FSIZE bounds each file only); no seccomp filter, so the kernel keyring and user namespaces are available; files the slot uid leaves in world-writable directories and its System V IPC objects are deleted after each call, but data written into existing world-writable files is not undone."""
     python: str = ""
-    """Interpreter that runs Python snippets; empty: the one running libra_hpc. *Used by libra_hpc.tools; the runtime does not drive tool calls yet.*"""
+    """Interpreter that runs Python snippets; empty: the one running libra_hpc."""
     uid_base: int = Field(200000, ge=1000)
-    """When run as root, sandbox unit i runs as uid `uid_base + i` (must belong to nobody: every process of it is killed after each call; a uid in the password database is refused). *Used by libra_hpc.tools; the runtime does not drive tool calls yet.*"""
+    """When run as root, sandbox unit i runs as uid `uid_base + i` (must belong to nobody: every process of it is killed after each call; a uid in the password database is refused)."""
     lock_dir: str = "/run/libra_sandbox"
-    """Directory of the per-slot-uid lock files (`uid-<uid>.lock`, an exclusive flock held while a Sandbox uses the uid), so two sandboxes, in any processes of the host, never share a slot uid. *Used by libra_hpc.tools; the runtime does not drive tool calls yet.*"""
+    """Directory of the per-slot-uid lock files (`uid-<uid>.lock`, an exclusive flock held while a Sandbox uses the uid), so two sandboxes, in any processes of the host, never share a slot uid."""
     cpu_time_s: int = Field(10, ge=1)
-    """CPU-time limit of one call (RLIMIT_CPU), in seconds. *Used by libra_hpc.tools; the runtime does not drive tool calls yet.*"""
+    """CPU-time limit of one call (RLIMIT_CPU), in seconds."""
     memory_mb: int = Field(512, ge=16)
-    """Address-space limit per process (RLIMIT_AS), in MiB. *Used by libra_hpc.tools; the runtime does not drive tool calls yet.*"""
+    """Address-space limit per process (RLIMIT_AS), in MiB."""
     max_processes: int = Field(32, ge=2)
-    """Processes one call may have at once (RLIMIT_NPROC, enforced through the dedicated uid or user namespace). *Used by libra_hpc.tools; the runtime does not drive tool calls yet.*"""
+    """Processes one call may have at once (RLIMIT_NPROC, enforced through the dedicated uid or user namespace)."""
     max_file_mb: int = Field(16, ge=1)
-    """Largest file a call may write (RLIMIT_FSIZE), in MiB. *Used by libra_hpc.tools; the runtime does not drive tool calls yet.*"""
+    """Largest file a call may write (RLIMIT_FSIZE), in MiB."""
     max_open_files: int = Field(64, ge=8)
-    """Open file descriptors per process (RLIMIT_NOFILE). *Used by libra_hpc.tools; the runtime does not drive tool calls yet.*"""
+    """Open file descriptors per process (RLIMIT_NOFILE)."""
     call_memory_mb: int = Field(1024, ge=0)
-    """Memory of all processes of one call together (tmpfs pages included), in MiB, through a cgroup per call when the host allows one (root, writable memory and pids controllers); the kernel's OOM killer then acts inside the call. 0: no cgroup (a call may then take memory_mb × max_processes). *Used by libra_hpc.tools; the runtime does not drive tool calls yet.*"""
+    """Memory of all processes of one call together (tmpfs pages included), in MiB, through a cgroup per call when the host allows one (root, writable memory and pids controllers); the kernel's OOM killer then acts inside the call. 0: no cgroup (a call may then take memory_mb × max_processes)."""
     workdir_mb: int = Field(64, ge=1)
-    """Size of the private tmpfs working directory /tmp (bwrap isolation), in MiB; /dev/shm is a second tmpfs of the same size, so a call may hold up to twice this in tmpfs pages (memory, counted in call_memory_mb when a cgroup exists). The number of inodes is not capped (bwrap has no tmpfs option for it); each costs kernel memory, also charged to the call's cgroup. *Used by libra_hpc.tools; the runtime does not drive tool calls yet.*"""
+    """Size of the private tmpfs working directory /tmp (bwrap isolation), in MiB; /dev/shm is a second tmpfs of the same size, so a call may hold up to twice this in tmpfs pages (memory, counted in call_memory_mb when a cgroup exists). The number of inodes is not capped (bwrap has no tmpfs option for it); each costs kernel memory, also charged to the call's cgroup."""
     output_limit_bytes: int = Field(65536, ge=1)
-    """stdout + stderr kept per call; a call printing more is killed and reported as a truncated failure. *Used by libra_hpc.tools; the runtime does not drive tool calls yet.*"""
+    """stdout + stderr kept per call; a call printing more is killed and reported as a truncated failure."""
     policy: Literal["tangram", "dedicated"] = "tangram"
-    """`tangram`: every call is an action on any free unit, shortest expected action first with aging; `dedicated`: the baseline, one unit bound to each trajectory for its life. *Used by libra_hpc.tools; the runtime does not drive tool calls yet.*"""
+    """`tangram`: every call is an action on any free unit, shortest expected action first with aging; `dedicated`: the baseline, one unit bound to each trajectory for its life."""
     aging_rate: float = Field(1.0, gt=0)
-    """Expected seconds forgiven per second an action waits (tangram); larger is closer to FIFO, smaller to shortest-first. Any value > 0 rules out starvation. *Used by libra_hpc.tools; the runtime does not drive tool calls yet.*"""
+    """Expected seconds forgiven per second an action waits (tangram); larger is closer to FIFO, smaller to shortest-first. Any value > 0 rules out starvation."""
     expected_s: dict[str, float] = Field(default_factory=dict)
-    """Prior expected duration per tool name, in seconds, until observed durations take over (moving average). *Used by libra_hpc.tools; the runtime does not drive tool calls yet.*"""
+    """Prior expected duration per tool name, in seconds, until observed durations take over (moving average)."""
     default_expected_s: float = Field(1.0, ge=0)
-    """Prior expected duration of a tool not in `expected_s`, in seconds. *Used by libra_hpc.tools; the runtime does not drive tool calls yet.*"""
+    """Prior expected duration of a tool not in `expected_s`, in seconds."""
     quotas: dict[str, int] = Field(default_factory=dict)
-    """Most concurrent actions per tool name (e.g. an API's limit); tools not listed are bounded by their resource only. *Used by libra_hpc.tools; the runtime does not drive tool calls yet.*"""
+    """Most concurrent actions per tool name (e.g. an API's limit); tools not listed are bounded by their resource only."""
     reward_endpoint: str = ""
-    """URL of a model-serving endpoint for reward-model calls (resource kind `reward`); empty: no such resource. *Used by libra_hpc.tools; the runtime does not drive tool calls yet.*"""
+    """URL of a model-serving endpoint for reward-model calls (resource kind `reward`); empty: no such resource."""
     reward_concurrency: int = Field(4, ge=1)
-    """Concurrent requests the reward endpoint accepts (units of the `reward` resource). *Used by libra_hpc.tools; the runtime does not drive tool calls yet.*"""
+    """Concurrent requests the reward endpoint accepts (units of the `reward` resource)."""
     placement: Literal["local", "slurm"] = "local"
-    """Where the CPU sandboxes run. `local`: on the orchestrator's host. `slurm`: each unit of the pool is a worker started with `srun` (libra_hpc/tools/remote.py): on `slurm_partition` when set (an allocation of its own per unit, never the GPU job's cores), else as a step of the current job on its nodes (`srun --overlap`). A unit's worker stops when the pool retires the unit. *Used by libra_hpc.tools; the runtime does not drive tool calls yet.*"""
+    """Where the CPU sandboxes run. `local`: on the orchestrator's host. `slurm`: each unit of the pool is a worker started with `srun` (libra_hpc/tools/remote.py): on `slurm_partition` when set (an allocation of its own per unit, never the GPU job's cores), else as a step of the current job on its nodes (`srun --overlap`). A unit's worker stops when the pool retires the unit."""
     slurm_partition: str = ""
-    """Partition of the sandbox workers with `placement: slurm`; empty: the current job's allocation. *Used by libra_hpc.tools; the runtime does not drive tool calls yet.*"""
+    """Partition of the sandbox workers with `placement: slurm`; empty: the current job's allocation."""
     slurm_cpus_per_unit: int = Field(1, ge=1)
-    """CPUs Slurm gives each sandbox worker (`srun --cpus-per-task`) with `placement: slurm`. *Used by libra_hpc.tools; the runtime does not drive tool calls yet.*"""
+    """CPUs Slurm gives each sandbox worker (`srun --cpus-per-task`) with `placement: slurm`."""
     slurm_time_limit: str = ""
-    """`srun --time` of each sandbox worker's own allocation with `placement: slurm` and a partition (Slurm's format, e.g. `4:00:00`); empty: the partition's default. *Used by libra_hpc.tools; the runtime does not drive tool calls yet.*"""
+    """`srun --time` of each sandbox worker's own allocation with `placement: slurm` and a partition (Slurm's format, e.g. `4:00:00`); empty: the partition's default."""
     slurm_args: list[str] = Field(default_factory=list)
-    """Extra `srun` options for the sandbox workers (e.g. `["--account=rl", "--qos=cpu"]`) with `placement: slurm`. *Used by libra_hpc.tools; the runtime does not drive tool calls yet.*"""
+    """Extra `srun` options for the sandbox workers (e.g. `["--account=rl", "--qos=cpu"]`) with `placement: slurm`."""
 
 
 class RLConfig(_Section):
-    """The RL loop."""
+    """The RL loop. One step rolls out ``prompts_per_step × group_size`` trajectories and
+    trains on all of them: that product is the global batch of the training step (the
+    planner, the simulator and the batch checks all use it; ``ExperimentConfig.batch_size``)."""
 
     steps: int = Field(4, ge=1)
-    """Number of RL steps the controller runs."""
+    """Number of RL steps (optimizer steps) the controller runs, or the simulator simulates."""
+    prompts_per_step: int = Field(3, ge=1)
+    """Prompts sampled per RL step."""
     group_size: int = Field(4, ge=1)
-    """Samples per prompt (GRPO group). *Validated; not used by the runtime until the engines land.*"""
+    """Samples per prompt (GRPO group): trajectories of one prompt are compared with each other."""
     max_staleness: int = Field(1, ge=0)
-    """Policy versions a trajectory may lag behind training; 0 is synchronous RL. *Validated; not used by the runtime until the engines land.*"""
+    """Policy versions a trajectory may lag behind training; 0 is synchronous RL (rollout
+    and training alternate even on separate GPUs)."""
     seed: int = 0
-    """Seed of every random choice of the run. *Validated; not used by the runtime until the engines land.*"""
+    """Seed of every random choice of the run (the simulator's workload included)."""
 
 
 class LoggingConfig(_Section):
@@ -367,6 +449,27 @@ class ExperimentConfig(_Section):
         t = self.training
         return t.tensor_parallel * t.pipeline_parallel * t.data_parallel
 
+    @property
+    def batch_size(self) -> int:
+        """Trajectories per RL step, ``rl.prompts_per_step × rl.group_size``: the global
+        batch of one training step."""
+        return self.rl.prompts_per_step * self.rl.group_size
+
+    def cross_field_problems(self) -> list[str]:
+        """What the field types cannot say: one message per impossible field, each naming
+        it. The live job also checks the initial layout it is given (training TP×PP×DP,
+        ``rollout.tp_per_node``, the hybrid pool, the scripted borrow/return steps)."""
+        return [*check_common(self), *check_layout(self)]
+
+    @classmethod
+    def resolve_file_paths(cls, raw: dict[str, Any], folder: Path) -> None:
+        """Make paths of ``raw`` that are relative to the config file's folder absolute
+        (in place), before validation. The experiment has none: ``logging.dir`` and
+        ``model.path`` are taken from the submit directory."""
+
+
+C = TypeVar("C", bound=ExperimentConfig)
+
 
 class ConfigError(ValueError):
     """A configuration that cannot run; ``problems`` lists one line per bad field."""
@@ -380,10 +483,13 @@ class ConfigError(ValueError):
 # ---------------------------------------------------------------------------- loading
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] = (), **cli: Any) -> ExperimentConfig:
-    """Load a YAML experiment (or the defaults when ``path`` is None), apply ``a.b=c``
-    overrides, validate. ``cli`` holds dotted-path values given by dedicated CLI flags
-    (e.g. ``{"cluster.nodes": 4}``); None values are ignored. Raises ConfigError."""
+def load_config(path: str | Path | None = None, overrides: list[str] = (), *, schema: type[C] = ExperimentConfig,
+                **cli: Any) -> C:
+    """Load a YAML file of ``schema`` (an experiment, or ``SimConfig`` for a simulator
+    scenario; the schema's defaults when ``path`` is None), apply ``a.b=c`` overrides
+    (``--set``; values are YAML), validate. ``cli`` holds dotted-path values given by
+    dedicated CLI flags (e.g. ``{"cluster.nodes": 4}``); None values are ignored. Raises
+    ConfigError naming the file and every bad field."""
     source = str(path) if path is not None else "<defaults>"
     raw: dict[str, Any] = {}
     if path is not None:
@@ -393,6 +499,8 @@ def load_config(path: str | Path | None = None, overrides: list[str] = (), **cli
             raise ConfigError(source, [f"cannot read the file: {exc.strerror}"]) from None
         except UnicodeDecodeError as exc:
             raise ConfigError(source, [f"not UTF-8 text (byte {exc.start}): is this the right file?"]) from None
+        except DuplicateKeyError as exc:
+            raise ConfigError(source, exc.problems) from None
         except yaml.YAMLError as exc:
             raise ConfigError(source, [f"not valid YAML: {exc}"]) from None
         if loaded is not None and not isinstance(loaded, dict):
@@ -410,19 +518,27 @@ def load_config(path: str | Path | None = None, overrides: list[str] = (), **cli
             problems.append(f"--set {item!r}: {exc}")
     for key, value in cli.items():
         if value is not None:
-            _set_path(raw, key, value)
+            try:
+                _set_path(raw, key, value)
+            except ValueError as exc:
+                problems.append(f"{key}: {exc}")
     if problems:
         raise ConfigError(source, problems)
-    return validate_config(raw, source)
+    if path is not None:
+        schema.resolve_file_paths(raw, Path(path).parent)
+    return validate_config(raw, source, schema)
 
 
-def validate_config(raw: dict[str, Any], source: str = "<dict>") -> ExperimentConfig:
-    """Build and check an ExperimentConfig from plain data; raises ConfigError."""
+def validate_config(raw: Any, source: str = "<dict>", schema: type[C] = ExperimentConfig) -> C:
+    """Build and check a ``schema`` config (default ExperimentConfig) from plain data;
+    raises ConfigError."""
+    if not isinstance(raw, dict):
+        raise ConfigError(source, [f"the top level must be a mapping of sections, got {type(raw).__name__}"])
     try:
-        cfg = ExperimentConfig.model_validate(raw)
+        cfg = schema.model_validate(raw)
     except ValidationError as exc:
-        raise ConfigError(source, [describe_error(err) for err in exc.errors()]) from None
-    problems = check_shape(cfg)
+        raise ConfigError(source, [describe_error(err, schema) for err in exc.errors()]) from None
+    problems = cfg.cross_field_problems()
     if problems:
         raise ConfigError(source, problems)
     return cfg
@@ -444,10 +560,19 @@ def _set_path(raw: dict[str, Any], dotted: str, value: Any) -> None:
     node[parts[-1]] = value
 
 
+MOVED = {
+    "seed": "rl.seed",
+    "cluster.model": "model.name",
+    "rl.seq_len": "training.seq_len",
+    "training.global_batch_size": "rl.prompts_per_step (the batch is rl.prompts_per_step × rl.group_size)",
+}
+"""Keys of earlier schemas (the simulator's own, before it shared this one) → where they are now."""
+
+
 def describe_error(err: dict[str, Any], root: type[BaseModel] | None = None) -> str:
     """One readable line for a pydantic error of ``root`` (default: ExperimentConfig):
     the dotted path, what was given, what is allowed, and "did you mean" for unknown keys.
-    Shared by every YAML schema of the project (experiments, planner profiles)."""
+    Shared by every YAML schema of the project (experiments, scenarios, planner profiles)."""
     loc = [str(p) for p in err["loc"]]
     path = ".".join(loc) or "<top level>"
     given = err.get("input")
@@ -456,20 +581,40 @@ def describe_error(err: dict[str, Any], root: type[BaseModel] | None = None) -> 
         hint = difflib.get_close_matches(loc[-1], valid, n=1, cutoff=0.6)
         where = ".".join(loc[:-1]) or "the top level"
         did_you_mean = f"; did you mean '{hint[0]}'?" if hint else ""
+        if path in MOVED:
+            did_you_mean = f"; it moved to {MOVED[path]}."
         return f"{path}: unknown key in {where}{did_you_mean} Valid keys are: {', '.join(valid)}"
     if err["type"] == "missing":
         return f"{path}: required, missing"
     if err["type"] == "literal_error":
         return f"{path}: got {given!r}; allowed: {err['ctx']['expected']}"
+    if err["type"] == "value_error":  # a section's own check: its message names the fields, not the whole input
+        return f"{path}: {err['ctx']['error']}"
     return f"{path}: {err['msg'].lower()} (got {given!r})"
+
+
+def _section_model(annotation: Any) -> type[BaseModel] | None:
+    """The model a field holds, through ``X | None``, ``list[X]`` and ``dict[K, X]``."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    origin = typing.get_origin(annotation)
+    if origin in (typing.Union, types.UnionType, list, dict):
+        for arg in typing.get_args(annotation)[::-1]:  # dict[K, X]: X is last
+            found = _section_model(arg)
+            if found is not None:
+                return found
+    return None
 
 
 def _valid_keys(model: type[BaseModel], loc: list[str]) -> list[str]:
     for part in loc:
         field = model.model_fields.get(part)
-        if field is None or not (isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel)):
+        if field is None:  # a list index or a dict key: the same model holds the next part
+            continue
+        found = _section_model(field.annotation)
+        if found is None:
             return []
-        model = field.annotation
+        model = found
     return list(model.model_fields)
 
 
@@ -477,9 +622,20 @@ def _valid_keys(model: type[BaseModel], loc: list[str]) -> list[str]:
 
 
 def check_shape(cfg: ExperimentConfig) -> list[str]:
-    """Whether the experiment can run: one message per impossible field, each naming it."""
-    return [*_check_cluster(cfg), *_check_parallelism(cfg), *_check_scheduler(cfg), *_check_planner(cfg),
-            *_check_tools(cfg)]
+    """Whether the experiment (or scenario) can run: one message per impossible field."""
+    return cfg.cross_field_problems()
+
+
+def check_common(cfg: ExperimentConfig) -> list[str]:
+    """The checks every config of this schema passes, live experiment or simulator scenario."""
+    return [*_check_cluster(cfg), *_check_scheduler(cfg), *_check_tools(cfg)]
+
+
+def check_layout(cfg: ExperimentConfig) -> list[str]:
+    """The live job's checks of the initial layout it is given: training TP×PP×DP and
+    ``rollout.tp_per_node`` on the nodes, the batch over every DP the hybrid pool reaches,
+    the scripted borrow/return steps."""
+    return [*_check_parallelism(cfg), *_check_rollout_buckets(cfg), *_check_planner(cfg)]
 
 
 def _check_cluster(cfg: ExperimentConfig) -> list[str]:
@@ -487,6 +643,10 @@ def _check_cluster(cfg: ExperimentConfig) -> list[str]:
     if (isinstance(limit, int) and limit < 1) or not _SLURM_TIME.match(str(limit)):
         return [f"cluster.time_limit: {limit!r} is not a Slurm time; use MM, MM:SS, HH:MM:SS or D-HH:MM:SS"]
     return []
+
+
+def _batch_text(cfg: ExperimentConfig) -> str:
+    return f"the batch rl.prompts_per_step × rl.group_size = {cfg.batch_size}"
 
 
 def _check_parallelism(cfg: ExperimentConfig) -> list[str]:
@@ -500,10 +660,10 @@ def _check_parallelism(cfg: ExperimentConfig) -> list[str]:
             "(a TP group never crosses a node)"
         )
     per_step = t.micro_batch_size * t.data_parallel
-    if t.global_batch_size % per_step:
+    if cfg.batch_size % per_step:
         problems.append(
-            f"training.global_batch_size: {t.global_batch_size} is not a multiple of "
-            f"micro_batch_size × data_parallel = {per_step}"
+            f"rl.prompts_per_step: {_batch_text(cfg)} is not a multiple of "
+            f"training.micro_batch_size × training.data_parallel = {per_step}"
         )
     for pattern in r.node_patterns or [[]]:
         bad_tp = [tp for tp in pattern if tp < 1 or tp & (tp - 1)]
@@ -538,13 +698,17 @@ def _check_scheduler(cfg: ExperimentConfig) -> list[str]:
     if len(set(limits)) != len(limits) or min(limits, default=1) < 1:
         problems.append(f"scheduler.bucket_token_limits: {sc.bucket_token_limits} must give each TP size its own "
                         "positive limit (the limits order the MLFQ levels)")
+    return problems
+
+
+def _check_rollout_buckets(cfg: ExperimentConfig) -> list[str]:
+    """Every rollout TP of the initial layout has a bucket."""
+    sc = cfg.scheduler
     missing = sorted({tp for pattern in cfg.rollout.node_patterns for tp in pattern} - set(sc.bucket_token_limits))
     if missing:
-        problems.append(
-            f"scheduler.bucket_token_limits: no limit for rollout TP {missing} (used by rollout.tp_per_node); "
-            f"given for {sorted(sc.bucket_token_limits)}"
-        )
-    return problems
+        return [f"scheduler.bucket_token_limits: no limit for rollout TP {missing} (used by rollout.tp_per_node); "
+                f"given for {sorted(sc.bucket_token_limits)}"]
+    return []
 
 
 def _check_tools(cfg: ExperimentConfig) -> list[str]:
@@ -593,12 +757,12 @@ def _check_planner(cfg: ExperimentConfig) -> list[str]:
             # The pool lends one replica at a time: DP can be any of dp+1 .. dp+K.
             pool = p.hybrid_nodes * g // replica
             bad = [t.data_parallel + k for k in range(1, pool + 1)
-                   if t.global_batch_size % (t.micro_batch_size * (t.data_parallel + k))]
+                   if cfg.batch_size % (t.micro_batch_size * (t.data_parallel + k))]
             if bad:
                 problems.append(
-                    f"training.global_batch_size: {t.global_batch_size} does not split over DP {bad}, which "
-                    f"lending the hybrid pool reaches (micro_batch_size {t.micro_batch_size}); use a multiple of "
-                    f"{_lcm_all([t.micro_batch_size * (t.data_parallel + k) for k in range(pool + 1)])}"
+                    f"rl.prompts_per_step: {_batch_text(cfg)} does not split over DP {bad}, which "
+                    f"lending the hybrid pool reaches (training.micro_batch_size {t.micro_batch_size}); make it a "
+                    f"multiple of {_lcm_all([t.micro_batch_size * (t.data_parallel + k) for k in range(pool + 1)])}"
                 )
         left = rollout_slots - p.hybrid_nodes * g
         if left < p.min_rollout_gpus:

@@ -26,7 +26,7 @@ def _problems(raw: dict) -> str:
 # ------------------------------------------------------------------ shipped configs
 
 
-@pytest.mark.parametrize("path", [DEFAULT, A800], ids=lambda p: p.name)
+@pytest.mark.parametrize("path", sorted(CONFIGS.glob("*.yaml")), ids=lambda p: p.name)
 def test_shipped_configs_load(path):
     cfg = load_config(path)
     assert isinstance(cfg, ExperimentConfig)
@@ -130,7 +130,7 @@ def test_data_parallel_five_still_fits():
     raw = _a800_raw()
     raw["planner"]["hybrid_nodes"] = 0
     raw["training"]["data_parallel"] = 5
-    raw["training"]["global_batch_size"] = 250
+    raw["rl"]["prompts_per_step"] = 25  # × 8 samples = 200: splits over DP 5
     assert validate_config(raw).training_slots == 40
 
 
@@ -147,13 +147,78 @@ def test_steps_outside_run():
     assert "planner.borrow_at_step: 200 is outside" in _problems(raw)
 
 
+def test_the_replanning_gate_is_part_of_the_experiment_planner():
+    fields = ExperimentConfig.model_fields["planner"].annotation.model_fields
+    gate = {"window": 512, "every_steps": 10, "margin_s": 10.0, "confirm_checks": 2, "min_dwell_steps": 10,
+            "hybrid_margin": 0.1, "min_rollout_gpus": 1}
+    assert {name: fields[name].default for name in gate} == gate  # one default, live and simulated
+    assert all(fields[name].description for name in gate)
+    cfg = load_config(A800, ["planner.every_steps=4", "planner.margin_s=2.5"])
+    assert (cfg.planner.every_steps, cfg.planner.margin_s) == (4, 2.5)
+    assert "planner.every_steps: input should be greater than or equal to 1 (got 0)" in _problems(
+        {**_a800_raw(), "planner": {**_a800_raw()["planner"], "every_steps": 0}})
+
+
+def test_the_batch_is_prompts_times_group_and_the_old_key_says_so():
+    cfg = load_config(A800)
+    assert (cfg.rl.prompts_per_step, cfg.rl.group_size, cfg.batch_size) == (40, 8, 320)
+    raw = _a800_raw()
+    raw["training"]["global_batch_size"] = 320
+    assert ("training.global_batch_size: unknown key in training; it moved to rl.prompts_per_step "
+            "(the batch is rl.prompts_per_step × rl.group_size).") in _problems(raw)
+
+
+# --------------------------------------------------------------- duplicate keys
+
+
+def test_a_key_given_twice_is_refused_naming_it_its_path_and_both_lines(tmp_path):
+    path = tmp_path / "twice.yaml"
+    path.write_text("cluster:\n  nodes: 6\n  gpus_per_node: 8\n  nodes: 4\n"
+                    "rollout:\n  tp_per_node: [[1, 1, 2, 4]]\nrl: {steps: 4, steps: 5}\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    assert str(path) in str(info.value)
+    assert info.value.problems == [
+        "cluster.nodes: the key 'nodes' is given twice (lines 2 and 4); a repeated key would silently "
+        "replace the first value, keep one",
+        "rl.steps: the key 'steps' is given twice (lines 7 and 7); a repeated key would silently "
+        "replace the first value, keep one",
+    ]
+
+
+def test_a_repeated_section_and_a_repeat_inside_a_list_are_refused(tmp_path):
+    path = tmp_path / "twice.yaml"
+    path.write_text("rl:\n  steps: 4\nlogging: {level: INFO}\nrl:\n  steps: 5\n"
+                    "tools:\n  slurm_args:\n    - {a: 1, a: 2}\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    text = str(info.value)
+    assert "rl: the key 'rl' is given twice (lines 1 and 4)" in text
+    assert "tools.slurm_args.0.a: the key 'a' is given twice (lines 8 and 8)" in text
+
+
+def test_distinct_keys_and_yaml_merges_are_not_duplicates(tmp_path):
+    path = tmp_path / "merge.yaml"
+    path.write_text("scheduler:\n  bucket_token_limits: {1: 1024, 2: 4096, 4: 16384, 8: 1073741824}\n"
+                    "rl: &rl {steps: 4, group_size: 4}\nlogging: {level: INFO}\n")
+    assert load_config(path).rl.steps == 4
+    from libra_hpc.config import parse_yaml
+    assert parse_yaml("base: &b {x: 1, y: 2}\nother:\n  <<: *b\n  x: 3\n")["other"] == {"x": 3, "y": 2}
+
+
+def test_a_key_given_twice_in_a_set_value_is_refused():
+    with pytest.raises(ConfigError) as info:
+        load_config(A800, ["scheduler.bucket_token_limits={1: 10, 1: 20}"])
+    assert "the key '1' is given twice" in str(info.value)
+
+
 # -------------------------------------------------------------------- overrides
 
 
 def test_set_overrides_parse_yaml_values():
     cfg = load_config(A800, ["cluster.nodes=7", "rollout.tp_per_node=[[1,1,2,4],[4,4]]",
                              "planner.hybrid_nodes=2", "cluster.partition=gpu", "cluster.requeue=false",
-                             "training.global_batch_size=120"])  # splits over DP 4, 5 and 6
+                             "rl.prompts_per_step=15"])  # 15 × 8 = 120 splits over DP 4, 5 and 6
     assert cfg.cluster.nodes == 7
     assert cfg.planner.hybrid_nodes == 2
     assert cfg.rollout.node_patterns == [[1, 1, 2, 4], [4, 4]]
@@ -315,6 +380,8 @@ def test_scheduler_settings_the_router_cannot_use_are_refused(scheduler, field):
 
 def test_global_batch_must_split_over_every_dp_the_hybrid_pool_reaches():
     with pytest.raises(ConfigError) as info:
-        load_config(A800, ["training.global_batch_size=256"])  # DP 4 fine, DP 5 (node 5 lent) not
-    assert "training.global_batch_size: 256 does not split over DP [5]" in str(info.value)
+        load_config(A800, ["rl.prompts_per_step=32"])  # 32 × 8 = 256: DP 4 fine, DP 5 (node 5 lent) not
+    assert "rl.prompts_per_step: the batch rl.prompts_per_step × rl.group_size = 256 does not split over DP [5]" \
+        in str(info.value)
     assert "multiple of 20" in str(info.value)
+    assert load_config(A800, ["rl.prompts_per_step=30"]).batch_size == 240  # a multiple of 20 passes

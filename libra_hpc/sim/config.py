@@ -1,29 +1,28 @@
-"""The simulator's scenario schema (``configs/sim/*.yaml``): strict, unknown keys refused.
+"""The simulator's scenario schema (``configs/sim/*.yaml``): the experiment schema plus the
+simulator's own sections.
 
-One YAML file is one scenario: the cluster, the model, the RL batch, the workload (or a
-trace to replay), the costs the cost models do not cover, and the policies to compare.
-Every field has a docstring with its unit; the scenario files say where each number comes
-from. A bad file fails with the file name, the dotted field path and what is allowed
-(:class:`SimConfigError`), like the experiment schema (libra_hpc/config.py).
+A scenario is an :class:`~libra_hpc.config.ExperimentConfig` (cluster, model, training,
+planner, scheduler, rl, ...: the same fields, defaults and documentation as the live job)
+with what only a simulation needs: the workload (or a trace to replay), the costs the cost
+models do not cover, how baselines search for their best static configuration, the policies
+to compare and a name. It is read by the one loader (``load_config(path,
+schema=SimConfig)``; :func:`load_sim_config` is that call) and refused with the one error
+(:class:`~libra_hpc.config.ConfigError`): a misspelled key fails naming it and the valid
+keys, like an experiment. The scenario files say where each number comes from.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
-import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import Field, model_validator
 
-from libra_hpc.config import LengthPrior, describe_error, parse_yaml
+from libra_hpc.config import ExperimentConfig, _Section, check_common, load_config, validate_config
 
 POLICIES = ("colocated", "async_static", "libra", "libra_no_replan", "libra_no_hybrid", "homogeneous_least_load",
             "length_aware", "oracle", "oracle_best")
 """Registered policy names (libra_hpc/sim/policies.py)."""
-
-
-class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True, frozen=True, use_attribute_docstrings=True)
 
 
 class LogNormal(_Section):
@@ -33,36 +32,6 @@ class LogNormal(_Section):
     """Median of the distribution (in the unit of the field that uses it)."""
     sigma: float = Field(0.0, ge=0)
     """Standard deviation of the natural log; 0 makes it a constant."""
-
-
-class ClusterSpec(_Section):
-    """The simulated cluster."""
-
-    nodes: int = Field(ge=1)
-    """Nodes in the cluster."""
-    gpus_per_node: int = Field(8, ge=1, le=64)
-    """GPUs per node (the largest TP group that stays on NVLink)."""
-    hardware: str = Field("a800-80g", min_length=1)
-    """GPU profile: a name under ``configs/hardware`` or a path."""
-    model: str = Field("qwen3-14b", min_length=1)
-    """Model profile: a name under ``configs/models`` or a path."""
-
-
-class RLSpec(_Section):
-    """The RL loop: batch shape, steps, staleness."""
-
-    steps: int = Field(ge=1)
-    """RL steps (optimizer steps) simulated."""
-    prompts_per_step: int = Field(ge=1)
-    """Prompts per RL step; the batch is ``prompts_per_step × group_size`` trajectories."""
-    group_size: int = Field(8, ge=1)
-    """Samples per prompt (GRPO group)."""
-    max_staleness: int = Field(1, ge=0)
-    """Asynchronous policies: a batch's rollout starts at most this many policy versions
-    ahead of training (0 serialises rollout and training even on split GPUs)."""
-    seq_len: int = Field(ge=16)
-    """Longest trajectory in tokens (prompt + all turns + tool outputs): the context cap
-    of rollout and the training sequence length used for memory checks."""
 
 
 class ToolSpec(_Section):
@@ -179,63 +148,6 @@ class CostSpec(_Section):
     """Sequences one rollout instance runs at once (vLLM ``max_num_seqs``)."""
 
 
-class SchedulerSpec(_Section):
-    """C-MLFQ and its baselines (libra_hpc.scheduler)."""
-
-    bucket_token_limits: dict[int, int] = Field(default_factory=lambda: {1: 1024, 2: 4096, 4: 16384, 8: 1 << 30})
-    """Rollout TP → most remaining output tokens routed to that bucket (MLFQ levels); its
-    keys are also the rollout TP sizes the simulator may use."""
-    bucket_limits: Literal["fixed", "share"] = "share"
-    """``fixed``: the limits above. ``share``: when nothing is in flight the limits follow
-    the layout, on the quantity C-MLFQ compares (remaining output tokens after a tool
-    return): bucket ``i`` (ascending TP) takes the turns whose remaining tokens are up to the
-    length at which the tokens they decode (plus every first turn, which starts on the top
-    level) reach the cumulative GPU share of buckets ``0..i`` in the recent window (so a plan with no TP1 instances has no idle large-TP bucket waiting for
-    trajectories the fixed limits would never send there)."""
-    size_thresholds: list[int] = Field(default_factory=lambda: [256, 4096])
-    """Tool output characters that separate the S/M/L size classes."""
-    tree_window: int = Field(256, ge=2)
-    """Samples per causal-tree node."""
-    min_samples: int = Field(8, ge=1)
-    """Samples before a tree node is trusted."""
-    rebuild_every: int = Field(1000, ge=1)
-    """Finished trajectories between tree rebuilds."""
-    predictor_noise: float = Field(0.5, ge=0)
-    """``length_aware`` ablation: sigma of the log-normal error of its length predictor."""
-    affinity_tokens: int = Field(16384, ge=0)
-    """Prefix affinity of every router but fifo: a turn that stays in its bucket runs where
-    its previous turn ran while that instance has at most this many more outstanding tokens
-    than the bucket's least loaded one (libra_hpc/scheduler/routers.py); 0: least loaded."""
-    saturation: float = Field(1.0, gt=0)
-    """An instance counts as saturated for routing (the router sends the turn to a
-    neighbouring bucket) when its leased turns reach this multiple of its *decode knee*:
-    the smallest batch whose step takes twice a lone sequence's step at the mean KV need
-    of a turn (at most the seats the KV capacity allows); in tokens, times the mean turn
-    length. 1.0: saturated once each sequence decodes at half its lone speed."""
-
-
-class PlannerSpec(_Section):
-    """Global planner, replanning gate and hybrid pool (libra_hpc.planner)."""
-
-    prior: LengthPrior = LengthPrior()
-    hybrid_nodes: int = Field(1, ge=0)
-    """Last nodes of the cluster forming the hybrid pool (when the plan leaves them to rollout)."""
-    min_rollout_gpus: int = Field(8, ge=1)
-    """Rollout never gets fewer GPUs."""
-    window: int = Field(512, ge=8)
-    """Finished trajectories the planner's length profile is built from."""
-    every_steps: int = Field(10, ge=1)
-    """Replanning gate: periodic check interval, steps."""
-    margin_s: float = Field(10.0, ge=0)
-    """Replanning gate: net saving over the horizon a change must exceed, s."""
-    confirm_checks: int = Field(2, ge=1)
-    """Replanning gate: consecutive winning checks before a change is applied."""
-    min_dwell_steps: int = Field(10, ge=0)
-    """Replanning gate: steps after a change during which no other is applied."""
-    hybrid_margin: float = Field(0.1, ge=0)
-    """Hybrid pool: borrow when T_train > T_rollout × (1 + margin), release in reverse."""
-
-
 class SearchSpec(_Section):
     """How baselines get their best static configuration."""
 
@@ -243,85 +155,67 @@ class SearchSpec(_Section):
     """RL steps, spread over the run, on which each candidate configuration is simulated."""
 
 
-class SimConfig(_Section):
-    """One simulator scenario."""
+class SimConfig(ExperimentConfig):
+    """One simulator scenario: the experiment's sections (above) and the simulator's own.
+    configs/README.md ("What the job uses today") lists which experiment fields the
+    simulator reads."""
 
     name: str = Field(min_length=1, pattern=r"^[A-Za-z0-9_.-]+$")
     """Scenario name (report titles, default output folder)."""
-    seed: int = 0
-    """Seed of the workload and of every random choice (the only source of randomness)."""
-    cluster: ClusterSpec
-    rl: RLSpec
     workload: WorkloadSpec | None = None
     """The synthetic workload; leave out when ``trace`` is given."""
     trace: str | None = None
     """JSONL trace to replay instead of the synthetic workload (format: libra_hpc/sim/trace.py);
     relative paths are taken from the scenario file's folder."""
     costs: CostSpec = CostSpec()
-    scheduler: SchedulerSpec = SchedulerSpec()
-    planner: PlannerSpec = PlannerSpec()
     search: SearchSpec = SearchSpec()
     policies: list[Literal[POLICIES]] = Field(default_factory=lambda: list(POLICIES), min_length=1)  # type: ignore[valid-type]
     """Policies to compare (``colocated``, ``async_static``, ``libra``, ``libra_no_replan``,
     ``libra_no_hybrid``, ``homogeneous_least_load``, ``length_aware``, ``oracle``, ``oracle_best``)."""
 
-    @model_validator(mode="after")
-    def _check(self) -> SimConfig:
+    def cross_field_problems(self) -> list[str]:
+        """The experiment's common checks and the scenario's own. Not the live job's layout
+        checks (check_layout): training TP×PP×DP, ``rollout.tp_per_node``, the batch split
+        over DP and the scripted borrow/return steps describe the live job's *initial*
+        layout, which the simulator does not take: each policy's allocations come from the
+        planner (Libra) or the search (baselines), so checking those defaults against a
+        scenario's cluster would refuse valid scenarios (the default 2-GPU rollout pattern
+        on 8-GPU nodes, a borrow step past a short run)."""
+        c, p = self.cluster, self.planner
+        g = c.gpus_per_node
+        problems = check_common(self)
         if (self.workload is None) == (self.trace is None):
-            raise ValueError("give exactly one of 'workload' (synthetic) and 'trace' (replay)")
-        g = self.cluster.gpus_per_node
+            problems.append("workload, trace: give exactly one of 'workload' (synthetic) and 'trace' (replay)")
         bad = [tp for tp in self.scheduler.bucket_token_limits if tp < 1 or tp & (tp - 1) or tp > g]
         if bad:
-            raise ValueError(f"scheduler.bucket_token_limits: TP sizes {bad} must be powers of two <= gpus_per_node={g}")
-        if self.planner.hybrid_nodes >= self.cluster.nodes:
-            raise ValueError(f"planner.hybrid_nodes={self.planner.hybrid_nodes} must be < cluster.nodes={self.cluster.nodes}")
-        if self.planner.min_rollout_gpus >= self.cluster.nodes * g:
-            raise ValueError(f"planner.min_rollout_gpus={self.planner.min_rollout_gpus} leaves no GPU for training "
-                             f"({self.cluster.nodes * g} GPUs)")
+            problems.append(f"scheduler.bucket_token_limits: TP sizes {bad} must be powers of two <= "
+                            f"cluster.gpus_per_node={g} (they are the rollout TP sizes the simulator may use)")
+        if p.hybrid_nodes >= c.nodes:
+            problems.append(f"planner.hybrid_nodes: {p.hybrid_nodes} must be < cluster.nodes={c.nodes}")
+        if p.min_rollout_gpus >= c.total_gpus:
+            problems.append(f"planner.min_rollout_gpus: {p.min_rollout_gpus} leaves no GPU for training "
+                            f"({c.nodes} nodes × {g} = {c.total_gpus} GPUs)")
+        if self.workload is not None and self.rl.prompts_per_step > self.workload.prompt_pool:
+            problems.append(f"rl.prompts_per_step: {self.rl.prompts_per_step} exceeds workload.prompt_pool="
+                            f"{self.workload.prompt_pool} (a step samples its prompts without replacement)")
         if len(set(self.policies)) != len(self.policies):
-            raise ValueError(f"policies: {self.policies} lists a policy twice")
-        return self
+            problems.append(f"policies: {self.policies} lists a policy twice")
+        return problems
 
-    @property
-    def batch_size(self) -> int:
-        return self.rl.prompts_per_step * self.rl.group_size
-
-
-class SimConfigError(ValueError):
-    """A scenario that cannot run; the message names the file and each bad field."""
-
-    def __init__(self, source: str, problems: list[str]):
-        self.problems = problems
-        super().__init__(f"invalid simulator scenario ({source}):\n" + "\n".join(f"  - {p}" for p in problems))
-
-
-def validate_sim_config(raw: object, source: str = "<dict>") -> SimConfig:
-    """A SimConfig from plain data; raises SimConfigError naming each bad field."""
-    if not isinstance(raw, dict):
-        raise SimConfigError(source, [f"the top level must be a mapping, got {type(raw).__name__}"])
-    try:
-        return SimConfig.model_validate(raw)
-    except ValidationError as exc:
-        raise SimConfigError(source, [describe_error(err, root=SimConfig) for err in exc.errors()]) from None
-
-
-def load_sim_config(path: str | Path, overrides: dict | None = None) -> SimConfig:
-    """Read and check a scenario file; ``overrides`` (dotted keys → values) apply first.
-    A relative ``trace`` path is resolved against the file's folder."""
-    path = Path(path)
-    try:
-        raw = parse_yaml(path.read_text(encoding="utf-8"))
-    except OSError as exc:
-        raise SimConfigError(str(path), [f"cannot read the file: {exc.strerror}"]) from None
-    except yaml.YAMLError as exc:
-        raise SimConfigError(str(path), [f"not valid YAML: {exc}"]) from None
-    if isinstance(raw, dict):
-        for dotted, value in (overrides or {}).items():
-            node = raw
-            *parents, leaf = dotted.split(".")
-            for part in parents:
-                node = node.setdefault(part, {})
-            node[leaf] = value
+    @classmethod
+    def resolve_file_paths(cls, raw: dict[str, Any], folder: Path) -> None:
+        """A relative ``trace`` is taken from the scenario file's folder."""
         if isinstance(raw.get("trace"), str) and not Path(raw["trace"]).is_absolute():
-            raw["trace"] = str(path.parent / raw["trace"])
-    return validate_sim_config(raw, str(path))
+            raw["trace"] = str(folder / raw["trace"])
+
+
+def validate_sim_config(raw: Any, source: str = "<dict>") -> SimConfig:
+    """A SimConfig from plain data (``validate_config`` with the scenario schema); raises
+    ConfigError naming each bad field."""
+    return validate_config(raw, source, SimConfig)
+
+
+def load_sim_config(path: str | Path, overrides: dict[str, Any] | None = None) -> SimConfig:
+    """Read and check a scenario file: ``load_config(path, schema=SimConfig)``; ``overrides``
+    (dotted keys → values, e.g. ``{"rl.steps": 6}``) apply first. Raises ConfigError."""
+    return load_config(path, schema=SimConfig, **(overrides or {}))
