@@ -13,7 +13,9 @@ Process-wide side effects, all made here and nowhere else (see ``options.engine_
   them, so the launching script needs an ``if __name__ == "__main__":`` guard);
 - ``torch.distributed``: vLLM initialises the default group (or takes over one already
   there) and destroys it at shutdown, so the engine refuses to start where a torch world
-  already exists.
+  already exists. In the job, rollout ranks start none (only training ranks do,
+  ``runtime/worker.py``): the leader's engine owns the only torch world of its process,
+  and a training relayout does not touch it.
 """
 
 from __future__ import annotations
