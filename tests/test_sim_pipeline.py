@@ -133,29 +133,14 @@ def test_hybrid_replica_is_lent_when_training_is_the_bottleneck(tmp_path):
     hybrid pool. Training takes 3 s per DP replica's share (3 s at DP1, 1.5 s at DP2),
     rollout 1 s: training is the bottleneck, so the pool lends node 2 (drain, fetch,
     zero-gradient step) and the step drops from 3 s to 1.5 s."""
-    from libra_hpc.cluster.layout import Slot
-    from libra_hpc.planner.search import Plan, RolloutInstance
-    from libra_hpc.planner.search import PlanResult
     from libra_hpc.sim.context import instances_of
     from libra_hpc.sim.policies import control_loop
+    from sim_cases import hybrid_case
 
-    trajectories = [Trajectory(f"s{s}/p{i}/0", f"p{i}", s, 0, 10, (100,), ()) for s in range(14) for i in range(4)]
-    write_trace(tmp_path / "trace.jsonl", trajectories)
-    cfg = validate_sim_config({
-        "name": "hybrid", "trace": str(tmp_path / "trace.jsonl"), "cluster": {"nodes": 3, "gpus_per_node": 8, "hardware": "a800-80g"},
-        "model": {"name": "qwen3-14b"}, "training": {"seq_len": 4096},
-        "rl": {"steps": 14, "prompts_per_step": 4, "group_size": 1, "max_staleness": 1},
-        "costs": {"weight_sync_s": 0.0, "hybrid_fetch_s": 0.2},
-        "scheduler": {"bucket_token_limits": {8: 1 << 30}, "bucket_limits": "fixed"},
-        "planner": {"hybrid_nodes": 1, "min_rollout_gpus": 8}})
-    ctx = Context(cfg)
-    ctx.step_models = {8: ConstantStepModel(0.01)}
-    node = lambda n: tuple(Slot(n, g) for g in range(8))
-    shape = TrainShape(8, 1, 1, 1, 4, 128)
-    plan = Plan(shape, node(0), (RolloutInstance(8, node(1)), RolloutInstance(8, node(2))), 3.0, 1.0, 3.0, "async")
+    ctx, plan = hybrid_case(tmp_path)
+    shape = plan.train
     control = control_loop(ctx, SETUPS["libra_no_replan"])
-    first = control._change(0, PlanResult(plan, (), 0, 0.0), "test plan", None)
-    control.apply(first)
+    first = control.start(plan, "test plan")
     assert first.pool is not None and [s.replica for s in instances_of(first.layout, first.pool)] == [None, 0]
     run = PolicyRun(ctx, SETUPS["libra_no_replan"], first.layout, shape, 14, control,
                     train_time=lambda s, tokens: 3.0 / s.dp)

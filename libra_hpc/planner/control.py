@@ -259,6 +259,14 @@ class ControlLoop:
         self._log("initial", {"lengths": lengths}, change)
         return change
 
+    def start(self, plan_: Plan, reason: str) -> LayoutChange:
+        """Start from a given plan (a pinned layout) instead of searching one; its hybrid pool
+        forms as for a planned one. Applied at once."""
+        change = self._change(0, PlanResult(plan_, (), 0, 0.0), reason, None)
+        self.apply(change)
+        self._log("start", {"plan": plan_.describe(), "reason": reason}, change)
+        return change
+
     def observe(self, samples: Sequence[LengthSample]) -> None:
         """Finished trajectories (prompt + tool-output tokens, generated tokens, turns, tool s)."""
         self.window.extend(samples)
