@@ -276,8 +276,8 @@ class PlannerConfig(_Section):
     """Hybrid pool: lend it to training when the training step takes more than the rollout
     phase × (1 + margin); give it back when rollout takes more than training × (1 + margin)."""
     borrow_at_step: int | None = 2
-    """Step at which the hybrid pool is lent to training (a scripted decision until the
-    cost-based replanning gate lands); null: never."""
+    """Step at which the hybrid pool is lent to training, a scripted decision (the
+    cost-based trigger is ``hybrid_margin``); null: never."""
     return_at_step: int | None = None
     """Step at which a lent hybrid pool goes back to rollout, in the instance shapes it
     had; null: keep it lent. Must come after ``borrow_at_step``."""
@@ -619,11 +619,6 @@ def _valid_keys(model: type[BaseModel], loc: list[str]) -> list[str]:
 
 
 # ------------------------------------------------------------------- cross-field checks
-
-
-def check_shape(cfg: ExperimentConfig) -> list[str]:
-    """Whether the experiment (or scenario) can run: one message per impossible field."""
-    return cfg.cross_field_problems()
 
 
 def check_common(cfg: ExperimentConfig) -> list[str]:

@@ -66,26 +66,32 @@ yet. Kept here, in one place, instead of in the field descriptions; update it wi
   `pipeline_parallel`, `data_parallel`, `rollout.tp_per_node`, `planner.hybrid_nodes`),
   the scripted hybrid-pool moves `planner.borrow_at_step` / `return_at_step`, `rl.steps`
   and `logging`.
-- **Read by `launch.py --plan`** (the plan the cost models choose, printed, not run):
-  `model.name`, `cluster.hardware`, `planner.prior`, `planner.min_rollout_gpus`,
-  `training.seq_len`, `rl.prompts_per_step × rl.group_size`, `rl.max_staleness`, `rl.seed`.
+- **Read by `launch.py --plan`** (the control loop's first decision, printed, not run):
+  `model.name`, `cluster.hardware`, `planner.prior`, `planner.hybrid_nodes`,
+  `planner.min_rollout_gpus`, `training.seq_len`, `rl.prompts_per_step × rl.group_size`,
+  `rl.max_staleness`, `rl.seed`, and `scheduler.bucket_token_limits` (its keys are the
+  rollout TP sizes the planner may use).
 - **Read by libraries the job does not drive yet**: the engines (`MegatronTrainEngine.from_config`,
   `VllmRolloutEngine.from_config`: `model.path`, `model.dtype`, `training.micro_batch_size`,
   `lr`, `grad_clip`, `ppo_clip`, `distributed_optimizer`, `seq_len`, `rollout.kv_cache_gib`);
-  the C-MLFQ router and queue service (`libra_hpc.scheduler.router_from_config`: `scheduler`
-  routing fields; `lease_s`, `max_batch`, `tree_save_every_s` are arguments of the queue
-  service that its benchmark and tests pass); tool execution (`tools`, and
-  `scheduler.size_thresholds` / `error_markers` to classify tool output, through
-  `python -m libra_hpc.tools` and `libra_hpc.tools.orchestrator_from_config`).
-- **Read only by the simulator so far**: the replanning gate and pool triggers
-  (`planner.window`, `every_steps`, `margin_s`, `confirm_checks`, `min_dwell_steps`,
-  `hybrid_margin`), `scheduler.bucket_limits` and `saturation`, and its own sections.
-  The simulator also reads `cluster.nodes`, `gpus_per_node`, `hardware`, `model.name`,
-  `training.seq_len`, `rl`, the rest of `planner` but `borrow_at_step` / `return_at_step`,
-  and `scheduler`'s routing fields; it ignores the initial layout (its allocations come
-  from the planner or the baselines' search), `tools` and `logging`.
+  the C-MLFQ router (`libra_hpc.scheduler.router_from_config`: `scheduler.policy`,
+  `tree_window`, `min_samples`, `rebuild_every`, `predictor_noise`, `affinity_tokens`,
+  `bucket_token_limits`); tool execution (`tools`, and `scheduler.size_thresholds` /
+  `error_markers` to classify tool output, through `python -m libra_hpc.tools` and
+  `libra_hpc.tools.orchestrator_from_config`).
+- **Acted on only by the simulator so far**: the replanning gate and the hybrid-pool
+  triggers (`planner.window`, `every_steps`, `margin_s`, `confirm_checks`,
+  `min_dwell_steps`, `hybrid_margin`; `launch.py --plan` builds the same control loop but
+  prints only its first decision), `scheduler.bucket_limits` and `saturation`, and the
+  simulator's own sections. The simulator also reads `cluster.nodes`, `gpus_per_node`,
+  `hardware`, `model.name`, `training.seq_len`, `rl`, the rest of `planner` but
+  `borrow_at_step` / `return_at_step`, and `scheduler`'s routing fields; it ignores the
+  initial layout (its allocations come from the planner or the baselines' search), the
+  rest of `cluster`, `tools` and `logging`.
 - **Read by nothing yet**: `rollout.max_new_tokens` and `rollout.temperature` (the rollout
-  engine takes them per request; no caller passes them from the config yet).
+  engine takes them per request; no caller passes them from the config yet), and the
+  queue service's `scheduler.lease_s`, `max_batch`, `tree_save_every_s` (its benchmark
+  and tests pass their own values).
 """
 
 SIM_INTRO = """\
