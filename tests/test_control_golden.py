@@ -43,6 +43,7 @@ def simulate(scenario: str, overrides: dict, policy: str) -> list[dict]:
     ctx = _scenario({"scenario": scenario, "overrides": overrides})
     setup = SETUPS[policy]
     control = control_loop(ctx, setup)
+    control.journal = []
     first = control.initial()
     PolicyRun(ctx, setup, first.layout, first.plan.train, ctx.cfg.rl.steps, control).run()
     return _plain(control.journal)
@@ -51,6 +52,7 @@ def simulate(scenario: str, overrides: dict, policy: str) -> list[dict]:
 def replay(control: ControlLoop, journal: list[dict], pinned=None) -> list[dict]:
     """Feed the recorded inputs to ``control`` alone; returns its journal. ``pinned``: the
     plan a ``start`` call was given."""
+    control.journal = []
     changes = {}
     for entry in journal:
         given = entry["in"]
@@ -95,6 +97,7 @@ def _hybrid_stream(tmp_path):
     ctx, plan = hybrid_case(tmp_path)
     setup = SETUPS["libra_no_replan"]
     control = control_loop(ctx, setup)
+    control.journal = []
     first = control.start(plan, "pinned")
     PolicyRun(ctx, setup, first.layout, plan.train, ctx.cfg.rl.steps, control,
               train_time=lambda shape, tokens: 3.0 / shape.dp).run()

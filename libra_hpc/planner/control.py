@@ -15,9 +15,10 @@ The current allocation is a :class:`~libra_hpc.cluster.layout.Layout` (who train
 rollout instances exist, which slots form the hybrid pool), with the plan it came from
 (the predicted step times) and its :class:`~libra_hpc.planner.hybrid.HybridPool`.
 
-Every call is appended to :attr:`ControlLoop.journal` (inputs and decisions as plain
-data) so that a recorded stream of observations can be replayed into a fresh loop: the
-same inputs give the same decisions, whoever drives it (tests/test_control_golden.py).
+With :attr:`ControlLoop.journal` set to a list, every call is recorded there (inputs and
+decisions as plain data), so that a recorded stream of observations can be replayed into
+a fresh loop: the same inputs give the same decisions, whoever drives it
+(tests/test_control_golden.py).
 """
 
 from __future__ import annotations
@@ -196,7 +197,9 @@ class ControlLoop:
         self.pool: HybridPool | None = None
         self.considered: list[dict] = []
         """Plans looked at and why each was (not) applied, for events.jsonl and reports."""
-        self.journal: list[dict] = []
+        self.journal: list[dict] | None = None
+        """Set to a list to record every call (inputs and decisions as plain data); off by
+        default, since the samples of a long run add up."""
 
     # ------------------------------------------------------------------ planning
     def prior(self) -> LengthProfile:
@@ -419,7 +422,8 @@ class ControlLoop:
         return plan_, layout, pool
 
     def _log(self, call: str, given: dict, out: Any) -> None:
-        self.journal.append({"call": call, "in": given, "out": journal_form(out)})
+        if self.journal is not None:
+            self.journal.append({"call": call, "in": given, "out": journal_form(out)})
 
 
 def resplit_hybrid(plan_: Plan, tp: int, first_hybrid_node: int) -> Plan | None:
