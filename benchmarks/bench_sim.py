@@ -86,7 +86,7 @@ def main() -> None:
     write_outputs(result, args.out)
     floor = critical_path(cfg)
     print(f"== {cfg.name}: {cfg.cluster.nodes}×{cfg.cluster.gpus_per_node} {cfg.cluster.hardware}, "
-          f"{cfg.cluster.model}, {cfg.rl.steps} steps, seed {cfg.seed} ==")
+          f"{cfg.model.name}, {cfg.rl.steps} steps, seed {cfg.rl.seed} ==")
     print("\n".join(table(result)))
     print(f"critical-path floor of one batch's rollout (s) at steps {list(floor)}: {list(floor.values())}")
     print(f"report: {args.out}/report.md")

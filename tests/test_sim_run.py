@@ -41,7 +41,7 @@ def test_same_seed_same_numbers_other_seed_other_numbers(small):
     for name in again.runs:
         a, b = result.runs[name].summary, again.runs[name].summary
         assert {k: v for k, v in a.items() if k != "wall_s"} == {k: v for k, v in b.items() if k != "wall_s"}
-    other = run_scenario(load_sim_config(ROOT / "configs" / "sim" / "a800-swe.yaml", {**SMALL, "seed": 1}),
+    other = run_scenario(load_sim_config(ROOT / "configs" / "sim" / "a800-swe.yaml", {**SMALL, "rl.seed": 1}),
                          ["libra"])
     assert other.runs["libra"].summary["tokens_per_s"] != result.runs["libra"].summary["tokens_per_s"]
 

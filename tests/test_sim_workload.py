@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def workload(seed=0, **overrides):
     cfg = load_sim_config(ROOT / "configs" / "sim" / "a800-swe.yaml", overrides)
-    return cfg, SyntheticWorkload(cfg.workload, cfg.rl, seed)
+    return cfg, SyntheticWorkload(cfg.workload, cfg.rl, seed, cfg.training.seq_len)
 
 
 def test_long_tail_p99_about_ten_times_the_median():
@@ -57,5 +57,5 @@ def test_drift_rises_to_the_peak_then_declines():
 
 
 def test_context_never_exceeds_seq_len():
-    _, w = workload(**{"rl.seq_len": 4096})
+    _, w = workload(**{"training.seq_len": 4096})
     assert max(t.total_tokens for s in (0, 60) for t in w.batch(s)) <= 4096

@@ -9,11 +9,10 @@ static baselines) · workload / trace (what runs) · report (outputs).
 
 from libra_hpc.sim.config import (
            SimConfig,
-           SimConfigError,
            load_sim_config,
            validate_sim_config,
 )
 from libra_hpc.sim.run import ScenarioResult, run_policy, run_scenario
 
-__all__ = ["ScenarioResult", "SimConfig", "SimConfigError", "load_sim_config", "run_policy", "run_scenario",
+__all__ = ["ScenarioResult", "SimConfig", "load_sim_config", "run_policy", "run_scenario",
            "validate_sim_config"]

@@ -69,7 +69,7 @@ def write_outputs(result: ScenarioResult, out: str | Path, plots: bool = True) -
         _jsonl(out / f"metrics-{name}.jsonl", rec.rows)
         _jsonl(out / f"events-{name}.jsonl", rec.events)
         _jsonl(out / f"queue-{name}.jsonl", [{"t": t, "queued": q, "running": r} for t, q, r in rec.queue_samples])
-    summary = {"scenario": result.cfg.name, "seed": result.cfg.seed, "wall_s": result.wall_s,
+    summary = {"scenario": result.cfg.name, "seed": result.cfg.rl.seed, "wall_s": result.wall_s,
                "ratios": ratios(result), "workload": result.workload, "initial": result.initial,
                "policies": {n: r.summary for n, r in result.runs.items()}, "searches": result.searches}
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
@@ -113,9 +113,9 @@ def table(result: ScenarioResult) -> list[str]:
 def render(result: ScenarioResult, images: list[str]) -> str:
     cfg = result.cfg
     c = cfg.cluster
-    intro = (f"{c.nodes} × {c.gpus_per_node} {c.hardware} GPUs, {c.model}, {cfg.rl.steps} RL steps of "
+    intro = (f"{c.nodes} × {c.gpus_per_node} {c.hardware} GPUs, {cfg.model.name}, {cfg.rl.steps} RL steps of "
              f"{cfg.rl.prompts_per_step} prompts × {cfg.rl.group_size} samples, staleness {cfg.rl.max_staleness}, "
-             f"seed {cfg.seed}. Workload: {'trace ' + cfg.trace if cfg.trace else 'synthetic'}. "
+             f"seed {cfg.rl.seed}. Workload: {'trace ' + cfg.trace if cfg.trace else 'synthetic'}. "
              f"Simulated in {result.wall_s:.1f} s of wall time.")
     lines = [f"# Simulator report: {cfg.name}", "", intro, "",
              "## Comparison", "", *table(result), ""]

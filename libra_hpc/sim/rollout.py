@@ -37,6 +37,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
+from libra_hpc.config import SchedulerConfig
 from libra_hpc.scheduler import (
     BucketSpec,
     QueueService,
@@ -44,7 +45,7 @@ from libra_hpc.scheduler import (
     make_router,
 )
 from libra_hpc.scheduler.routers import outward_order
-from libra_hpc.sim.config import CostSpec, SchedulerSpec
+from libra_hpc.sim.config import CostSpec
 from libra_hpc.sim.engine import Event
 from libra_hpc.sim.instance import RolloutInstance, Run, StepModel
 from libra_hpc.sim.workload import CHARS_PER_TOKEN, ToolCall, Trajectory
@@ -107,7 +108,7 @@ class RolloutSide:
     ``on_batch_done(batch_id, now)`` is called when a batch's last trajectory finishes and
     returns the events it causes."""
 
-    def __init__(self, step_models: dict[int, StepModel], sched: SchedulerSpec, costs: CostSpec, policy: str,
+    def __init__(self, step_models: dict[int, StepModel], sched: SchedulerConfig, costs: CostSpec, policy: str,
                  seed: int, on_batch_done: Callable[[int, float], list[Event] | None],
                  on_drained: Callable[[int, float], list[Event] | None] | None = None):
         self.models, self.sched, self.costs, self.policy, self.seed = step_models, sched, costs, policy, seed

@@ -30,7 +30,8 @@ import math
 import random
 from dataclasses import dataclass
 
-from libra_hpc.sim.config import DriftSpec, RLSpec, ToolSpec, WorkloadSpec
+from libra_hpc.config import RLConfig
+from libra_hpc.sim.config import DriftSpec, ToolSpec, WorkloadSpec
 
 CHARS_PER_TOKEN = 4
 
@@ -100,13 +101,14 @@ class _Prompt:
 
 
 class SyntheticWorkload:
-    """Batches of trajectories per RL step (module docstring). Deterministic in ``seed``."""
+    """Batches of trajectories per RL step (module docstring). Deterministic in ``seed``.
+    ``seq_len``: the longest trajectory in tokens (the scenario's ``training.seq_len``)."""
 
-    def __init__(self, spec: WorkloadSpec, rl: RLSpec, seed: int):
+    def __init__(self, spec: WorkloadSpec, rl: RLConfig, seed: int, seq_len: int):
         if rl.prompts_per_step > spec.prompt_pool:
             raise ValueError(f"rl.prompts_per_step={rl.prompts_per_step} exceeds workload.prompt_pool="
                              f"{spec.prompt_pool}: a step samples prompts without replacement")
-        self.spec, self.rl, self.seed = spec, rl, seed
+        self.spec, self.rl, self.seed, self.seq_len = spec, rl, seed, seq_len
         rng = random.Random(f"{seed}:prompts")
         self.prompts = [self._prompt(rng, i) for i in range(spec.prompt_pool)]
 
@@ -114,7 +116,7 @@ class SyntheticWorkload:
         s = self.spec
         primary = rng.randrange(len(s.tools))
         weights = tuple(t.weight * (s.primary_tool_weight if i == primary else 1.0) for i, t in enumerate(s.tools))
-        tokens = max(1, min(self.rl.seq_len // 2, round(_lognormal(rng, s.prompt_tokens.median, s.prompt_tokens.sigma))))
+        tokens = max(1, min(self.seq_len // 2, round(_lognormal(rng, s.prompt_tokens.median, s.prompt_tokens.sigma))))
         return _Prompt(f"p{index}", tokens, rng.lognormvariate(0.0, s.difficulty_sigma), rng.uniform(*s.bug_rate),
                        rng.uniform(0.0, 2.0), weights)
 
@@ -127,7 +129,7 @@ class SyntheticWorkload:
 
     def _trajectory(self, rng: random.Random, p: _Prompt, step: int, sample: int, scale: float) -> Trajectory:
         s = self.spec
-        room = self.rl.seq_len - p.prompt_tokens  # context left for turns and tool outputs
+        room = self.seq_len - p.prompt_tokens  # context left for turns and tool outputs
 
         def turn(kind: str) -> int:
             return max(1, round(_lognormal(rng, s.turn_tokens.median * p.difficulty * scale * s.stretch[kind],
