@@ -52,6 +52,18 @@ def test_a_group_keeps_its_members_only_with_the_same_slots_role_and_shape():
     assert not keeps_members(group, Group(3, "rollout", slots + (Slot(1, 0),), tp=3))
 
 
+@pytest.mark.parametrize("module, allowed", [("libra_hpc.cluster.rendezvous", set()),
+                                             ("libra_hpc.cluster.world", {"mpi4py"}),
+                                             ("libra_hpc.runtime.worker", {"mpi4py"}),
+                                             ("libra_hpc.runtime.controller", {"mpi4py"})])
+def test_the_control_plane_does_not_import_torch(module, allowed):
+    """The controller and the rollout ranks never load torch for the control plane."""
+    code = (f"import sys, {module}; print(','.join(sorted({{m.split('.')[0] for m in sys.modules}} "
+            "& {'torch', 'mpi4py'})))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert set(filter(None, done.stdout.strip().split(","))) <= allowed, done.stdout
+
+
 def test_rendezvous_and_a_training_world_started_again_on_a_new_port():
     """Over MPI.COMM_SELF: the store address, then a real gloo default group started,
     checked, stopped and started again (a relayout's rebuild, in one process)."""
@@ -72,6 +84,29 @@ def test_rendezvous_and_a_training_world_started_again_on_a_new_port():
         world.close()
         assert not dist.is_initialized()
     assert worlds == [("gloo", 1, 1)] * 2
+
+
+def test_training_world_rebuilds_give_back_their_sockets_and_threads(tiny):
+    """A relayout closes the training world with the engine built on it (megatron's groups,
+    the default group) and starts both again: nothing may pile up per cycle (the first
+    cycle opens a few for good: torch's and megatron's one-time setup)."""
+    import threading
+
+    import torch.distributed as dist
+    from mpi4py import MPI
+
+    from libra_hpc.engines.train.engine import MegatronTrainEngine
+    from libra_hpc.engines.train.parallel import TrainingWorld
+
+    counts = []
+    for _ in range(4):
+        world = TrainingWorld(MPI.COMM_SELF)
+        engine = world.own(MegatronTrainEngine(tiny, tp=1, micro_batch_size=1))
+        assert engine.placement.dp == 1 and world.check()[0] == 1
+        world.close()
+        assert engine.model is None and not dist.is_initialized()  # the engine went first
+        counts.append((len(os.listdir("/proc/self/fd")), threading.active_count()))
+    assert counts[3] == counts[2] == counts[1], counts
 
 
 # --------------------------------------------------------------------- MPI worlds
