@@ -201,7 +201,8 @@ def _type(annotation: Any) -> str:
     if get_origin(annotation) is Literal:
         return "one of " + ", ".join(f"`{v}`" for v in get_args(annotation))
     text = str(annotation).replace("typing.", "").replace("<class '", "").replace("'>", "")
-    text = text.replace("libra_hpc.sim.config.", "").replace("libra_hpc.config.", "")
+    for module in ("libra_hpc.sim.config.", "libra_hpc.envs.synthetic.", "libra_hpc.config."):
+        text = text.replace(module, "")
     return text.replace("|", "or")
 
 

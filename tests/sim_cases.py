@@ -9,7 +9,7 @@ from libra_hpc.sim.config import validate_sim_config
 from libra_hpc.sim.context import Context
 from libra_hpc.sim.instance import ConstantStepModel
 from libra_hpc.sim.trace import write_trace
-from libra_hpc.sim.workload import Trajectory
+from libra_hpc.envs.synthetic import Trajectory
 
 
 def hybrid_case(folder, steps: int = 14) -> tuple[Context, Plan]:

@@ -13,7 +13,7 @@ from libra_hpc.planner.gate import GateOptions
 from libra_hpc.sim.__main__ import main
 from libra_hpc.sim.config import SimConfig, load_sim_config, validate_sim_config
 from libra_hpc.sim.trace import TraceError, read_trace, to_record, write_trace
-from libra_hpc.sim.workload import SyntheticWorkload
+from libra_hpc.envs.synthetic import SyntheticWorkload
 
 ROOT = Path(__file__).resolve().parents[1]
 SCENARIOS = sorted((ROOT / "configs" / "sim").glob("*.yaml"))

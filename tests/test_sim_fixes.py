@@ -19,7 +19,7 @@ from libra_hpc.sim.engine import EventLoop
 from libra_hpc.sim.instance import ConstantStepModel, CostStepModel, RolloutInstance, Run
 from libra_hpc.sim.policies import SETUPS, control_loop
 from libra_hpc.sim.rollout import InstanceSpec, RolloutSide
-from libra_hpc.sim.workload import ToolCall, Trajectory
+from libra_hpc.envs.synthetic import ToolCall, Trajectory
 
 
 @pytest.fixture(scope="module")

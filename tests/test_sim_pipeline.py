@@ -19,7 +19,7 @@ from libra_hpc.sim.instance import ConstantStepModel
 from libra_hpc.sim.policies import SETUPS
 from libra_hpc.sim.rollout import InstanceSpec, RolloutSide, share_limits
 from libra_hpc.sim.trace import write_trace
-from libra_hpc.sim.workload import ToolCall, Trajectory
+from libra_hpc.envs.synthetic import ToolCall, Trajectory
 
 SCHED = SchedulerConfig(bucket_token_limits={1: 1 << 30}, bucket_limits="fixed")
 

@@ -6,7 +6,7 @@ import statistics
 from pathlib import Path
 
 from libra_hpc.sim.config import load_sim_config
-from libra_hpc.sim.workload import SyntheticWorkload, drift, summary
+from libra_hpc.envs.synthetic import SyntheticWorkload, drift, summary
 
 ROOT = Path(__file__).resolve().parents[1]
 

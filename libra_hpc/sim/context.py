@@ -19,7 +19,7 @@ from libra_hpc.sim.config import SimConfig
 from libra_hpc.sim.instance import CostStepModel, StepModel
 from libra_hpc.sim.rollout import InstanceSpec
 from libra_hpc.sim.trace import TraceWorkload, read_trace
-from libra_hpc.sim.workload import SyntheticWorkload, Trajectory
+from libra_hpc.envs.synthetic import SyntheticWorkload, Trajectory
 
 log = logging.getLogger(__name__)
 

@@ -48,7 +48,7 @@ from libra_hpc.scheduler.routers import outward_order
 from libra_hpc.sim.config import CostSpec
 from libra_hpc.sim.engine import Event
 from libra_hpc.sim.instance import RolloutInstance, Run, StepModel
-from libra_hpc.sim.workload import CHARS_PER_TOKEN, ToolCall, Trajectory
+from libra_hpc.envs.synthetic import ToolCall, Trajectory
 
 log = logging.getLogger(__name__)
 ERROR_MARKER = "Traceback (most recent call last)"
@@ -329,13 +329,7 @@ class RolloutSide:
         now, a, call = ev.time, ev.active, ev.call
         events: list[Event] = []
         self._tool_release(call.tool, now, events)
-        chars = call.output_tokens * CHARS_PER_TOKEN
-        cap = self.sched.size_thresholds[-1] if self.sched.size_thresholds else 1
-        body = min(chars, cap)
-        if call.status == "failure":
-            output, exit_code, timed_out = (ERROR_MARKER + "x" * body)[:max(body, len(ERROR_MARKER))], 1, False
-        else:
-            output, exit_code, timed_out = "x" * body, 0, call.status == "timeout"
+        output, exit_code, timed_out = call.output(self.sched.size_thresholds, ERROR_MARKER)
         reply = self.service.handle({"op": "tool_return", "lease": a.lease, "tool": call.tool, "output": output,
                                      "exit_code": exit_code, "timed_out": timed_out,
                                      "tokens": a.traj.turns[a.turn]}, now)

@@ -12,7 +12,7 @@ from libra_hpc.sim.controller import PolicyRun
 from libra_hpc.sim.policies import SETUPS, control_loop
 from libra_hpc.sim.recorder import Recorder
 from libra_hpc.sim.search import search_async_static, search_colocated
-from libra_hpc.sim.workload import summary
+from libra_hpc.envs.synthetic import summary
 
 log = logging.getLogger(__name__)
 

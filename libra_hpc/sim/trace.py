@@ -24,7 +24,7 @@ from collections import defaultdict
 from collections.abc import Iterable
 from pathlib import Path
 
-from libra_hpc.sim.workload import ToolCall, Trajectory
+from libra_hpc.envs.synthetic import ToolCall, Trajectory
 
 STATUSES = ("success", "failure", "timeout")
 

@@ -1,11 +1,18 @@
-"""Synthetic multi-turn agentic workload: what each trajectory generates, calls and waits for.
+"""The synthetic multi-turn agentic workload: what each trajectory generates, calls and waits for.
+
+The one synthetic workload of the project: the simulator simulates it, the scheduler's
+routing benchmark (``scheduler/synthetic.py``) and the tool scheduler's replay
+(``tools/replay.py``) look at the same trajectories through their own views. Its knobs are
+:class:`WorkloadSpec` (a scenario's ``workload`` section, configs/README.md).
 
 The process (every draw from one seeded generator per RL step, so a step's batch does not
 depend on which other steps were generated, and search can simulate a few steps alone):
 
 - A pool of ``prompt_pool`` prompts, each with a difficulty (log-normal multiplier on turn
   length), a bug rate (uniform in ``bug_rate``), a timeout rate (uniform in 0..2×the tool's)
-  and a main tool (``primary_tool_weight`` times likelier than each other tool).
+  and a main tool (``primary_tool_weight`` times likelier than each other tool). Prompts are
+  drawn in order from their own generator, so prompt ``p<i>`` is the same in any pool of
+  more than ``i`` prompts.
 - Each step samples ``prompts_per_step`` prompts without replacement; each prompt is rolled
   out ``group_size`` times (GRPO group): the samples share the prompt's parameters and differ
   in their draws.
@@ -28,13 +35,120 @@ from __future__ import annotations
 
 import math
 import random
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Literal
 
-from libra_hpc.config import RLConfig
-from libra_hpc.sim.config import DriftSpec, ToolSpec, WorkloadSpec
+from pydantic import Field, model_validator
+
+from libra_hpc.config import RLConfig, _Section
 
 CHARS_PER_TOKEN = 4
 
+
+# ------------------------------------------------------------------------ the spec
+
+class LogNormal(_Section):
+    """A log-normal distribution given by its median and the sigma of its logarithm."""
+
+    median: float = Field(gt=0)
+    """Median of the distribution (in the unit of the field that uses it)."""
+    sigma: float = Field(0.0, ge=0)
+    """Standard deviation of the natural log; 0 makes it a constant."""
+
+
+class ToolSpec(_Section):
+    """One tool type: its latency, how it fails, how much it returns."""
+
+    name: str = Field(min_length=1, pattern=r"^[^|]+$")
+    """Tool type name (``python``, ``bash``, ``search``); no ``|``."""
+    weight: float = Field(1.0, gt=0)
+    """Relative frequency among the tools of a prompt that does not favour another one."""
+    latency_s: LogNormal
+    """Seconds one successful call takes."""
+    failure_latency_factor: float = Field(1.0, gt=0)
+    """Latency of a failing call relative to a successful one."""
+    timeout_s: float = Field(gt=0)
+    """Wall-time limit: a hanging call costs exactly this and returns ``timeout``."""
+    timeout_rate: float = Field(0.0, ge=0, lt=1)
+    """Probability that one call hangs (on average over prompts; each prompt draws its own
+    rate uniformly from 0 to twice this)."""
+    fails_on_bug: bool = True
+    """A call fails while the agent's work still has bugs (code execution, tests); a tool
+    that cannot fail that way (search) sets false and fails with ``error_rate`` only."""
+    error_rate: float = Field(0.0, ge=0, lt=1)
+    """Probability that a call fails for reasons unrelated to bugs (bad query, flaky service)."""
+    output_tokens: dict[Literal["success", "failure", "timeout"], LogNormal]
+    """Tokens the tool's output adds to the context, per status."""
+
+    @model_validator(mode="after")
+    def _statuses(self) -> ToolSpec:
+        missing = {"success", "failure", "timeout"} - set(self.output_tokens)
+        if missing:
+            raise ValueError(f"tool {self.name!r}: output_tokens needs every status, missing {sorted(missing)}")
+        return self
+
+
+class DriftSpec(_Section):
+    """Non-stationary lengths over RL steps: multiplier ``m(s)`` on turn tokens and on the
+    odds of another tool call. It rises linearly from 1 to ``1 + growth`` at ``peak_step``,
+    then falls linearly by ``decline × growth`` until the last step."""
+
+    growth: float = Field(0.0, ge=0)
+    """Relative growth of turn length and tool use at the peak (0.5: +50%)."""
+    peak_step: int = Field(1, ge=1)
+    """Step of the peak."""
+    decline: float = Field(0.0, ge=0, le=1)
+    """Fraction of the growth given back between the peak and the last step."""
+
+
+class WorkloadSpec(_Section):
+    """The synthetic agentic workload (see libra_hpc/envs/synthetic.py for the process)."""
+
+    prompt_pool: int = Field(ge=1)
+    """Distinct prompts; each step samples ``prompts_per_step`` of them (epochs repeat
+    prompts, which is what the per-prompt causal trees learn from)."""
+    prompt_tokens: LogNormal
+    """Prompt length in tokens (system prompt + task)."""
+    turn_tokens: LogNormal
+    """Tokens generated by a first turn of a prompt of median difficulty; ``sigma`` is the
+    turn-to-turn noise."""
+    difficulty_sigma: float = Field(0.5, ge=0)
+    """Log-normal sigma of the per-prompt multiplier on turn length."""
+    stretch: dict[Literal["write", "success", "failure", "timeout"], float] = Field(
+        default_factory=lambda: {"write": 1.0, "success": 0.4, "failure": 2.0, "timeout": 1.2})
+    """Turn length relative to ``turn_tokens`` after each kind of tool return (``write``:
+    the first turn)."""
+    bug_rate: list[float] = Field(default_factory=lambda: [0.1, 0.7], min_length=2, max_length=2)
+    """Per-prompt range of the probability of one more bug (bugs are geometric): while
+    bugs remain, bug-sensitive tools fail and the agent spends a long turn on each."""
+    no_tool: float = Field(0.1, ge=0, le=1)
+    """Probability that a trajectory answers without any tool call."""
+    check_again: float = Field(0.3, ge=0, le=1)
+    """Probability of one more tool call after a success (verification)."""
+    max_turns: int = Field(16, ge=1)
+    """Most turns (generation segments) per trajectory."""
+    primary_tool_weight: float = Field(10.0, ge=1)
+    """Odds of a prompt's main tool against each other tool."""
+    tools: list[ToolSpec] = Field(min_length=1)
+    """Tool types."""
+    drift: DriftSpec = DriftSpec()
+
+    @model_validator(mode="after")
+    def _check(self) -> WorkloadSpec:
+        lo, hi = self.bug_rate
+        if not 0 <= lo <= hi < 1:
+            raise ValueError(f"bug_rate {self.bug_rate}: need 0 <= low <= high < 1")
+        names = [t.name for t in self.tools]
+        if len(set(names)) != len(names):
+            raise ValueError(f"tools: duplicate tool names in {names}")
+        missing = {"write", "success", "failure", "timeout"} - set(self.stretch)
+        if missing:
+            raise ValueError(f"stretch needs write, success, failure, timeout; missing {sorted(missing)}")
+        return self
+
+
+# ------------------------------------------------------------------ trajectories
 
 @dataclass(frozen=True, slots=True)
 class ToolCall:
@@ -44,6 +158,19 @@ class ToolCall:
     latency_s: float
     status: str  # success | failure | timeout
     output_tokens: int
+
+    def output(self, size_thresholds: Sequence[int], error_marker: str) -> tuple[str, int, bool]:
+        """What the tool hands back, as a worker reports it: ``(output text, exit code,
+        timed out)``. The text has ``output_tokens × CHARS_PER_TOKEN`` characters, cut at the
+        largest of ``size_thresholds`` (characters; one character where there are none):
+        anything longer lands in the same, largest, size class, so a classifier with these
+        thresholds sees what the full output would give. A failure's text starts with
+        ``error_marker`` and exits 1; a timeout exits 0 and says it timed out."""
+        cap = size_thresholds[-1] if size_thresholds else 1
+        body = min(self.output_tokens * CHARS_PER_TOKEN, cap)
+        if self.status == "failure":
+            return (error_marker + "x" * body)[:max(body, len(error_marker))], 1, False
+        return "x" * body, 0, self.status == "timeout"
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,6 +203,7 @@ class Trajectory:
 
     @property
     def tool_time_s(self) -> float:
+        """Seconds spent in tool calls."""
         return sum(c.latency_s for c in self.calls)
 
 
@@ -102,7 +230,8 @@ class _Prompt:
 
 class SyntheticWorkload:
     """Batches of trajectories per RL step (module docstring). Deterministic in ``seed``.
-    ``seq_len``: the longest trajectory in tokens (the scenario's ``training.seq_len``)."""
+    ``rl``: ``prompts_per_step``, ``group_size`` and ``steps`` (the drift's horizon) are
+    read. ``seq_len``: the longest trajectory in tokens (the scenario's ``training.seq_len``)."""
 
     def __init__(self, spec: WorkloadSpec, rl: RLConfig, seed: int, seq_len: int):
         if rl.prompts_per_step > spec.prompt_pool:
@@ -111,6 +240,16 @@ class SyntheticWorkload:
         self.spec, self.rl, self.seed, self.seq_len = spec, rl, seed, seq_len
         rng = random.Random(f"{seed}:prompts")
         self.prompts = [self._prompt(rng, i) for i in range(spec.prompt_pool)]
+
+    @classmethod
+    def groups(cls, spec: WorkloadSpec, n_prompts: int, group_size: int, seed: int, seq_len: int,
+               steps: int = 1) -> SyntheticWorkload:
+        """The workload over the first ``n_prompts`` prompts of ``spec``'s pool, every step
+        rolling each of them out ``group_size`` times (one epoch per step): what a scenario
+        with ``workload.prompt_pool = rl.prompts_per_step = n_prompts``, ``rl.group_size =
+        group_size`` and ``rl.steps = steps`` simulates."""
+        rl = RLConfig(steps=steps, prompts_per_step=n_prompts, group_size=group_size)
+        return cls(spec.model_copy(update={"prompt_pool": n_prompts}), rl, seed, seq_len)
 
     def _prompt(self, rng: random.Random, index: int) -> _Prompt:
         s = self.spec
@@ -121,7 +260,7 @@ class SyntheticWorkload:
                        rng.uniform(0.0, 2.0), weights)
 
     def batch(self, step: int) -> list[Trajectory]:
-        """The ``prompts_per_step × group_size`` trajectories of RL step ``step``."""
+        """The ``prompts_per_step × group_size`` trajectories of RL step ``step``, group by group."""
         rng = random.Random(f"{self.seed}:step:{step}")
         scale = drift(step, self.rl.steps, self.spec.drift)
         chosen = rng.sample(self.prompts, self.rl.prompts_per_step)
