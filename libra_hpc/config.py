@@ -136,8 +136,9 @@ class ClusterConfig(_Section):
     """GPU profile for the planner's cost models: a name under ``configs/hardware``
     (``a800-80g``, ``a100-80g``, ``h100-80g``, ``h200-141g``, ``cpu``) or a path."""
     torch_backend: Literal["auto", "gloo", "nccl"] = "auto"
-    """Backend of the torch process groups: ``auto`` is NCCL when CUDA is present,
-    gloo otherwise."""
+    """Backend of the training ranks' torch world (the only torch world the job starts
+    itself; a vLLM instance makes its own): ``auto`` is NCCL when CUDA is present, gloo
+    otherwise."""
 
     @property
     def time_limit_minutes(self) -> int:
