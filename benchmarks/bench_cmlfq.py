@@ -5,8 +5,12 @@
 In-process (no MPI, best of 3): the routing cost of ``CmlfqRouter.place`` after tool
 returns, the learning cost of ``observe`` per finished trajectory, the QueueService loop
 with asks, tool returns and finishes (tree updates included), the rebuild of a causal
-index from 10,000 trajectories, and routing quality on the synthetic workload (bucket
-accuracy of cmlfq against always keeping the top level).
+index from 10,000 trajectories, and routing quality (bucket accuracy of cmlfq against always
+keeping the top level). The workload is the shared synthetic one (libra_hpc/envs/synthetic.py)
+of the scenario configs/sim/cmlfq-premise.yaml, on which C-MLFQ's premise holds (tool returns
+say how much work is left), seen as the router sees it (libra_hpc/scheduler/synthetic.py);
+routing quality is also measured on the paper's SWE scenario (configs/sim/a800-swe.yaml),
+on which it does not.
 
 Under MPI (the script re-launches itself with ``mpiexec -n clients+1``): rank 0 serves
 with :func:`~libra_hpc.scheduler.mpi_service.serve`, the clients act as rollout
@@ -52,7 +56,6 @@ from pathlib import Path
 from libra_hpc import _compiled
 from libra_hpc.scheduler.routers import make_router
 from libra_hpc.scheduler.service import QueueService
-from libra_hpc.scheduler.state import Classifier
 from libra_hpc.scheduler.synthetic import (
     default_buckets,
     evaluate_routing,
@@ -60,10 +63,21 @@ from libra_hpc.scheduler.synthetic import (
     split_by_sample,
 )
 from libra_hpc.scheduler.types import TrajectoryView
+from libra_hpc.sim.config import load_sim_config
 
 THRESHOLDS, MARKERS = [256, 4096], ["Traceback (most recent call last)", "Error:"]
-OUTPUT = {"S": "x" * 16, "M": "x" * 1000, "L": "x" * 5000}  # a tool output of each size class
 SEED = 0
+ROOT = Path(__file__).resolve().parents[1]
+SCENARIO, PAPER_SCENARIO = ROOT / "configs/sim/cmlfq-premise.yaml", ROOT / "configs/sim/a800-swe.yaml"
+
+
+def workload(n_prompts: int, scenario: Path = SCENARIO):
+    """``n_prompts × 16`` trajectories of the scenario's synthetic workload, their tool
+    returns classified with the service's thresholds and markers (by the worker where the
+    tool ran: the worker-classified report)."""
+    cfg = load_sim_config(scenario)
+    return generate(cfg.workload, n_prompts, 16, SEED, seq_len=cfg.training.seq_len, size_thresholds=THRESHOLDS,
+                    error_markers=MARKERS)
 
 
 def cmlfq(buckets, rebuild_every=1000):
@@ -77,17 +91,13 @@ def trained_router(buckets, train):
     return router
 
 
-CLASSIFY = Classifier(THRESHOLDS, MARKERS)  # what a worker classifies its tool outputs with
-
-
 def report_of(trajectory, turn: int) -> dict:
     """The protocol report of ``turn`` of a synthetic trajectory (lease left out). A tool
-    return is classified here, where the tool ran (the worker-classified form: the output
-    stays on the worker); the tool output itself is one of each size class."""
+    return is reported classified (the worker-classified form: the output stays on the
+    worker, :func:`workload` classified it)."""
     if turn == len(trajectory.states):
         return {"op": "finish", "tokens": trajectory.turns[turn]}
-    truth = trajectory.states[turn]
-    state = CLASSIFY(truth.tool, OUTPUT[truth.size], 1 if truth.status == "failure" else 0, truth.status == "timeout")
+    state = trajectory.states[turn]
     return {"op": "tool_return", "tool": state.tool, "size": state.size, "status": state.status,
             "tokens": trajectory.turns[turn]}
 
@@ -181,7 +191,7 @@ def mpi_main(args) -> None:
     clients = comm.Split(MPI.UNDEFINED if rank == 0 else 1, rank)
     buckets = default_buckets()
     instances = [i for b in buckets for i in b.instances]
-    train, work = split_by_sample(generate(args.mpi_prompts, 16, SEED), 8)
+    train, work = split_by_sample(workload(args.mpi_prompts), 8)
     # Each client's reports, classified before the clocks start: classifying is a worker's
     # work on its own node, and here four clients share one core with each other.
     reports = {(t.tid, turn): report_of(t, turn) for t in work for turn in range(len(t.turns))} if rank else {}
@@ -383,8 +393,7 @@ def main() -> None:
         print(json.dumps(run_mpi(args)))
         return
     buckets = default_buckets()
-    everything = generate(1000, 16, SEED)
-    train, test = split_by_sample(everything, 4)
+    train, test = split_by_sample(workload(1000), 4)
     results = {"route_us": min(bench_route_us(train, test, buckets) for _ in range(3)),
                "observe_us": min(bench_observe_us(train, test, buckets, 1000) for _ in range(3)),
                "observe_no_rebuild_us": min(bench_observe_us(train, test, buckets, 10**9) for _ in range(3))}
@@ -393,6 +402,8 @@ def main() -> None:
     quality = evaluate_routing(cmlfq, train, test, buckets)
     results.update(bucket_accuracy=quality["bucket_accuracy"], top_level_accuracy=quality["top_level_accuracy"],
                    mean_level_error=quality["mean_level_error"])
+    paper = evaluate_routing(cmlfq, *split_by_sample(workload(1000, PAPER_SCENARIO), 4), buckets)
+    results.update(paper_bucket_accuracy=paper["bucket_accuracy"], paper_top_level_accuracy=paper["top_level_accuracy"])
     results.update(run_mpi(args))
     results["scheduler"] = _compiled.status()  # the MPI ranks import the same build
     results["decisions_per_s"], results["p99_ms"] = results["batched_decisions_per_s"], results["batched_p99_ms"]
@@ -406,6 +417,8 @@ def main() -> None:
             ("rebuild of the causal index, 10k trajectories", f"{results['rebuild_10k_s']:.3f} s", "≤ 1 s"),
             ("bucket accuracy: cmlfq / always top level",
              f"{results['bucket_accuracy']:.3f} / {results['top_level_accuracy']:.3f}", "cmlfq higher"),
+            ("  the same on the paper's SWE scenario (a800-swe)",
+             f"{results['paper_bucket_accuracy']:.3f} / {results['paper_top_level_accuracy']:.3f}", ""),
             (f"MPI raw request/reply, {args.clients} clients ({poll})",
              f"{results['raw_same_clients_msgs_per_s']:,.0f} msgs/s", ""),
             ("  the same, clients spinning in MPI's receive", f"{results['raw_spin_msgs_per_s']:,.0f} msgs/s", ""),
@@ -434,7 +447,8 @@ def main() -> None:
           f"{results['migrations']} migrations, {results['empty_asks']} empty asks, best of {args.repeats}; "
           f"clients at nice {args.client_nice}; {os.cpu_count()} cores)")
     keys = ("decisions_per_s", "raw_msgs_per_s", "p99_ms", "route_us", "loop_decisions_per_s", "rebuild_10k_s",
-            "bucket_accuracy", "top_level_accuracy", "single_decisions_per_s", "raw_spin_msgs_per_s",
+            "bucket_accuracy", "top_level_accuracy", "paper_bucket_accuracy", "paper_top_level_accuracy",
+            "single_decisions_per_s", "raw_spin_msgs_per_s",
             "raw_same_clients_msgs_per_s")
     print(json.dumps({**{k: round(results[k], 4) for k in keys}, "scheduler": results["scheduler"]}))
 
