@@ -80,6 +80,10 @@ class ToolSpec(_Section):
     """Probability that a call fails for reasons unrelated to bugs (bad query, flaky service)."""
     output_tokens: dict[Literal["success", "failure", "timeout"], LogNormal]
     """Tokens the tool's output adds to the context, per status."""
+    failure_output_per_bug: float = Field(0.0, ge=0)
+    """Growth of a bug failure's output with the bugs left besides the one it shows (a
+    test run prints a traceback per failing test): its median is ``output_tokens.failure``
+    × (1 + this × (bugs − 1)). 0: a failure's size says nothing about the work left."""
 
     @model_validator(mode="after")
     def _statuses(self) -> ToolSpec:
@@ -309,7 +313,10 @@ def _call(rng: random.Random, tool: ToolSpec, p: _Prompt, bugs: int) -> tuple[To
         status, fixed = "success", 0
         latency = min(tool.timeout_s, _lognormal(rng, tool.latency_s.median, tool.latency_s.sigma))
     out = tool.output_tokens[status]
-    return ToolCall(tool.name, latency, status, max(1, round(_lognormal(rng, out.median, out.sigma)))), fixed
+    median = out.median
+    if fixed and tool.failure_output_per_bug:  # a bug failure: one traceback per bug left
+        median *= 1.0 + tool.failure_output_per_bug * (bugs - 1)
+    return ToolCall(tool.name, latency, status, max(1, round(_lognormal(rng, median, out.sigma)))), fixed
 
 
 def _lognormal(rng: random.Random, median: float, sigma: float) -> float:

@@ -1,28 +1,32 @@
-"""A seeded synthetic agentic workload with known true lengths, and a routing-accuracy replay.
+"""C-MLFQ's view of the shared synthetic agentic workload, and a routing-accuracy replay.
 
-The workload embodies the premise C-MLFQ rests on, so that a router can be checked to
-exploit it (it says nothing about how strongly real workloads hold it):
+The trajectories are those of :mod:`libra_hpc.envs.synthetic` (the workload the simulator
+simulates; its module docstring gives the process): this module only looks at them as the
+router does. Each turn's output tokens, and after each turn the tool return as the queue
+service classifies it: the text the tool hands back (:meth:`ToolCall.output
+<libra_hpc.envs.synthetic.ToolCall.output>`) through the service's
+:class:`~libra_hpc.scheduler.state.Classifier` into a ``(tool, size class, status)``
+:class:`~libra_hpc.scheduler.types.ToolState`, the states the simulator's queue service
+sees for the same trajectory.
 
-- Prompts differ: a per-prompt multiplier on turn length (difficulty), a per-prompt bug
-  rate and timeout rate, and a main tool.
-- Tool returns causally shape what follows. A trajectory's code has a hidden number of
-  bugs (geometric, more for buggy prompts). While bugs remain, each tool call fails and
-  the agent spends a long turn reading the traceback and fixing one bug; the traceback is
-  large (``L``) while two or more bugs remain, medium (``M``) for the last one. A timeout
-  (a hang) costs a medium retry turn. Once the code works the tool succeeds and the agent
-  wraps up in short turns (sometimes one more, always successful, check).
-- Lengths are long-tailed: bug counts and difficulty compound; with the defaults the
-  total output's p99 is about ten times its median.
+The workload's process has the premise C-MLFQ rests on (failures causally lengthen what
+follows; prompts differ; lengths are long-tailed); how strongly depends on the spec. The
+scenario configs/sim/cmlfq-premise.yaml makes it hold, so that a router can be checked to
+exploit it; that says nothing about how strongly real workloads hold it. How much causal
+routing gains depends on how the remaining work after a given state spreads relative to
+the bucket widths (4x apart with the default limits) and on how many finished trajectories
+reach each tree node. Measured with the default limits, 16 samples per prompt, the last 4
+for testing (``evaluate_routing``):
 
-How much causal routing gains depends on how the remaining work after a given state
-spreads relative to the bucket widths (4x apart with the default limits) and on how
-many finished trajectories reach each tree node. With these defaults (seeds 0-3, 300
-prompts x 16 samples) C-MLFQ routes 0.71-0.74 of post-tool-return turns to their true
-bucket against 0.65-0.66 for keeping the top level. With ``base_turn_tokens=400`` the
-two are level; with 300 (most work fits the top level, and the long-tailed means of the
-failure states straddle its 1024 limit) keeping the top level wins by 2-7 points; with
-each prompt's calls spread evenly over the three tools (sparser trees) the gap shrinks
-to 0-3 points.
+- configs/sim/cmlfq-premise.yaml (tool returns say how much work is left: a failure's
+  output grows with the bugs left): C-MLFQ routes 0.74-0.76 of post-tool-return turns to
+  their true bucket against 0.65-0.70 for keeping the top level (seeds 0-3, 300 prompts;
+  0.77 against 0.67 with 1000 prompts, seed 0);
+- the same without the per-bug growth (``failure_output_per_bug: 0``): 0.64-0.67 against
+  0.65-0.68, 1 point below;
+- the paper's SWE scenario configs/sim/a800-swe.yaml (turn noise sigma 0.7, an editor
+  tool that never fails on bugs, failure sizes unrelated to the work left): 0.46-0.50
+  against 0.50-0.53 (seeds 0-3, 300 prompts): there C-MLFQ's premise does not hold.
 
 Trajectories carry their per-turn output tokens, so every remaining length is known:
 ``remaining_after[d]`` = tokens of turns ``d..end`` (what is still to generate after the
@@ -32,10 +36,12 @@ Trajectories carry their per-turn output tokens, so every remaining length is kn
 from __future__ import annotations
 
 import math
-import random
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
+from libra_hpc.config import SchedulerConfig
+from libra_hpc.envs.synthetic import SyntheticWorkload, Trajectory, WorkloadSpec
+from libra_hpc.scheduler.state import Classifier
 from libra_hpc.scheduler.types import (
     BucketSpec,
     FinishedTrajectory,
@@ -44,22 +50,14 @@ from libra_hpc.scheduler.types import (
     TrajectoryView,
 )
 
-TOOLS = ("python", "bash", "search")
-DEFAULT_LIMITS = {1: 1024, 2: 4096, 4: 16384, 8: 1 << 30}
-DIFFICULTY_SIGMA = 0.4  # log-normal sigma of the per-prompt turn-length multiplier
-TURN_SIGMA = 0.3  # log-normal sigma of one turn's length around what its causes predict
-PRIMARY_TOOL_WEIGHT = 30.0  # odds of a prompt's main tool against each other tool
-NO_TOOL = 0.15  # probability that the agent answers without calling a tool
-CHECK_AGAIN = 0.3  # probability of one more (successful) check after the code works
-BUG_RATE = (0.1, 0.65)  # per-prompt range: P(one more bug), so bugs ~ geometric
-TIMEOUT_RATE = (0.0, 0.1)  # per-prompt range: P(a tool call hangs)
-STRETCH = {"write": 1.0, "failure": 2.5, "timeout": 1.5, "success": 0.4}  # turn length / base
+_DEFAULTS = SchedulerConfig()
 
 
 @dataclass(frozen=True)
 class SyntheticTrajectory:
-    """One rollout: ``turns[i]`` output tokens of turn ``i``; ``states[i]`` the tool return
-    after turn ``i`` (none after the last turn, so ``len(states) == len(turns) - 1``)."""
+    """One rollout as the router sees it: ``turns[i]`` output tokens of turn ``i``;
+    ``states[i]`` the tool return after turn ``i`` (none after the last turn, so
+    ``len(states) == len(turns) - 1``)."""
 
     tid: str
     prompt_id: str
@@ -78,74 +76,39 @@ class SyntheticTrajectory:
 
     @property
     def total(self) -> int:
+        """Output tokens over all turns."""
         return sum(self.turns)
 
     def finished(self) -> FinishedTrajectory:
         return FinishedTrajectory(self.prompt_id, self.states, self.remaining_after)
 
 
-@dataclass(frozen=True)
-class _Prompt:
-    pid: str
-    difficulty: float  # multiplier on turn length
-    bug_rate: float  # probability of each further bug
-    timeout_rate: float  # probability that a tool call hangs
-    tool_weights: tuple[float, ...]
+def router_views(trajectories: Iterable[Trajectory], size_thresholds: Sequence[int] = tuple(_DEFAULTS.size_thresholds),
+                 error_markers: Sequence[str] = tuple(_DEFAULTS.error_markers)) -> list[SyntheticTrajectory]:
+    """The router's view of each trajectory: its tool returns classified as the queue
+    service classifies them with these ``size_thresholds`` (characters) and
+    ``error_markers`` (a failure's text carries the first)."""
+    classify = Classifier(size_thresholds, error_markers)
+    marker = error_markers[0] if error_markers else ""
+    return [SyntheticTrajectory(t.tid, t.prompt_id, t.sample, t.turns,
+                                tuple(classify(c.tool, *c.output(size_thresholds, marker)) for c in t.calls))
+            for t in trajectories]
 
 
-def _prompt(rng: random.Random, index: int) -> _Prompt:
-    primary = rng.randrange(len(TOOLS))  # a task mostly needs one kind of tool
-    weights = tuple(PRIMARY_TOOL_WEIGHT if i == primary else 1.0 for i in range(len(TOOLS)))
-    return _Prompt(f"p{index}", rng.lognormvariate(0.0, DIFFICULTY_SIGMA), rng.uniform(*BUG_RATE),
-                   rng.uniform(*TIMEOUT_RATE), weights)
-
-
-def _tool_return(rng: random.Random, prompt: _Prompt, bugs: int) -> ToolState:
-    """What the tool reports while ``bugs`` remain in the agent's code."""
-    tool = rng.choices(TOOLS, prompt.tool_weights)[0]
-    if rng.random() < prompt.timeout_rate:
-        return ToolState(tool, "S", "timeout")
-    if bugs:
-        return ToolState(tool, "L" if bugs >= 2 else "M", "failure")
-    return ToolState(tool, rng.choices(("S", "M"), (3, 1))[0], "success")
-
-
-def _trajectory(rng: random.Random, prompt: _Prompt, sample: int, base_turn_tokens: int,
-                max_turns: int) -> SyntheticTrajectory:
-    def turn(kind: str) -> int:
-        tokens = base_turn_tokens * prompt.difficulty * STRETCH[kind] * rng.lognormvariate(0.0, TURN_SIGMA)
-        return max(8, int(tokens))
-
-    bugs = 0
-    while rng.random() < prompt.bug_rate:
-        bugs += 1
-    turns, states = [turn("write")], []
-    calls_left = 0 if rng.random() < NO_TOOL else max_turns - 1
-    while len(turns) < max_turns and calls_left:
-        state = _tool_return(rng, prompt, bugs)
-        states.append(state)
-        turns.append(turn(state.status))
-        if state.status == "failure":
-            bugs -= 1
-        elif state.status == "success":  # done, unless it checks once more
-            calls_left = 1 if calls_left > 1 and rng.random() < CHECK_AGAIN else 0
-    return SyntheticTrajectory(f"{prompt.pid}/{sample}", prompt.pid, sample, tuple(turns), tuple(states))
-
-
-def generate(n_prompts: int, samples_per_prompt: int, seed: int, *, base_turn_tokens: int = 500,
-             max_turns: int = 16) -> list[SyntheticTrajectory]:
-    """``n_prompts × samples_per_prompt`` trajectories (prompt by prompt), all from
-    ``random.Random(seed)``. ``base_turn_tokens``: median tokens of a first turn of a
-    prompt of median difficulty. ``max_turns``: cap on turns per trajectory."""
-    if n_prompts < 1 or samples_per_prompt < 1 or max_turns < 1 or base_turn_tokens < 1:
-        raise ValueError(f"generate: n_prompts={n_prompts}, samples_per_prompt={samples_per_prompt}, "
-                         f"max_turns={max_turns}, base_turn_tokens={base_turn_tokens} must all be >= 1")
-    rng = random.Random(seed)
-    out = []
-    for index in range(n_prompts):
-        prompt = _prompt(rng, index)
-        out.extend(_trajectory(rng, prompt, s, base_turn_tokens, max_turns) for s in range(samples_per_prompt))
-    return out
+def generate(spec: WorkloadSpec, n_prompts: int, samples_per_prompt: int, seed: int, *, seq_len: int,
+             size_thresholds: Sequence[int] = tuple(_DEFAULTS.size_thresholds),
+             error_markers: Sequence[str] = tuple(_DEFAULTS.error_markers)) -> list[SyntheticTrajectory]:
+    """``n_prompts × samples_per_prompt`` trajectories, group by group: the first RL step of
+    ``spec``'s workload over its first ``n_prompts`` prompts, each rolled out
+    ``samples_per_prompt`` times (:meth:`SyntheticWorkload.groups`; the simulator's batch of
+    a scenario with ``workload.prompt_pool = rl.prompts_per_step = n_prompts`` and
+    ``rl.group_size = samples_per_prompt``), seen through :func:`router_views`.
+    ``seq_len``: the longest trajectory in tokens (a scenario's ``training.seq_len``)."""
+    if n_prompts < 1 or samples_per_prompt < 1:
+        raise ValueError(f"generate: n_prompts={n_prompts} and samples_per_prompt={samples_per_prompt} "
+                         "must both be >= 1")
+    workload = SyntheticWorkload.groups(spec, n_prompts, samples_per_prompt, seed, seq_len)
+    return router_views(workload.batch(0), size_thresholds, error_markers)
 
 
 def split_by_sample(trajectories: Sequence[SyntheticTrajectory], test_per_prompt: int
@@ -164,8 +127,9 @@ windows over recent samples see many prompts."""
 
 
 def default_buckets(limits: dict[int, int] | None = None) -> list[BucketSpec]:
-    """One instance per TP size with ``SchedulerConfig``'s default token limits."""
-    limits = limits or DEFAULT_LIMITS
+    """One instance per TP size with ``limits`` (TP size → token limit; default:
+    ``SchedulerConfig.bucket_token_limits``'s)."""
+    limits = limits or _DEFAULTS.bucket_token_limits
     return [BucketSpec(f"tp{tp}", tp, limit, (i,)) for i, (tp, limit) in enumerate(sorted(limits.items()))]
 
 
