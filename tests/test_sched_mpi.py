@@ -53,7 +53,7 @@ def test_three_rank_queue_completes_every_trajectory_exactly_once(tmp_path):
 def test_serve_keeps_collections_off_the_request_path_and_restores_the_collector():
     import gc
 
-    from libra_hpc.scheduler.mpi_service import _Collector
+    from libra_hpc.runtime.loop import Collector as _Collector
     clock = iter([0.0, 5.0, 20.0, 20.0]).__next__
     thresholds, counters = gc.get_threshold(), {"full_collections": 0}
     with pytest.raises(RuntimeError), _Collector(10.0, clock, counters) as collector:

@@ -1,35 +1,38 @@
-"""The queue service over MPI: a serve loop on the controller rank, a client for rollout
+"""The queue service over MPI: a handler of rank 0's event loop, a client for rollout
 instance leaders.
 
 Thin transport: every decision is :meth:`QueueService.handle`'s (scheduler/service.py,
 where the protocol is documented). Requests are pickled dicts sent to the server rank
-with tag :data:`REQUEST_TAG`; each gets exactly one reply, to the sender, with tag
-:data:`REPLY_TAG`. A client has at most one request outstanding (one thread per rank
-talks to the queue). ``{"op": "shutdown"}`` is answered ``{"ok": True}`` and ends
-:func:`serve`.
+with tag :data:`~libra_hpc.cluster.messages.QUEUE_REQUEST`; each gets exactly one reply,
+to the sender, with tag :data:`~libra_hpc.cluster.messages.QUEUE_REPLY`. A client has at
+most one request outstanding (one thread per rank talks to the queue).
+
+:class:`QueueHandler` is the server side as a handler of the controller's loop
+(``libra_hpc/runtime/loop.py``), which serves it beside control messages and tool
+completions. :func:`serve` is that loop with the queue alone, for a rank that serves
+nothing else (the benchmark, the tests): ``{"op": "shutdown"}`` is answered
+``{"ok": True}`` and ends it.
 """
 
 from __future__ import annotations
 
-import gc
 import logging
 import os
 import time
 from collections.abc import Callable
-from typing import Any, Self
+from typing import Any
 
-from mpi4py import MPI
-
+from libra_hpc.cluster.messages import QUEUE_REPLY, QUEUE_REQUEST
 from libra_hpc.scheduler.service import QueueService
 from libra_hpc.scheduler.types import ToolState
 
 log = logging.getLogger(__name__)
 
-YOUNG_THRESHOLD = 20_000
-"""Net allocations between young-generation collections while serving (Python's default: 700)."""
+REQUEST_TAG = QUEUE_REQUEST  # the names this module used before cluster/messages.py listed every tag
+REPLY_TAG = QUEUE_REPLY
 
-REQUEST_TAG = 0x1F01
-REPLY_TAG = 0x1F02
+BUSY_MAINTAIN_EVERY = 1024
+"""Requests between two runs of the service's overdue maintenance when the loop never idles."""
 
 
 class QueueError(RuntimeError):
@@ -43,136 +46,103 @@ class QueueError(RuntimeError):
         self.error = error
 
 
+class QueueHandler:
+    """The queue protocol as a handler of rank 0's loop: :meth:`handle` answers one
+    request with one reply to its sender.
+
+    ``on_shutdown(source)`` is called for a ``shutdown`` request (answered ``ok``); without
+    it a client cannot stop the server and the request is refused. A request whose
+    payload did not unpickle is answered by :meth:`malformed` (reason ``malformed``). If
+    the service itself raises (a router bug), the asker gets a ``server_error`` reply and
+    the exception propagates: :meth:`attach` registers the handler ``fatal``, so the loop
+    ends rather than serve from a state the failed request may have left half changed.
+    Under constant load the service's overdue maintenance runs every
+    :data:`BUSY_MAINTAIN_EVERY` requests; when idle the loop calls ``service.maintain``.
+    ``requests`` and ``bad_payloads`` count what was received."""
+
+    def __init__(self, comm: Any, service: QueueService, *, clock: Callable[[], float] = time.monotonic,
+                 on_shutdown: Callable[[int], None] | None = None):
+        self.comm, self.service, self.clock, self.on_shutdown = comm, service, clock, on_shutdown
+        self.requests = 0
+        self.bad_payloads = 0
+
+    def attach(self, loop: Any, *, fatal: bool = True) -> None:
+        """Register with ``loop`` (a :class:`libra_hpc.runtime.loop.EventLoop`): this
+        handler for the queue's requests, the service's maintenance for idle moments."""
+        loop.on(QUEUE_REQUEST, self.handle, malformed=self.malformed, fatal=fatal, name="queue request")
+        loop.when_idle(self.service.maintain)
+
+    def handle(self, request: Any, source: int) -> None:
+        """Answer ``request`` from rank ``source``."""
+        self.requests += 1
+        if type(request) is dict and request.get("op") == "shutdown":
+            self._shutdown(source)
+            return
+        try:
+            reply = self.service.handle(request, self.clock())
+        except Exception as exc:  # a router bug: tell the asker before the loop ends
+            self.comm.send({"ok": False, "reason": "server_error", "error": f"queue service failed: {exc!r}"},
+                           dest=source, tag=QUEUE_REPLY)
+            raise
+        self.comm.send(reply, dest=source, tag=QUEUE_REPLY)
+        if not self.requests % BUSY_MAINTAIN_EVERY:  # never idle: overdue maintenance runs anyway
+            self.service.maintain(self.clock(), busy=True)
+
+    def malformed(self, source: int, exc: Exception) -> None:
+        """Answer a request whose payload did not unpickle."""
+        self.bad_payloads += 1
+        self.comm.send({"ok": False, "reason": "malformed",
+                        "error": f"request from rank {source} is not a pickled dict: {exc!r}"},
+                       dest=source, tag=QUEUE_REPLY)
+
+    def _shutdown(self, source: int) -> None:
+        if self.on_shutdown is None:
+            self.comm.send({"ok": False, "reason": "refused", "error": "this queue service is not stopped by its "
+                            "clients: the controller ends it"}, dest=source, tag=QUEUE_REPLY)
+            return
+        self.comm.send({"ok": True}, dest=source, tag=QUEUE_REPLY)
+        log.info("queue service: shutdown requested by rank %d", source)
+        self.on_shutdown(source)
+
+
 def serve(comm: Any, service: QueueService, *, clock: Callable[[], float] = time.monotonic,
           save: Callable[[], None] | None = None, save_every_s: float = 30.0,
-          stop_when: Callable[[], bool] = lambda: False, idle_sleep_s: float = 2e-4,
+          stop_when: Callable[[], bool] = lambda: False, idle_sleep_s: float = 2e-4, max_sleep_s: float = 2e-3,
           spin: int = 200, collect_every_s: float = 10.0) -> dict:
-    """Answer requests from any rank of ``comm`` until a shutdown request or ``stop_when()``.
+    """Answer requests from any rank of ``comm`` until a shutdown request or ``stop_when()``:
+    rank 0's event loop (``libra_hpc/runtime/loop.py``, where spinning, idle sleeps and
+    garbage collection are described) with the queue's handler alone.
 
-    ``save`` (e.g. write ``router.state_dict()`` to the log folder) runs off the request
-    path: when ``save_every_s`` has passed and no request is waiting; if requests never
-    stop for another ``save_every_s``, it runs anyway between two requests. It also runs
-    once on the way out. A failing save is logged and retried at the next period.
-
-    When idle, the loop runs the service's maintenance (lease expiry, the router's tree
-    rebuild when due) every ``spin`` probes and, when there was none to do, sleeps
-    ``idle_sleep_s`` (so a waiting controller leaves the core to ranks on the same node;
-    0: never sleep, for a controller with a core of its own). Under constant load,
-    overdue maintenance runs every 1024 requests. ``stop_when`` is polled between
-    requests and while idle.
-
-    Garbage collection is kept off the request path too (:class:`_Collector`): what
-    exists when serving starts is frozen out of the collector's reach, and full
-    collections run every ``collect_every_s`` in an idle moment (between requests after
-    twice that). Returns transport counters: requests, bad_payloads, saves,
+    ``save`` (e.g. write ``router.state_dict()`` to the log folder) is a timer of the loop,
+    off the request path: it runs when ``save_every_s`` has passed and no request is
+    waiting; if requests never stop for another ``save_every_s``, it runs anyway between
+    two requests. It also runs once on the way out. A failing save is logged and retried
+    at the next period. Returns transport counters: requests, bad_payloads, saves,
     save_failures, full_collections."""
-    status = MPI.Status()
-    counters = {"requests": 0, "bad_payloads": 0, "saves": 0, "save_failures": 0, "full_collections": 0}
-    last_save = clock()
-    idle = 0
-    with _Collector(collect_every_s, clock, counters) as collector:
-        while not stop_when():
-            message = comm.improbe(source=MPI.ANY_SOURCE, tag=REQUEST_TAG, status=status)
-            if message is None:
-                idle += 1
-                if save is not None and clock() - last_save >= save_every_s:
-                    last_save = _save(save, counters, clock)
-                if idle % spin == 0 and not service.maintain(clock()) and not collector.due(idle=True) \
-                        and idle_sleep_s > 0:
-                    time.sleep(idle_sleep_s)  # lease expiry, a due tree rebuild or collection ran first
-                continue
-            idle = 0
-            if not _answer(comm, service, message, status.Get_source(), clock, counters):
-                break
-            if counters["requests"] % 1024 == 0:  # never idle: overdue maintenance runs anyway
-                service.maintain(clock(), busy=True)
-                collector.due(idle=False)
-            if save is not None and clock() - last_save >= 2 * save_every_s:  # never idle: save anyway
-                last_save = _save(save, counters, clock)
+    from libra_hpc.runtime.loop import EventLoop  # the one place scheduler/ uses runtime/: this convenience entry
+
+    loop = EventLoop(comm, clock=clock, spin=spin, idle_sleep_s=idle_sleep_s,
+                     max_sleep_s=max(max_sleep_s, idle_sleep_s), collect_every_s=collect_every_s)
+    queue = QueueHandler(comm, service, clock=clock,
+                         on_shutdown=lambda source: loop.stop(f"queue shutdown requested by rank {source}"))
+    queue.attach(loop)
+    saves = {"saves": 0, "save_failures": 0}
     if save is not None:
-        _save(save, counters, clock)
-    return counters
+        loop.every(save_every_s, lambda: _save(save, saves), name="queue state save")
+    counters = loop.run(stop_when)
+    if save is not None:
+        _save(save, saves)
+    return {"requests": queue.requests, "bad_payloads": queue.bad_payloads, **saves,
+            "full_collections": counters["full_collections"]}
 
 
-def _answer(comm: Any, service: QueueService, message: Any, source: int, clock: Callable[[], float],
-            counters: dict) -> bool:
-    """Receive one request and send its reply; False when it was a shutdown request."""
-    try:
-        request = message.recv()
-    except Exception as exc:  # noqa: BLE001 - any undecodable payload; answered and counted
-        counters["bad_payloads"] += 1
-        log.warning("queue request from rank %d could not be unpickled: %r", source, exc)
-        comm.send({"ok": False, "reason": "malformed",
-                   "error": f"request from rank {source} is not a pickled dict: {exc!r}"}, dest=source, tag=REPLY_TAG)
-        return True
-    counters["requests"] += 1
-    if type(request) is dict and request.get("op") == "shutdown":
-        comm.send({"ok": True}, dest=source, tag=REPLY_TAG)
-        log.info("queue service: shutdown requested by rank %d", source)
-        return False
-    try:
-        reply = service.handle(request, clock())
-    except Exception as exc:  # a router bug: tell the asker before the job fails
-        comm.send({"ok": False, "reason": "server_error", "error": f"queue service failed: {exc!r}"},
-                  dest=source, tag=REPLY_TAG)
-        raise
-    comm.send(reply, dest=source, tag=REPLY_TAG)
-    return True
-
-
-class _Collector:
-    """Full garbage collections at moments serve() chooses, not in the middle of a request.
-
-    CPython's automatic full collection walks every tracked object; with a trained causal
-    index, thousands of active trajectories and the caller's own data that was 125 ms per
-    collection, a quarter of the service's time in a benchmark run (and each one a
-    latency spike). On entry: one collection, then ``gc.freeze()`` (what exists now — the
-    trained trees, the submitted trajectories — is no longer walked; it is still freed
-    by reference counting), automatic full collections deferred, and young collections
-    made rarer (every :data:`YOUNG_THRESHOLD` net allocations instead of 700: a request's
-    objects die by reference counting long before; at 700 the young collections cost 5%
-    of a decision's instructions, measured with callgrind). :meth:`due` runs a full
-    collection every ``every_s`` when idle, or after ``2 * every_s`` when the loop never
-    idles. On exit the settings are restored
-    and the frozen objects handed back to the collector. When something was frozen
-    before (the caller, or an outer serve), freezing is left to its owner."""
-
-    def __init__(self, every_s: float, clock: Callable[[], float], counters: dict):
-        self.every_s, self.clock, self.counters = every_s, clock, counters
-
-    def __enter__(self) -> Self:
-        self.thresholds = gc.get_threshold()
-        self.froze = gc.get_freeze_count() == 0  # the caller (or an outer serve) may manage it already
-        if self.froze:
-            gc.collect()
-            gc.freeze()
-        gc.set_threshold(max(self.thresholds[0], YOUNG_THRESHOLD), max(self.thresholds[1], 50), 1 << 30)
-        self.last = self.clock()
-        return self
-
-    def due(self, *, idle: bool) -> bool:
-        """Collect now if the period has passed (twice over when not ``idle``)."""
-        if self.clock() - self.last < (1 if idle else 2) * self.every_s:
-            return False
-        gc.collect()
-        self.counters["full_collections"] += 1
-        self.last = self.clock()
-        return True
-
-    def __exit__(self, *exc) -> None:
-        gc.set_threshold(*self.thresholds)
-        if self.froze:
-            gc.unfreeze()
-
-
-def _save(save: Callable[[], None], counters: dict, clock: Callable[[], float]) -> float:
+def _save(save: Callable[[], None], counters: dict) -> None:
     try:
         save()
         counters["saves"] += 1
     except Exception:
         counters["save_failures"] += 1
         log.exception("queue service: saving the routing state failed; retrying in the next period")
-    return clock()
 
 
 class QueueClient:
@@ -200,7 +170,7 @@ class QueueClient:
 
     def request(self, message: Any) -> dict:
         """Send any request and wait for its reply (raw protocol access)."""
-        self.comm.send(message, dest=self.server_rank, tag=REQUEST_TAG)
+        self.comm.send(message, dest=self.server_rank, tag=QUEUE_REQUEST)
         reply = self._receive()
         if not reply.get("ok"):
             op = message.get("op", "?") if isinstance(message, dict) else type(message).__name__
@@ -209,10 +179,10 @@ class QueueClient:
 
     def _receive(self) -> dict:
         if self.poll_s is None:
-            return self.comm.recv(source=self.server_rank, tag=REPLY_TAG)
+            return self.comm.recv(source=self.server_rank, tag=QUEUE_REPLY)
         spin_until = time.perf_counter() + self.spin_s
         while True:
-            message = self.comm.improbe(source=self.server_rank, tag=REPLY_TAG)
+            message = self.comm.improbe(source=self.server_rank, tag=QUEUE_REPLY)
             if message is not None:
                 return message.recv()
             if self.poll_s and time.perf_counter() >= spin_until:
