@@ -2,13 +2,16 @@
 
     python benchmarks/bench_tools.py [--trajectories 512] [--cpu 32] [--real-trajectories 16] [--quick]
 
-Workload (libra_hpc.tools.replay.make_trace): rollout waves of trajectories that start
-together (bursts); each trajectory alternates LLM turns of 2–15 s (no tool resource needed)
-with 2–8 tool calls — 85 % ``python`` snippets (median 0.5 s), 15 % ``tests`` runs (median
-20 s), log-normal — and ends with one ``reward`` call (median 1.5 s) on a model-serving
-endpoint resource. Expected durations come from per-tool moving averages seeded with the
-medians; tangram's aging rate is 0.05 (a 20 s action ages past a fresh 0.5 s one after
-~390 s of waiting).
+Workload: the shared synthetic workload (libra_hpc/envs/synthetic.py) of the paper's SWE
+scenario (configs/sim/a800-swe.yaml: ``bash``, ``python`` and ``editor`` tools, log-normal
+latencies with medians 4, 2 and 0.3 s, hangs that cost the tool's 120/60/10 s time limit),
+its first RL steps replayed as rollout waves (libra_hpc.tools.replay.make_trace): the
+trajectories of a step start together (a burst), each alternates LLM turns (its turn
+tokens at 40 tokens/s, no tool resource needed) with its tool calls on the CPU sandboxes,
+and ends with one 1.5 s ``reward`` call on a model-serving endpoint resource. A step has
+``--trajectories / 2`` trajectories (prompts of 8 samples). Expected durations come from
+per-tool moving averages seeded with the scenario's medians; tangram's aging rate is 0.05
+(a 20 s action ages past a fresh 0.5 s one after ~390 s of waiting).
 
 Both policies run behind the same scheduler interface with the same capacities:
 ``tangram`` (any free unit, shortest virtual deadline first, elastic pool with a 10 s idle
@@ -38,7 +41,10 @@ import json
 import threading
 import time
 from dataclasses import replace
+from pathlib import Path
 
+from libra_hpc.envs.synthetic import SyntheticWorkload
+from libra_hpc.sim.config import load_sim_config
 from libra_hpc.tools.endpoint import EndpointRunner, serve_scorer
 from libra_hpc.tools.isolation import SandboxLimits
 from libra_hpc.tools.orchestrator import SandboxRunner, ToolOrchestrator
@@ -54,8 +60,18 @@ from libra_hpc.tools.replay import (
 from libra_hpc.tools.scheduling import DurationEstimator, make_scheduler
 
 POLICIES = ("dedicated", "tangram")
-PRIORS = {"python": 0.5, "tests": 20.0, "reward": 1.5}
 AGING = 0.05
+SCENARIO = load_sim_config(Path(__file__).resolve().parents[1] / "configs/sim/a800-swe.yaml")
+SHAPE = TraceShape(waves=2)
+PRIORS = {t.name: t.latency_s.median for t in SCENARIO.workload.tools} | {"reward": SHAPE.reward_s}
+
+
+def workload(trajectories_per_wave: int, seed: int) -> SyntheticWorkload:
+    """The scenario's workload with about ``trajectories_per_wave`` trajectories per RL step
+    (whole groups of ``rl.group_size``)."""
+    prompts = max(1, round(trajectories_per_wave / SCENARIO.rl.group_size))
+    rl = SCENARIO.rl.model_copy(update={"prompts_per_step": prompts})
+    return SyntheticWorkload(SCENARIO.workload, rl, seed, SCENARIO.training.seq_len)
 
 
 def scheduler(policy: str, cpu: int, reward: int, startup_s: float, idle_s: float, scale: float = 1.0):
@@ -150,8 +166,8 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quick", action="store_true", help="smaller simulated trace, no real run")
     args = parser.parse_args()
-    shape = TraceShape(trajectories=128 if args.quick else args.trajectories, waves=2)
-    trace = make_trace(shape, seed=args.seed)
+    shape = SHAPE
+    trace = make_trace(workload((128 if args.quick else args.trajectories) // shape.waves, args.seed), shape)
     print(f"trace: {len(trace)} trajectories in {shape.waves} waves, {sum(len(t.calls) for t in trace)} tool calls")
 
     t0 = time.perf_counter()
@@ -176,7 +192,7 @@ def main() -> None:
            "source": "simulated clock", "trajectories": len(trace), "cpu_units": args.cpu}
 
     if not args.quick:
-        small = scaled(make_trace(replace(shape, trajectories=args.real_trajectories, waves=1), seed=args.seed),
+        small = scaled(make_trace(workload(args.real_trajectories, args.seed), replace(shape, waves=1)),
                        args.real_scale)
         server = serve_scorer(slow_scorer)
         try:

@@ -63,3 +63,17 @@ def test_the_import_scan_sees_relative_imports(tmp_path):
     f.parent.mkdir(parents=True)
     f.write_text("from ..sim import run\nfrom libra_hpc.sim.context import Context\nfrom . import loop\n")
     assert _imports(f, tmp_path) == {"libra_hpc.sim", "libra_hpc.sim.context", "libra_hpc.runtime"}
+
+
+@pytest.mark.parametrize("module", ["libra_hpc.envs", "libra_hpc.envs.synthetic"])
+def test_the_shared_workload_imports_neither_mpi_nor_torch_nor_the_simulator(module):
+    """The simulator, the scheduler's benchmark and tool replay share libra_hpc.envs; it is
+    a pure core, below all three (issue 12)."""
+    code = (f"import sys, {module}; print(','.join(sorted(m for m in sys.modules "
+            "if m.split('.')[0] in ('torch', 'mpi4py') or m == 'libra_hpc.sim' or m.startswith('libra_hpc.sim.'))))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "", f"{module} pulls in {done.stdout.strip()}"
+    above = ("libra_hpc.sim", "libra_hpc.scheduler", "libra_hpc.tools")  # the packages that use it
+    offenders = {str(f.relative_to(ROOT)): sorted(m for m in _imports(f) if m.startswith(above))
+                 for f in (ROOT / "libra_hpc" / "envs").rglob("*.py")}
+    assert not {f: ms for f, ms in offenders.items() if ms}, offenders

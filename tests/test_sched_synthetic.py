@@ -1,30 +1,70 @@
-"""The synthetic agentic workload, and C-MLFQ's routing quality on it."""
+"""C-MLFQ's view of the shared synthetic workload, and its routing quality on it."""
 
 from __future__ import annotations
 
 import itertools
 import statistics
+from pathlib import Path
 
 import pytest
 
+from libra_hpc.config import SchedulerConfig
+from libra_hpc.envs.synthetic import SyntheticWorkload
 from libra_hpc.scheduler.routers import make_router
 from libra_hpc.scheduler.synthetic import (
     default_buckets,
     evaluate_routing,
     generate,
     length_summary,
+    router_views,
     split_by_sample,
 )
+from libra_hpc.sim.config import load_sim_config
+from libra_hpc.sim.context import Context
+
+SCENARIOS = Path(__file__).resolve().parents[1] / "configs" / "sim"
+PREMISE = load_sim_config(SCENARIOS / "cmlfq-premise.yaml")
+
+
+def premise(n_prompts, samples, seed):
+    return generate(PREMISE.workload, n_prompts, samples, seed, seq_len=PREMISE.training.seq_len)
 
 
 @pytest.fixture(scope="module")
 def workload():
-    return generate(300, 16, seed=0)
+    return premise(300, 16, seed=0)
 
 
 def test_generation_is_seeded():
-    assert generate(20, 4, seed=5) == generate(20, 4, seed=5)
-    assert generate(20, 4, seed=5) != generate(20, 4, seed=6)
+    assert premise(20, 4, seed=5) == premise(20, 4, seed=5)
+    assert premise(20, 4, seed=5) != premise(20, 4, seed=6)
+
+
+@pytest.mark.parametrize("scenario", ["cmlfq-premise", "a800-swe"])
+def test_the_router_sees_the_simulators_trajectories(scenario):
+    """generate() is the simulator's first batch of the scenario with every prompt of its
+    pool in one step, seen through the service's classification of each tool's output."""
+    cfg = load_sim_config(SCENARIOS / f"{scenario}.yaml",
+                          {"workload.prompt_pool": 30, "rl.prompts_per_step": 30, "rl.group_size": 4})
+    simulated = Context(cfg).batch(0)
+    views = generate(cfg.workload, 30, 4, cfg.rl.seed, seq_len=cfg.training.seq_len)
+    assert len(views) == len(simulated) == 120
+    assert [(v.tid, v.prompt_id, v.sample, v.turns) for v in views] == \
+        [(t.tid, t.prompt_id, t.sample, t.turns) for t in simulated]
+    limits = SchedulerConfig().size_thresholds  # characters: S below the first, L from the last
+    for view, trajectory in zip(views, simulated):
+        for state, call in zip(view.states, trajectory.calls, strict=True):
+            chars = call.output_tokens * 4
+            size = "S" if chars < limits[0] else "M" if chars < limits[1] else "L"
+            assert (state.tool, state.size, state.status) == (call.tool, size, call.status)
+
+
+def test_the_view_classifies_with_the_services_thresholds():
+    """Other thresholds give other size classes for the same trajectories (the view is
+    computed, not stored): with one threshold at 1 character every output is large."""
+    trajectories = SyntheticWorkload.groups(PREMISE.workload, 10, 4, 0, PREMISE.training.seq_len).batch(0)
+    assert {s.size for v in router_views(trajectories, [1]) for s in v.states} == {"L"}
+    assert {s.size for v in router_views(trajectories) for s in v.states} == {"S", "M", "L"}
 
 
 def test_trajectories_are_consistent(workload):
@@ -75,8 +115,9 @@ def test_oracle_is_exact_and_fifo_ignores_lengths(workload):
 
 
 def test_cmlfq_routes_more_turns_to_their_true_bucket_than_keeping_the_top_level(workload):
-    """The quality bar: with the configured defaults (window 256, 8 samples to trust a
-    node, rebuild every 1000), causal routing beats a router that never moves."""
+    """The quality bar on the workload where C-MLFQ's premise holds (cmlfq-premise): with
+    the configured defaults (window 256, 8 samples to trust a node, rebuild every 1000),
+    causal routing beats a router that never moves."""
     train, test = split_by_sample(workload, 4)
     result = evaluate_routing(lambda b: make_router("cmlfq", b, window=256, min_samples=8, rebuild_every=1000),
                               train, test, default_buckets())

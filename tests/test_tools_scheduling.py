@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from libra_hpc.envs.synthetic import SyntheticWorkload
+from libra_hpc.sim.config import load_sim_config
 from libra_hpc.tools.pool import ElasticPool, ResourceSpec
 from libra_hpc.tools.replay import (
     ToolCall,
@@ -201,14 +204,18 @@ def test_dedicated_baseline_binds_one_unit_per_trajectory_until_it_ends():
 
 
 def test_tangram_beats_the_dedicated_baseline_on_a_bursty_trace():
-    trace = make_trace(TraceShape(trajectories=96), seed=3)
+    """Two waves of 48 trajectories of the paper's SWE workload on 8 CPU sandboxes (seeds
+    0-3 measured: tangram's mean ACT 0.14-0.19 of dedicated's, held 0.39-0.59)."""
+    cfg = load_sim_config(Path(__file__).resolve().parents[1] / "configs/sim/a800-swe.yaml", {"rl.prompts_per_step": 6})
+    trace = make_trace(SyntheticWorkload(cfg.workload, cfg.rl, 3, cfg.training.seq_len), TraceShape(waves=2))
+    assert len(trace) == 96
     results = {}
     for policy in POLICIES:
-        specs = [ResourceSpec("cpu", 16, idle_timeout_s=10.0, startup_s=1.0), ResourceSpec("reward", 4, startup_s=1.0)]
-        estimator = DurationEstimator({"python": 0.5, "tests": 20.0, "reward": 1.5})
+        specs = [ResourceSpec("cpu", 8, idle_timeout_s=10.0, startup_s=1.0), ResourceSpec("reward", 4, startup_s=1.0)]
+        estimator = DurationEstimator({t.name: t.latency_s.median for t in cfg.workload.tools} | {"reward": 1.5})
         results[policy] = replay(make_scheduler(policy, specs, estimator=estimator, aging_rate=0.05), trace)
-    assert results["tangram"].mean_act < results["dedicated"].mean_act / 2
-    assert results["tangram"].held_s < results["dedicated"].held_s / 2
+    assert results["tangram"].mean_act < results["dedicated"].mean_act / 3
+    assert results["tangram"].held_s < results["dedicated"].held_s * 0.75
     assert results["tangram"].busy_s == pytest.approx(results["dedicated"].busy_s)  # same work either way
 
 

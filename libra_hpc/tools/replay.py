@@ -1,5 +1,8 @@
 """Replay a trace of tool calls against a scheduler on a simulated clock (pure).
 
+The trace is a view of the shared synthetic workload's trajectories (:func:`make_trace`,
+:func:`trace_of`; libra_hpc/envs/synthetic.py), or any list of :class:`TrajectoryTrace`.
+
 A trajectory alternates LLM turns (``gap_s``: the tool resource is not needed, but the
 dedicated baseline holds its unit) and tool calls of a known true duration. The next call
 is submitted ``gap_s`` after the previous one completed, so slow tool service also delays
@@ -13,14 +16,17 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
-import random
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from libra_hpc.envs.synthetic import SyntheticWorkload, Trajectory
 from libra_hpc.tools.scheduling import ActionScheduler
 
 
 @dataclass(frozen=True)
 class ToolCall:
+    """One tool call of a trace."""
+
     gap_s: float  # LLM time before this call (since the trajectory start or the previous return)
     tool: str
     resource: str
@@ -29,6 +35,8 @@ class ToolCall:
 
 @dataclass(frozen=True)
 class TrajectoryTrace:
+    """One trajectory's tool calls, in order, from ``start_s`` (seconds on the replay clock)."""
+
     tid: str
     start_s: float
     calls: tuple[ToolCall, ...]
@@ -121,36 +129,54 @@ def replay(scheduler: ActionScheduler, trajectories: list[TrajectoryTrace], keep
 
 @dataclass(frozen=True)
 class TraceShape:
-    """A synthetic agentic-RL trace: rollout waves of trajectories (bursts), each with a few
-    tool calls of three kinds. Durations are log-normal around the given medians (s)."""
+    """How trajectories of the shared synthetic workload (:mod:`libra_hpc.envs.synthetic`)
+    become a tool-call trace: each RL step is a rollout wave (its trajectories start
+    together, a burst); a trajectory decodes a turn, calls its tool, and so on; after its
+    last turn a reward call scores it."""
 
-    trajectories: int = 64
     waves: int = 2
+    """RL steps (the workload's steps ``0..waves-1``) replayed by :func:`make_trace`."""
     wave_gap_s: float = 120.0
-    calls_per_trajectory: tuple[int, int] = (2, 8)
-    llm_gap_s: tuple[float, float] = (2.0, 15.0)
-    short_s: float = 0.5  # "python": quick snippet
-    long_s: float = 20.0  # "tests": running a test suite
-    reward_s: float = 1.5  # "reward": a reward-model call on the endpoint resource
-    long_fraction: float = 0.15
-    reward_per_trajectory: int = 1
+    """Seconds between the starts of two waves."""
+    decode_tokens_per_s: float = 40.0
+    """One sequence's decode speed in a loaded engine (an assumption): a turn of ``n``
+    tokens keeps its trajectory off the tool resources for ``n / decode_tokens_per_s`` s."""
+    resource: str = "cpu"
+    """Resource every tool call runs on (a sandbox)."""
+    reward_s: float = 1.5
+    """Seconds of the reward call that ends every trajectory, on resource ``reward`` (a
+    model-serving endpoint; the workload has no verifier of its own, so this constant is an
+    assumption); 0: no reward call."""
+
+    def __post_init__(self) -> None:
+        for name in ("waves", "decode_tokens_per_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"TraceShape.{name}: {getattr(self, name)} must be > 0")
+        for name in ("wave_gap_s", "reward_s"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"TraceShape.{name}: {getattr(self, name)} must be >= 0")
 
 
-def make_trace(shape: TraceShape, seed: int = 0) -> list[TrajectoryTrace]:
-    """Deterministic trace for ``seed``; trajectories of one wave start together (a burst)."""
-    rng = random.Random(seed)
+def trace_of(trajectories: Iterable[Trajectory], shape: TraceShape = TraceShape()) -> list[TrajectoryTrace]:
+    """The tool-call trace of ``trajectories``, a view of them (no draw of its own): one of
+    step ``s`` starts ``(s - first step) × wave_gap_s`` seconds in; before each tool call it
+    decodes the turn that ends in it; each call takes its ``latency_s`` on
+    ``shape.resource``; after the last turn comes the reward call, if any."""
+    trajectories = list(trajectories)
+    first = min((t.step for t in trajectories), default=0)
+    rate = shape.decode_tokens_per_s
     out = []
-    per_wave = math.ceil(shape.trajectories / shape.waves)
-    for n in range(shape.trajectories):
-        start = (n // per_wave) * shape.wave_gap_s + rng.uniform(0.0, 1.0)
-        calls = []
-        for _ in range(rng.randint(*shape.calls_per_trajectory)):
-            long = rng.random() < shape.long_fraction
-            median = shape.long_s if long else shape.short_s
-            calls.append(ToolCall(rng.uniform(*shape.llm_gap_s), "tests" if long else "python", "cpu",
-                                  median * math.exp(rng.gauss(0.0, 0.5))))
-        for _ in range(shape.reward_per_trajectory):
-            calls.append(ToolCall(rng.uniform(*shape.llm_gap_s), "reward", "reward",
-                                  shape.reward_s * math.exp(rng.gauss(0.0, 0.3))))
-        out.append(TrajectoryTrace(f"t{n}", start, tuple(calls), tail_s=rng.uniform(*shape.llm_gap_s)))
+    for t in trajectories:
+        calls = [ToolCall(tokens / rate, c.tool, shape.resource, c.latency_s) for tokens, c in zip(t.turns, t.calls)]
+        tail_s = t.turns[-1] / rate
+        if shape.reward_s:
+            calls.append(ToolCall(tail_s, "reward", "reward", shape.reward_s))
+            tail_s = 0.0
+        out.append(TrajectoryTrace(t.tid, (t.step - first) * shape.wave_gap_s, tuple(calls), tail_s))
     return out
+
+
+def make_trace(workload: SyntheticWorkload, shape: TraceShape = TraceShape()) -> list[TrajectoryTrace]:
+    """The trace of ``workload``'s first ``shape.waves`` RL steps (:func:`trace_of`):
+    ``waves × prompts_per_step × group_size`` trajectories."""
+    return trace_of((t for step in range(shape.waves) for t in workload.batch(step)), shape)
