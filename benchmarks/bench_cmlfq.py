@@ -13,8 +13,11 @@ routing quality is also measured on the paper's SWE scenario (configs/sim/a800-s
 on which it does not.
 
 Under MPI (the script re-launches itself with ``mpiexec -n clients+1``): rank 0 serves
-with :func:`~libra_hpc.scheduler.mpi_service.serve`, the clients act as rollout
-instance leaders. Each client stands for the leaders of one instance per bucket (a
+in its event loop (``libra_hpc/runtime/loop.py``) as the job runs it: the queue's
+handler with the control (REPORT) and tool-completion (TOOL_DONE) handlers registered
+beside it (no traffic on those here, but the loop probes for every tag); the raw phase
+runs :func:`~libra_hpc.scheduler.mpi_service.serve` (the loop with one handler) over an
+empty service. The clients act as rollout instance leaders. Each client stands for the leaders of one instance per bucket (a
 node's engines): every round it reports the turns of its last engine step and asks for
 every instance, its own first, so that no bucket's share of the work idles a client.
 Phases, interleaved and repeated (best of each, so that a neighbour's load burst cannot
@@ -233,7 +236,7 @@ def mpi_main(args) -> None:
                 raw_rates[mode].append(sum(c for c, _ in counts) / max(s for _, s in counts))
             continue
         service = full_service() if rank == 0 else None
-        if rank == 0:  # what serve() would do at its start, before the clients' clocks run
+        if rank == 0:  # what the loop would do at its start, before the clients' clocks run
             gc.collect()
             gc.freeze()
         batched = mode == "batched"
@@ -292,13 +295,28 @@ class _Timed:
 
 
 def _timed_serve(comm, service, idle_sleep_s: float) -> tuple[dict, dict, float, float]:
-    """serve() with the server's CPU seconds (process time: the share of a core it got,
-    idle probing included) and the seconds spent answering requests and maintaining."""
-    from libra_hpc.scheduler.mpi_service import serve
+    """Rank 0's event loop with the queue's handler and the job's other handlers (control
+    reports, tool completions: none arrive here) until a client's shutdown; returns the
+    transport counters, the service's stats, the server's CPU seconds (process time: the
+    share of a core it got, idle probing included) and the seconds spent answering
+    requests and maintaining."""
+    from libra_hpc.cluster.messages import REPORT, TOOL_DONE
+    from libra_hpc.runtime.loop import EventLoop
+    from libra_hpc.scheduler.mpi_service import QueueHandler
+
+    def unexpected(payload, source):
+        raise RuntimeError(f"bench: no control or tool message expected, rank {source} sent {payload!r}")
+
     timed = _Timed(service)
+    loop = EventLoop(comm, idle_sleep_s=idle_sleep_s)
+    queue = QueueHandler(comm, timed, on_shutdown=lambda source: loop.stop(f"rank {source}: shutdown"))
+    queue.attach(loop)
+    loop.on(REPORT, unexpected, fatal=True)
+    loop.on(TOOL_DONE, unexpected, fatal=True)
     cpu = time.process_time()
-    transport = serve(comm, timed, idle_sleep_s=idle_sleep_s)
-    return transport, service.stats(), time.process_time() - cpu, timed.busy_s
+    loop.run()
+    return ({"requests": queue.requests, "bad_payloads": queue.bad_payloads}, service.stats(),
+            time.process_time() - cpu, timed.busy_s)
 
 
 def _raw_client(queue, probe: dict, seconds: float) -> tuple[int, float]:
@@ -383,7 +401,7 @@ def main() -> None:
                         help="give the server rank a core of its own and the clients the others (as a controller "
                              "rank on its own core; the raw phase runs pinned the same way)")
     parser.add_argument("--server-idle-sleep-s", type=float, default=2e-4,
-                        help="serve()'s idle_sleep_s (0: the server spins while idle)")
+                        help="the server loop's idle_sleep_s: its first sleep when idle (0: it spins while idle)")
     parser.add_argument("--mpi-only", action="store_true", help="only the MPI part; print its raw results")
     parser.add_argument("--mpi-part", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
