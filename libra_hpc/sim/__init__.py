@@ -3,7 +3,8 @@ as the live runtime (libra_hpc.planner, libra_hpc.scheduler).
 
 engine (event loop) · instance (continuous batching) · rollout (instances + queue service
 + tools) · controller (RL pipeline, replanning, hybrid pool) · policies · search (best
-static baselines) · workload / trace (what runs) · report (outputs).
+static baselines) · trace (a recorded workload; the synthetic one is libra_hpc.envs.synthetic)
+· report (outputs).
 ``python -m libra_hpc.sim --config configs/sim/<scenario>.yaml --out logs/sim-<name>``.
 """
 
