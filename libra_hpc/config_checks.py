@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import math
 import re
-from typing import TYPE_CHECKING
+from typing import Any
 
-if TYPE_CHECKING:
-    from libra_hpc.config import ExperimentConfig
+ExperimentConfig = Any
+"""An experiment config (libra_hpc/config.py ``ExperimentConfig``); not imported, since
+config.py imports this module."""
 
 SLURM_TIME = re.compile(r"^(?:(\d+)-)?(\d+)(?::(\d+))?(?::(\d+))?$")
 """A Slurm time string: ``MM``, ``MM:SS``, ``HH:MM:SS``, ``D-HH``, ``D-HH:MM``, ``D-HH:MM:SS``."""

@@ -172,6 +172,7 @@ def same_plan(a: Plan, b: Plan) -> bool:
 
 
 def length_profile(samples: Sequence[LengthSample], batch_size: int) -> LengthProfile:
+    """The planner's view of finished trajectories, for a batch of ``batch_size``."""
     return LengthProfile.from_samples(list(samples), batch_size)
 
 

@@ -6,20 +6,19 @@ from __future__ import annotations
 import logging
 
 from libra_hpc.cluster.layout import Group, Layout, Slot
+from libra_hpc.envs.synthetic import SyntheticWorkload, Trajectory
+from libra_hpc.planner.control import profiles
 from libra_hpc.planner.costs import (
     Calibration,
-    LengthProfile,
     LengthSample,
     RolloutCost,
     TrainShape,
 )
 from libra_hpc.planner.hybrid import HybridPool
-from libra_hpc.planner.control import profiles
 from libra_hpc.sim.config import SimConfig
 from libra_hpc.sim.instance import CostStepModel, StepModel
 from libra_hpc.sim.rollout import InstanceSpec
 from libra_hpc.sim.trace import TraceWorkload, read_trace
-from libra_hpc.envs.synthetic import SyntheticWorkload, Trajectory
 
 log = logging.getLogger(__name__)
 
@@ -112,11 +111,6 @@ def samples_of(trajectories: list[Trajectory]) -> list[LengthSample]:
     """The planner's view of finished trajectories (prompt, generated, turns, tool seconds)."""
     return [LengthSample(t.prompt_tokens + sum(c.output_tokens for c in t.calls), t.gen_tokens, len(t.turns),
                          t.tool_time_s) for t in trajectories]  # tool outputs are prefilled, not decoded
-
-
-def length_profile(trajectories: list[Trajectory], batch_size: int) -> LengthProfile:
-    """The planner's length profile of ``trajectories``."""
-    return LengthProfile.from_samples(samples_of(trajectories), batch_size)
 
 
 def critical_path_s(ctx: Context, trajectories: list[Trajectory]) -> float:

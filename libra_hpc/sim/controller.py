@@ -32,9 +32,9 @@ from collections import deque
 from collections.abc import Callable
 
 from libra_hpc.cluster.layout import Layout
-from libra_hpc.planner.control import ControlLoop, LayoutChange, PoolEvent
+from libra_hpc.planner.control import ControlLoop, LayoutChange, PoolEvent, length_profile
 from libra_hpc.planner.costs import TrainShape
-from libra_hpc.sim.context import Context, describe, instances_of, length_profile, samples_of
+from libra_hpc.sim.context import Context, describe, instances_of, samples_of
 from libra_hpc.sim.engine import Event, EventLoop
 from libra_hpc.sim.policies import PolicySetup
 from libra_hpc.sim.recorder import Recorder
@@ -252,7 +252,7 @@ class PolicyRun:
         if self.pending is not None:
             return self._apply_pending(now)
         nxt = step + 1
-        future = ((lambda: length_profile(self.ctx.batch(nxt), self.cfg.batch_size) if nxt < self.cfg.rl.steps else None)
+        future = ((lambda: length_profile(samples_of(self.ctx.batch(nxt)), self.cfg.batch_size) if nxt < self.cfg.rl.steps else None)
                   if self.setup.clairvoyant else None)
         out = self.control.after_rollout(step, now, self.last["rollout_s"], self.last["train_s"], future)
         if out.change is not None:

@@ -7,7 +7,8 @@ import time
 from dataclasses import dataclass, field
 
 from libra_hpc.sim.config import SimConfig
-from libra_hpc.sim.context import Context, critical_path_s, describe, length_profile
+from libra_hpc.planner.control import length_profile
+from libra_hpc.sim.context import Context, critical_path_s, describe, samples_of
 from libra_hpc.sim.controller import PolicyRun
 from libra_hpc.sim.policies import SETUPS, control_loop
 from libra_hpc.sim.recorder import Recorder
@@ -50,7 +51,7 @@ def run_policy(ctx: Context, name: str, steps: int | None = None,
         layout, train, table = searched["async"]
     else:
         control = control_loop(ctx, setup)
-        first = control.initial(length_profile(ctx.batch(0), ctx.cfg.batch_size) if setup.clairvoyant else None)
+        first = control.initial(length_profile(samples_of(ctx.batch(0)), ctx.cfg.batch_size) if setup.clairvoyant else None)
         layout, train = first.layout, first.plan.train
     start = describe(layout, train, control.pool if control else None, colocated)
     log.info("%s starts with %s", name, start)

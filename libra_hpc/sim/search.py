@@ -23,7 +23,8 @@ import statistics
 from libra_hpc.cluster.layout import Layout
 from libra_hpc.planner.costs import TrainShape
 from libra_hpc.planner.costs import rollout_makespan as rollout_cost_makespan
-from libra_hpc.sim.context import Context, instances_of, length_profile
+from libra_hpc.planner.control import length_profile
+from libra_hpc.sim.context import Context, instances_of, samples_of
 from libra_hpc.sim.engine import EventLoop
 from libra_hpc.sim.rollout import RolloutSide
 from libra_hpc.sim.training import best_shape, step_s
@@ -79,7 +80,7 @@ def _screen(ctx: Context, layout: Layout, train_shape: TrainShape, step: int, sy
     for inst in layout.rollout_instances:
         pools[inst.tp] = pools.get(inst.tp, 0) + 1
     roll = rollout_cost_makespan([(ctx.rollout_costs[tp], n) for tp, n in pools.items()],
-                                 length_profile(batch, len(batch))).makespan_s
+                                 length_profile(samples_of(batch), len(batch))).makespan_s
     train = step_s(ctx.model, ctx.hw, train_shape, statistics.fmean(t.total_tokens for t in batch), ctx.cal)
     k = ctx.cfg.rl.max_staleness
     return roll + train + ctx.cfg.costs.colocate_switch_s if sync else max(train, (roll + train) / (k + 1))
