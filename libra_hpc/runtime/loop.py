@@ -41,10 +41,13 @@ raises is logged with its name and rescheduled.
 two requests of one client) the loop runs due timers, the idle hooks and a due garbage
 collection; when none had work it sleeps, ``idle_sleep_s`` first, doubling to
 ``max_sleep_s`` (:class:`~libra_hpc.cluster.messages.Backoff`), with one probe and the
-idle work between sleeps. A message resets both. An idle controller thus wakes every
-``max_sleep_s`` (its reaction time) and leaves the core to the ranks that share it.
-Under constant load, every :data:`BUSY_TICK` messages the loop runs timers overdue by
-their ``busy_after_s`` and an overdue collection (:class:`Collector`).
+idle work between sleeps (after idle work that did something, one probe and the idle
+work again before the next sleep). A message resets both. An idle controller thus wakes
+every ``max_sleep_s`` (its reaction time: 10 ms by default, about 2% of a core here in
+sleeps and wake-ups) and leaves the core to the ranks that share it.
+Under constant load the loop checks the clock after each message and runs, between two
+messages, the timers overdue by their ``busy_after_s`` and an overdue collection
+(:class:`Collector`).
 """
 
 from __future__ import annotations
@@ -64,9 +67,6 @@ log = logging.getLogger(__name__)
 
 YOUNG_THRESHOLD = 20_000
 """Net allocations between young-generation collections while the loop runs (Python's default: 700)."""
-
-BUSY_TICK = 256
-"""Messages between two checks for overdue timers and collections when the loop never idles."""
 
 Handler = Callable[[Any, int], None]
 """``handler(payload, source_rank)``: a received message's object and its sender."""
@@ -110,7 +110,7 @@ class EventLoop:
     (:class:`Collector`; None: the loop leaves the collector alone)."""
 
     def __init__(self, comm: Any, *, clock: Callable[[], float] = time.monotonic, spin: int = 200,
-                 idle_sleep_s: float = 2e-4, max_sleep_s: float = 2e-3, collect_every_s: float | None = 10.0):
+                 idle_sleep_s: float = 2e-4, max_sleep_s: float = 0.01, collect_every_s: float | None = 10.0):
         if spin < 1 or idle_sleep_s < 0 or (idle_sleep_s > 0 and max_sleep_s < idle_sleep_s):
             raise ValueError(f"EventLoop: need spin >= 1 (got {spin}), idle_sleep_s >= 0 (got {idle_sleep_s}) "
                              f"and max_sleep_s >= idle_sleep_s (got {max_sleep_s})")
@@ -123,6 +123,7 @@ class EventLoop:
         self._timers: list[Timer] = []
         self._idle_hooks: list[Callable[[float], bool]] = []
         self._collector: Collector | None = None
+        self.next_late = float("inf")  # when the next timer or collection is overdue even under load
         self.stopped: str | None = None
 
     # ------------------------------------------------------------------ registration
@@ -153,6 +154,7 @@ class EventLoop:
     def _add(self, timer: Timer, due: float) -> Timer:
         timer.due, timer.late = due, due + timer.busy_after_s
         self._timers.append(timer)
+        self.next_late = min(self.next_late, timer.late)
         return timer
 
     def when_idle(self, hook: Callable[[float], bool]) -> None:
@@ -174,26 +176,27 @@ class EventLoop:
             raise ValueError("EventLoop.run: no handler registered (EventLoop.on)")
         status, probe, any_source = MPI.Status(), self.comm.improbe, MPI.ANY_SOURCE
         tag = next(iter(self._routes)) if len(self._routes) == 1 else MPI.ANY_TAG
-        dispatch, backoff, spin = self._dispatch, self.backoff, self.spin
+        dispatch, backoff, spin, clock = self._dispatch, self.backoff, self.spin, self.clock
         self.stopped, idle, handled = None, 0, 0
         with Collector(self.collect_every_s, self.clock, self.counters) as self._collector:
+            self._reschedule()
             while self.stopped is None and not stop_when():
                 message = probe(source=any_source, tag=tag, status=status)
                 if message is None:
                     idle += 1
-                    if idle >= spin:  # a real idle moment
-                        if self._idle_work() or backoff is None:
-                            idle = 0
-                        else:
+                    if idle >= spin:  # a real idle moment; idle stays >= spin: one probe, then idle work again
+                        if not self._idle_work() and backoff is not None:
                             self.counters["sleeps"] += 1
-                            backoff.sleep()  # idle stays >= spin: one probe, then idle work again
+                            backoff.sleep()
+                        elif backoff is None:
+                            idle = 0  # never sleeping: idle work every spin probes
                     continue
                 if idle >= spin and backoff is not None:
                     backoff.reset()
                 idle = 0
                 dispatch(message, status.Get_source(), status.Get_tag())
                 handled += 1
-                if not handled % BUSY_TICK:  # never idle: overdue timers and collections run anyway
+                if clock() >= self.next_late:  # never idle for long: what is overdue runs anyway
                     self._busy_tick()
         self.counters["messages"] += handled
         return dict(self.counters)
@@ -240,11 +243,18 @@ class EventLoop:
         worked = self._run_timers(now, idle=True)
         for hook in self._idle_hooks:
             worked = bool(hook(now)) or worked
-        return self._collector.due(idle=True) or worked
+        worked = self._collector.due(idle=True) or worked
+        self._reschedule()
+        return worked
 
     def _busy_tick(self) -> None:
         self._run_timers(self.clock(), idle=False)
         self._collector.due(idle=False)
+        self._reschedule()
+
+    def _reschedule(self) -> None:
+        self.next_late = min([t.late for t in self._timers], default=float("inf"))
+        self.next_late = min(self.next_late, self._collector.overdue_at())
 
     def _run_timers(self, now: float, *, idle: bool) -> bool:
         due = [t for t in self._timers if (now >= t.due if idle else now >= t.late) or t.cancelled]
@@ -295,6 +305,10 @@ class Collector:
         gc.set_threshold(max(self.thresholds[0], YOUNG_THRESHOLD), max(self.thresholds[1], 50), 1 << 30)
         self.last = self.clock()
         return self
+
+    def overdue_at(self) -> float:
+        """When a collection is due even between two requests (inf: never)."""
+        return float("inf") if self.every_s is None else self.last + 2 * self.every_s
 
     def due(self, *, idle: bool) -> bool:
         """Collect now if the period has passed (twice over when not ``idle``)."""

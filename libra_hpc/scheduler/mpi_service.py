@@ -107,7 +107,7 @@ class QueueHandler:
 
 def serve(comm: Any, service: QueueService, *, clock: Callable[[], float] = time.monotonic,
           save: Callable[[], None] | None = None, save_every_s: float = 30.0,
-          stop_when: Callable[[], bool] = lambda: False, idle_sleep_s: float = 2e-4, max_sleep_s: float = 2e-3,
+          stop_when: Callable[[], bool] = lambda: False, idle_sleep_s: float = 2e-4, max_sleep_s: float = 0.01,
           spin: int = 200, collect_every_s: float = 10.0) -> dict:
     """Answer requests from any rank of ``comm`` until a shutdown request or ``stop_when()``:
     rank 0's event loop (``libra_hpc/runtime/loop.py``, where spinning, idle sleeps and

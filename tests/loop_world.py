@@ -1,0 +1,221 @@
+"""MPI worlds for tests/test_runtime_loop.py: ``mpiexec -n N python tests/loop_world.py SCENARIO OUT``.
+
+``mixed`` (6 ranks): rank 0 runs the event loop with a queue handler (a stand-in service
+that works :data:`SERVICE_S` per request, so the queue keeps the loop busy), a control
+handler (REPORT → an ack sent back with tag COMMAND) and a tool-completion handler
+(TOOL_DONE, no reply), and a timer every :data:`TICK_S`. Ranks 1-3 hammer the queue for
+:data:`RUN_S` seconds, rank 4 sends reports and waits for each ack for as long; both kinds
+of client wait for replies the same way (probe, yield the core). Rank 5 sends a queue
+request that does not unpickle, a tool completion whose handler raises, one that does not
+unpickle, a message with a tag no handler serves, then a completion every 10 ms. Each
+client ends with a ``done`` report carrying what it measured; the loop stops
+:data:`IDLE_TAIL_S` after the last one (an idle stretch for the timer).
+``control-when-idle``: the same clients against a loop that reads other messages only
+when the queue is idle (what the event loop must not do: the control client starves).
+
+``idle`` (2 ranks): rank 0 runs the loop (the same handlers and a timer); rank 1 sleeps
+:data:`IDLE_S`, then sends one report; rank 0 measures its own CPU time over the idle
+stretch and how late it saw the report.
+
+Rank 0 writes a JSON summary to OUT (the ranks' stdout is not a channel to parse).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+
+from mpi4py import MPI
+
+from libra_hpc.cluster.messages import COMMAND, QUEUE_REPLY, QUEUE_REQUEST, REPORT, TOOL_DONE
+from libra_hpc.runtime.loop import EventLoop
+from libra_hpc.scheduler.mpi_service import QueueClient, QueueError, QueueHandler
+
+RUN_S = 3.0
+SERVICE_S = 0.01
+TICK_S = 0.05
+IDLE_TAIL_S = 0.5
+IDLE_S = 2.0
+WINDOW_S = 0.5
+QUEUE_CLIENTS = (1, 2, 3)
+CONTROL_CLIENT, ERROR_CLIENT = 4, 5
+
+
+class SlowService:
+    """Stands in for QueueService: answers every request ``SERVICE_S`` later (asleep, so
+    that the clients have the cores: the loop, not the CPU, is what they wait for, and
+    three clients keep a request waiting at all times)."""
+
+    def __init__(self):
+        self.handled = 0
+
+    def handle(self, request, now):
+        time.sleep(SERVICE_S)
+        self.handled += 1
+        return {"ok": True, "n": self.handled}
+
+    def maintain(self, now, *, busy=False):
+        return False
+
+
+class Records(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.lines: list[str] = []
+
+    def emit(self, record):
+        self.lines.append(record.getMessage())
+
+
+def server(comm, scenario: str, out: Path) -> None:
+    records = Records()
+    logging.getLogger("libra_hpc.runtime.loop").addHandler(records)
+    loop = EventLoop(comm)
+    service = SlowService()
+    QueueHandler(comm, service).attach(loop)
+    ticks: list[float] = []
+    loop.every(TICK_S, lambda: ticks.append(time.monotonic()), name="tick")
+    done: dict[int, dict] = {}
+    tools: list[int] = []
+    idle: dict[str, float] = {}
+
+    def control(report, source):
+        comm.send({"ack": report.get("seq")}, dest=source, tag=COMMAND)
+        if scenario == "idle":
+            idle.update(seen_late_s=time.monotonic() - report["sent"], wall=time.monotonic(), cpu=time.process_time())
+            loop.stop("the report came")
+        elif report.get("done"):
+            done[source] = report
+            if len(done) == comm.Get_size() - 1:
+                loop.after(IDLE_TAIL_S, lambda: loop.stop("every client is done"), name="stop")
+
+    def tool_done(completion, source):
+        if completion.get("boom"):
+            raise ValueError(f"tool completion {completion} makes this handler fail")
+        tools.append(completion["n"])
+
+    loop.on(REPORT, control)
+    loop.on(TOOL_DONE, tool_done)
+    if scenario == "idle":
+        loop.after(0.3, lambda: idle.update(wall0=time.monotonic(), cpu0=time.process_time()), name="mark")
+    started = time.monotonic()
+    counters = (run_control_when_idle(comm, loop, service, control, tool_done) if scenario == "control-when-idle"
+                else loop.run(stop_when=lambda: time.monotonic() - started > 60))
+    out.write_text(json.dumps({"counters": counters, "stopped": loop.stopped, "ticks": [t - started for t in ticks],
+                               "started": started, "clients": {str(k): v for k, v in done.items()}, "tools": tools,
+                               "log": records.lines, "idle": idle, "queue_handled": service.handled}))
+
+
+def run_control_when_idle(comm, loop, service, control, tool_done) -> dict:
+    """The wrong rule, for the test to show it can tell: a loop that serves the queue and
+    reads other messages only when no queue request came for ``loop.spin`` probes (as
+    serve() ran its saves)."""
+    queue = QueueHandler(comm, service)
+    status, idle = MPI.Status(), 0
+    handlers = {QUEUE_REQUEST: queue.handle, REPORT: control, TOOL_DONE: tool_done}
+    while loop.stopped is None:
+        message = comm.improbe(source=MPI.ANY_SOURCE, tag=QUEUE_REQUEST, status=status)
+        if message is None and idle >= loop.spin:
+            message = comm.improbe(source=MPI.ANY_SOURCE, tag=MPI.ANY_TAG, status=status)
+        if message is None:
+            idle += 1
+            loop._run_timers(time.monotonic(), idle=True)
+            continue
+        idle = 0
+        try:
+            payload = message.recv()
+            handlers.get(status.Get_tag(), lambda payload, source: None)(payload, status.Get_source())
+        except Exception:  # the error client's messages: not what this loop is here to show
+            if status.Get_tag() == QUEUE_REQUEST:
+                queue.malformed(status.Get_source(), ValueError("garbage"))
+    return {}
+
+
+def wait_reply(comm, tag: int):
+    """The reply from rank 0 with ``tag``, probing and yielding the core (as QueueClient(poll_s=0))."""
+    while True:
+        message = comm.improbe(source=0, tag=tag)
+        if message is not None:
+            return message.recv()
+        os.sched_yield()
+
+
+def round_trips(once) -> dict:
+    """``once(sent)`` (a request and its reply) again and again for :data:`RUN_S` seconds:
+    round trips per :data:`WINDOW_S` window, and latency quantiles (s)."""
+    ends, latencies = [], []
+    start = time.monotonic()
+    while time.monotonic() - start < RUN_S:
+        sent = time.monotonic()
+        once(sent)
+        ends.append(time.monotonic())
+        latencies.append(ends[-1] - sent)
+    windows = [0] * round(RUN_S / WINDOW_S)
+    for end in ends:
+        windows[min(int((end - start) / WINDOW_S), len(windows) - 1)] += 1
+    ordered = sorted(latencies)
+    return {"windows": windows, "count": len(ordered), "p50_s": ordered[len(ordered) // 2],
+            "p99_s": ordered[int(len(ordered) * 0.99)], "max_s": ordered[-1]}
+
+
+def queue_client(comm) -> dict:
+    queue = QueueClient(comm, poll_s=0.0)
+    ask = {"op": "ask", "instance": comm.Get_rank(), "max": 1}
+    return round_trips(lambda sent: queue.request(ask))
+
+
+def control_client(comm) -> dict:
+    def report(sent):
+        comm.send({"seq": 0, "sent": sent}, dest=0, tag=REPORT)
+        wait_reply(comm, COMMAND)
+
+    return round_trips(report)
+
+
+def error_client(comm) -> dict:
+    comm.Send(bytearray(b"\x80\x05garbage"), dest=0, tag=QUEUE_REQUEST)
+    reply = wait_reply(comm, QUEUE_REPLY)
+    comm.send({"boom": True}, dest=0, tag=TOOL_DONE)
+    comm.Send(bytearray(b"\x80\x05garbage"), dest=0, tag=TOOL_DONE)
+    comm.send({"stray": True}, dest=0, tag=0x7777)
+    try:  # the loop goes on: the queue still answers this rank
+        QueueClient(comm, poll_s=0.0).request({"op": "ask", "instance": 5, "max": 1})
+        after_errors = "answered"
+    except QueueError as exc:
+        after_errors = str(exc)
+    sent, start = 0, time.monotonic()
+    while time.monotonic() - start < RUN_S:
+        comm.send({"n": sent}, dest=0, tag=TOOL_DONE)
+        sent += 1
+        time.sleep(0.01)
+    return {"malformed_reply": reply, "after_errors": after_errors, "completions_sent": sent}
+
+
+def client(comm, scenario: str) -> None:
+    rank = comm.Get_rank()
+    if scenario == "idle":
+        time.sleep(IDLE_S)
+        comm.send({"seq": 0, "sent": time.monotonic()}, dest=0, tag=REPORT)
+        wait_reply(comm, COMMAND)
+        return
+    measured = (queue_client(comm) if rank in QUEUE_CLIENTS else control_client(comm) if rank == CONTROL_CLIENT
+                else error_client(comm))
+    comm.send({"done": True, "seq": -1, **measured}, dest=0, tag=REPORT)
+    wait_reply(comm, COMMAND)
+
+
+def main() -> None:
+    scenario, out = sys.argv[1], Path(sys.argv[2])
+    comm = MPI.COMM_WORLD
+    if comm.Get_rank() == 0:
+        server(comm, scenario, out)
+    else:
+        client(comm, scenario)
+
+
+if __name__ == "__main__":
+    main()
