@@ -39,12 +39,15 @@ raises is logged with its name and rescheduled.
 
 **Idle.** After ``spin`` empty probes in a row (a real idle moment, not the gap between
 two requests of one client) the loop runs due timers, the idle hooks and a due garbage
-collection; when none had work it sleeps, ``idle_sleep_s`` first, doubling to
-``max_sleep_s`` (:class:`~libra_hpc.cluster.messages.Backoff`), with one probe and the
-idle work between sleeps (after idle work that did something, one probe and the idle
-work again before the next sleep). A message resets both. An idle controller thus wakes
-every ``max_sleep_s`` (its reaction time: 10 ms by default, about 2% of a core here in
-sleeps and wake-ups) and leaves the core to the ranks that share it.
+collection; when none had work it sleeps. Within ``short_idle_s`` of the last message it
+naps ``idle_sleep_s`` and spins again (clients that send one small request after another
+find it awake: growing sleeps here cost 20% of the benchmark's one-request-per-report
+rate); after that the sleeps double up to ``max_sleep_s``
+(:class:`~libra_hpc.cluster.messages.Backoff`), with one probe and the idle work between
+two (and after idle work that did something, one probe and the idle work again before
+the next sleep). An idle controller thus wakes every ``max_sleep_s`` (its reaction time:
+10 ms by default; about 2% of a core here in sleeps and wake-ups, where napping and
+spinning took 22%) and leaves the core to the ranks that share it.
 Under constant load the loop checks the clock after each message and runs, between two
 messages, the timers overdue by their ``busy_after_s`` and an overdue collection
 (:class:`Collector`).
@@ -104,16 +107,20 @@ class EventLoop:
     (:meth:`when_idle`), then :meth:`run` until :meth:`stop` or ``stop_when()``.
 
     ``clock``: monotonic seconds for timers (and what handlers may share). ``spin``: empty
-    probes before the loop counts as idle. ``idle_sleep_s``/``max_sleep_s``: the first
-    and the longest sleep when idle (0: never sleep, for a controller with a core of its
-    own). ``collect_every_s``: full garbage collections when idle this often
+    probes before the loop counts as idle. ``idle_sleep_s``: the naps while idle up to
+    ``short_idle_s`` after the last message, and the first sleep after; ``max_sleep_s``:
+    the longest sleep (``idle_sleep_s`` 0: never sleep, for a controller with a core of
+    its own). ``collect_every_s``: full garbage collections when idle this often
     (:class:`Collector`; None: the loop leaves the collector alone)."""
 
     def __init__(self, comm: Any, *, clock: Callable[[], float] = time.monotonic, spin: int = 200,
-                 idle_sleep_s: float = 2e-4, max_sleep_s: float = 0.01, collect_every_s: float | None = 10.0):
-        if spin < 1 or idle_sleep_s < 0 or (idle_sleep_s > 0 and max_sleep_s < idle_sleep_s):
-            raise ValueError(f"EventLoop: need spin >= 1 (got {spin}), idle_sleep_s >= 0 (got {idle_sleep_s}) "
-                             f"and max_sleep_s >= idle_sleep_s (got {max_sleep_s})")
+                 idle_sleep_s: float = 2e-4, short_idle_s: float = 5e-3, max_sleep_s: float = 0.01,
+                 collect_every_s: float | None = 10.0):
+        if spin < 1 or idle_sleep_s < 0 or short_idle_s < 0 or (idle_sleep_s > 0 and max_sleep_s < idle_sleep_s):
+            raise ValueError(f"EventLoop: need spin >= 1 (got {spin}), idle_sleep_s >= 0 (got {idle_sleep_s}), "
+                             f"short_idle_s >= 0 (got {short_idle_s}) and max_sleep_s >= idle_sleep_s "
+                             f"(got {max_sleep_s})")
+        self.idle_sleep_s, self.short_idle_s = idle_sleep_s, short_idle_s
         self.comm, self.clock, self.spin = comm, clock, spin
         self.backoff = Backoff(idle_sleep_s, max_sleep_s) if idle_sleep_s > 0 else None
         self.collect_every_s = collect_every_s
@@ -176,27 +183,22 @@ class EventLoop:
             raise ValueError("EventLoop.run: no handler registered (EventLoop.on)")
         status, probe, any_source = MPI.Status(), self.comm.improbe, MPI.ANY_SOURCE
         tag = next(iter(self._routes)) if len(self._routes) == 1 else MPI.ANY_TAG
-        dispatch, backoff, spin, clock = self._dispatch, self.backoff, self.spin, self.clock
-        self.stopped, idle, handled = None, 0, 0
+        dispatch, spin, clock = self._dispatch, self.spin, self.clock
+        self.stopped, idle, handled, last = None, 0, 0, clock()
         with Collector(self.collect_every_s, self.clock, self.counters) as self._collector:
             self._reschedule()
             while self.stopped is None and not stop_when():
                 message = probe(source=any_source, tag=tag, status=status)
                 if message is None:
                     idle += 1
-                    if idle >= spin:  # a real idle moment; idle stays >= spin: one probe, then idle work again
-                        if not self._idle_work() and backoff is not None:
-                            self.counters["sleeps"] += 1
-                            backoff.sleep()
-                        elif backoff is None:
-                            idle = 0  # never sleeping: idle work every spin probes
+                    if idle >= spin:  # a real idle moment
+                        idle = self._rest(last)
                     continue
-                if idle >= spin and backoff is not None:
-                    backoff.reset()
                 idle = 0
                 dispatch(message, status.Get_source(), status.Get_tag())
                 handled += 1
-                if clock() >= self.next_late:  # never idle for long: what is overdue runs anyway
+                last = clock()
+                if last >= self.next_late:  # never idle for long: what is overdue runs anyway
                     self._busy_tick()
         self.counters["messages"] += handled
         return dict(self.counters)
@@ -236,6 +238,21 @@ class EventLoop:
         log.exception("%s handler failed on a message from rank %d%s", route.name, source,
                       " (fatal: the loop stops)" if route.fatal else "; the loop goes on")
         return route.fatal
+
+    def _rest(self, last: float) -> int:
+        """Idle work, then a nap or a sleep if it had none (``last``: when the last message
+        was handled); returns the count of empty probes to go on from."""
+        if self._idle_work():
+            return self.spin  # one probe, then idle work again
+        if self.backoff is None:
+            return 0  # never sleeping: idle work every spin probes
+        self.counters["sleeps"] += 1
+        if self.clock() - last < self.short_idle_s:  # a short gap: nap, then spin again
+            self.backoff.reset()
+            time.sleep(self.idle_sleep_s)
+            return 0
+        self.backoff.sleep()  # idle for a while: longer each time, one probe between
+        return self.spin
 
     def _idle_work(self) -> bool:
         """Due timers, idle hooks, a due collection; whether any of them worked."""

@@ -107,8 +107,8 @@ class QueueHandler:
 
 def serve(comm: Any, service: QueueService, *, clock: Callable[[], float] = time.monotonic,
           save: Callable[[], None] | None = None, save_every_s: float = 30.0,
-          stop_when: Callable[[], bool] = lambda: False, idle_sleep_s: float = 2e-4, max_sleep_s: float = 0.01,
-          spin: int = 200, collect_every_s: float = 10.0) -> dict:
+          stop_when: Callable[[], bool] = lambda: False, idle_sleep_s: float = 2e-4, short_idle_s: float = 5e-3,
+          max_sleep_s: float = 0.01, spin: int = 200, collect_every_s: float = 10.0) -> dict:
     """Answer requests from any rank of ``comm`` until a shutdown request or ``stop_when()``:
     rank 0's event loop (``libra_hpc/runtime/loop.py``, where spinning, idle sleeps and
     garbage collection are described) with the queue's handler alone.
@@ -121,7 +121,7 @@ def serve(comm: Any, service: QueueService, *, clock: Callable[[], float] = time
     save_failures, full_collections."""
     from libra_hpc.runtime.loop import EventLoop  # the one place scheduler/ uses runtime/: this convenience entry
 
-    loop = EventLoop(comm, clock=clock, spin=spin, idle_sleep_s=idle_sleep_s,
+    loop = EventLoop(comm, clock=clock, spin=spin, idle_sleep_s=idle_sleep_s, short_idle_s=short_idle_s,
                      max_sleep_s=max(max_sleep_s, idle_sleep_s), collect_every_s=collect_every_s)
     queue = QueueHandler(comm, service, clock=clock,
                          on_shutdown=lambda source: loop.stop(f"queue shutdown requested by rank {source}"))
