@@ -17,9 +17,10 @@ in its event loop (``libra_hpc/runtime/loop.py``) as the job runs it: the queue'
 handler with the control (REPORT) and tool-completion (TOOL_DONE) handlers registered
 beside it (no traffic on those here, but the loop probes for every tag); the raw phase
 runs :func:`~libra_hpc.scheduler.mpi_service.serve` (the loop with one handler) over an
-empty service. The clients act as rollout instance leaders. Each client stands for the leaders of one instance per bucket (a
-node's engines): every round it reports the turns of its last engine step and asks for
-every instance, its own first, so that no bucket's share of the work idles a client.
+empty service. The clients act as rollout instance leaders. Each client stands for the
+leaders of one instance per bucket (a node's engines): every round it reports the turns
+of its last engine step and asks for every instance, its own first, so that no bucket's
+share of the work idles a client.
 Phases, interleaved and repeated (best of each, so that a neighbour's load burst cannot
 favour one side of the ratio):
 
