@@ -275,10 +275,12 @@ class EventLoop:
 
     def _run_timers(self, now: float, *, idle: bool) -> bool:
         due = [t for t in self._timers if (now >= t.due if idle else now >= t.late) or t.cancelled]
+        ran = False
         for timer in due:
             self._timers.remove(timer)
             if timer.cancelled:
                 continue
+            ran = True
             try:
                 timer.callback()
                 self.counters["timer_runs"] += 1
@@ -288,7 +290,7 @@ class EventLoop:
                               if timer.period_s else "")
             if timer.period_s is not None and not timer.cancelled:
                 self._add(timer, self.clock() + timer.period_s)
-        return bool(due)
+        return ran
 
 
 class Collector:
