@@ -31,6 +31,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from libra_hpc.cluster.layout import Layout, LayoutError
+from libra_hpc.config import LengthPrior
 from libra_hpc.planner.costs import Calibration, LengthProfile, LengthSample, RolloutCost, TrainingCost, TrainShape
 from libra_hpc.planner.gate import GateOptions, ReplanGate
 from libra_hpc.planner.hybrid import HybridPool, HybridPoolError, PhaseTimeouts, PoolEvent
@@ -40,17 +41,6 @@ from libra_hpc.planner.search import Plan, PlanError, PlannerOptions, PlanResult
 from libra_hpc.planner.search import RolloutInstance as PlanInstance
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class Prior:
-    """Trajectory lengths assumed before any is observed (``planner.prior`` in the config)."""
-
-    prompt_tokens: int = 1024
-    gen_tokens_median: int = 2048
-    tail_shape: float = 1.2
-    turns: int = 4
-    tool_s_per_turn: float = 2.0
 
 
 @dataclass(frozen=True)
@@ -67,7 +57,8 @@ class ControlOptions:
     """Policy versions rollout may run ahead of training (k); 0 is synchronous."""
     rollout_tps: tuple[int, ...]
     """Rollout instance TP sizes that fit the model (descending)."""
-    prior: Prior = Prior()
+    prior: LengthPrior = LengthPrior()
+    """Lengths assumed before any is observed (``planner.prior``)."""
     seed: int = 0
     hybrid_nodes: int = 1
     """Last nodes that form the hybrid pool when the plan leaves them to rollout."""
@@ -100,11 +91,11 @@ class ControlOptions:
         ``hybrid_timeouts``) or what a policy may do (``replan``, ``hybrid``, ...).
         ``launch.py --plan`` and the simulator both come through here, so they plan on
         the same inputs."""
-        c, p, pr = cfg.cluster, cfg.planner, cfg.planner.prior
+        c, p = cfg.cluster, cfg.planner
         return cls(
             nodes=c.nodes, gpus_per_node=c.gpus_per_node, global_batch=cfg.batch_size, seq_len=cfg.training.seq_len,
             max_staleness=cfg.rl.max_staleness, rollout_tps=tuple(rollout_tps),
-            prior=Prior(pr.prompt_tokens, pr.gen_tokens_median, pr.tail_shape, pr.turns, pr.tool_s_per_turn),
+            prior=p.prior,
             seed=cfg.rl.seed, hybrid_nodes=p.hybrid_nodes, min_rollout_gpus=p.min_rollout_gpus, window=p.window,
             gate=GateOptions(every_steps=p.every_steps, margin_s=p.margin_s, confirm_checks=p.confirm_checks,
                              min_dwell_steps=p.min_dwell_steps),
