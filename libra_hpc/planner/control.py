@@ -6,6 +6,7 @@ itself (pure: no MPI, no torch, no clock):
 | call | observation in | decision out |
 |---|---|---|
 | :meth:`ControlLoop.initial` | nothing (the length prior) or known lengths | the first :class:`LayoutChange` |
+| :meth:`ControlLoop.start` | a pinned plan | the first :class:`LayoutChange` (its hybrid pool formed as for a planned one) |
 | :meth:`ControlLoop.observe` | length samples of finished trajectories | (the window the next plans are made on) |
 | :meth:`ControlLoop.after_rollout` | a batch's rollout makespan and the last training step time | a new layout (plan search → gate → reprice of the current plan → same-plan check), else hybrid-pool transitions |
 | :meth:`ControlLoop.apply` | the driver applied a change (rollout drained, groups rebuilt) | (the current layout and pool) |
