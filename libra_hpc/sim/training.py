@@ -59,8 +59,3 @@ def step_s(model: ModelProfile, hw: HardwareProfile, shape: TrainShape, mean_tok
     if cost.infeasible:
         raise ValueError(f"training shape {shape} cannot run sequences of {seq} tokens: {cost.infeasible}")
     return cost.step_s
-
-
-def grown(shape: TrainShape, extra_replicas: int) -> TrainShape:
-    """``shape`` with ``extra_replicas`` more DP replicas (hybrid replicas lent to training)."""
-    return replace(shape, dp=shape.dp + extra_replicas)
