@@ -8,11 +8,6 @@ from __future__ import annotations
 
 import itertools
 import json
-import os
-import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -69,20 +64,9 @@ def tiny(tmp_path_factory):
 
 @pytest.mark.mpi
 def test_trained_weights_reach_the_vllm_leader_and_its_logprobs_match(tiny, tmp_path):
-    from libra_hpc.cluster.local import remove_stale_shm
+    from mpi_worlds import run_world
 
-    started = time.time()
-    process = subprocess.Popen(["mpiexec", "-n", "3", sys.executable, "-m", "mpi4py", str(HERE / "train_world.py"),
-                                "sync", str(tiny), str(tmp_path)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                               text=True, cwd=HERE.parent, start_new_session=True)
-    try:
-        log, _ = process.communicate(timeout=300)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        log, _ = process.communicate()
-        remove_stale_shm(started - 1)
-        pytest.fail(f"the sync world hung:\n{log[-4000:]}")
-    assert process.returncode == 0, log[-4000:]
+    run_world("train_world.py", 3, "sync", tiny, tmp_path, timeout=300, what="the sync world")
     result = json.loads((tmp_path / "result.json").read_text())
     assert result["rollout"] == "VllmRolloutEngine"
     assert result["rollout_vs_trained"] < 1e-4  # after the sync: the trained policy, to fp32 precision

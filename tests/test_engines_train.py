@@ -6,11 +6,8 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import socket
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -246,21 +243,10 @@ def torch_world():
 @pytest.fixture(scope="module")
 def tp2_world(tiny, tmp_path_factory):
     """Run tests/train_world.py tp2 on 2 MPI ranks once; its result and checkpoint."""
-    from libra_hpc.cluster.local import remove_stale_shm
+    from mpi_worlds import run_world
 
     out = tmp_path_factory.mktemp("tp2")
-    started = time.time()
-    process = subprocess.Popen(["mpiexec", "-n", "2", sys.executable, "-m", "mpi4py", str(HERE / "train_world.py"),
-                                "tp2", str(tiny), str(out)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                               text=True, cwd=HERE.parent, start_new_session=True)
-    try:
-        log, _ = process.communicate(timeout=240)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        log, _ = process.communicate()
-        remove_stale_shm(started - 1)
-        pytest.fail(f"the TP=2 training world hung:\n{log[-4000:]}")
-    assert process.returncode == 0, log[-4000:]
+    run_world("train_world.py", 2, "tp2", tiny, out, timeout=240, what="the TP=2 training world")
     return json.loads((out / "result.json").read_text()), out / "ckpt"
 
 

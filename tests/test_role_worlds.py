@@ -11,15 +11,13 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
-from slurm_cluster import busiest_processes
+import mpi_worlds
 
 from libra_hpc.cluster.layout import Group, Slot
 from libra_hpc.cluster.rendezvous import LOOPBACK, init_method, rendezvous, store_host
@@ -112,23 +110,8 @@ def test_training_world_rebuilds_give_back_their_sockets_and_threads(tiny):
 # --------------------------------------------------------------------- MPI worlds
 
 def run_world(scenario: str, out: Path, *args: str, timeout: float) -> dict:
-    """``mpiexec -n 13`` tests/role_world.py; its result.json. On timeout the whole session
-    is killed, so that a hung world cannot starve the tests that follow."""
-    from libra_hpc.cluster.local import remove_stale_shm
-
-    started = time.time()
-    process = subprocess.Popen(["mpiexec", "-n", "13", sys.executable, "-m", "mpi4py", str(HERE / "role_world.py"),
-                                scenario, str(out), *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                               text=True, cwd=HERE.parent, start_new_session=True)
-    try:
-        log, _ = process.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        busiest = busiest_processes()
-        os.killpg(process.pid, signal.SIGKILL)
-        log, _ = process.communicate()
-        remove_stale_shm(started - 1)
-        pytest.fail(f"the {scenario} world hung after {timeout} s:\n{log[-4000:]}\n{busiest}")
-    assert process.returncode == 0, log[-6000:]
+    """``mpiexec -n 13`` tests/role_world.py; its result.json."""
+    mpi_worlds.run_world("role_world.py", 13, scenario, out, *args, timeout=timeout, what=f"the {scenario} world")
     return json.loads((out / "result.json").read_text())
 
 

@@ -8,9 +8,6 @@ from __future__ import annotations
 import gc
 import json
 import logging
-import os
-import signal
-import subprocess
 import sys
 import time
 from collections import deque
@@ -19,14 +16,14 @@ from pathlib import Path
 import pytest
 from mpi4py import MPI
 
-from libra_hpc.cluster.local import remove_stale_shm
-from libra_hpc.cluster.messages import COMMAND, QUEUE_REPLY, QUEUE_REQUEST, REPORT, TOOL_DONE
+from libra_hpc.cluster.messages import QUEUE_REPLY, QUEUE_REQUEST, REPORT, TOOL_DONE
 from libra_hpc.runtime.loop import EventLoop
 from libra_hpc.scheduler.mpi_service import QueueHandler
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 import loop_world  # noqa: E402
+from mpi_worlds import run_world  # noqa: E402
 
 
 class Message:
@@ -165,20 +162,9 @@ def test_an_idle_loop_backs_off_to_its_longest_sleep():
 
 # ------------------------------------------------------------------- real MPI worlds
 
-def run_world(scenario: str, ranks: int, tmp_path: Path) -> dict:
-    started = time.time()
+def run_loop_world(scenario: str, ranks: int, tmp_path: Path) -> dict:
     out = tmp_path / f"{scenario}.json"
-    process = subprocess.Popen(["mpiexec", "-n", str(ranks), sys.executable, "-m", "mpi4py", str(HERE / "loop_world.py"),
-                                scenario, str(out)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                               cwd=HERE.parent, start_new_session=True)
-    try:
-        output, _ = process.communicate(timeout=90)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        output, _ = process.communicate()
-        remove_stale_shm(started - 1)
-        pytest.fail(f"the loop world {scenario} hung:\n{output}")
-    assert process.returncode == 0, output
+    run_world("loop_world.py", ranks, scenario, out, timeout=90, what=f"the loop world {scenario}")
     return json.loads(out.read_text())
 
 
@@ -189,7 +175,7 @@ def fairness(summary: dict) -> tuple[list[dict], dict]:
 
 @pytest.mark.mpi
 def test_the_loop_serves_queue_and_control_clients_at_once_and_goes_on_after_errors(tmp_path):
-    summary = run_world("mixed", 6, tmp_path)
+    summary = run_loop_world("mixed", 6, tmp_path)
     queue, control = fairness(summary)
     # Both kinds active the whole time: round trips in every half second of the run.
     assert all(min(client["windows"]) > 0 for client in [*queue, control]), [c["windows"] for c in [*queue, control]]
@@ -214,14 +200,14 @@ def test_the_loop_serves_queue_and_control_clients_at_once_and_goes_on_after_err
 
 @pytest.mark.mpi
 def test_the_fairness_check_catches_a_loop_that_reads_control_messages_only_when_idle(tmp_path):
-    queue, control = fairness(run_world("control-when-idle", 6, tmp_path))
+    queue, control = fairness(run_loop_world("control-when-idle", 6, tmp_path))
     mean_queue = sum(c["count"] for c in queue) / len(queue)
     assert control["count"] < 0.25 * mean_queue and control["max_s"] > 1.0, (control, mean_queue)
 
 
 @pytest.mark.mpi
 def test_an_idle_loop_leaves_the_core_and_still_answers_within_milliseconds(tmp_path):
-    summary = run_world("idle", 2, tmp_path)
+    summary = run_loop_world("idle", 2, tmp_path)
     idle = summary["idle"]
     share = (idle["cpu"] - idle["cpu0"]) / (idle["wall"] - idle["wall0"])
     assert share < 0.05, f"rank 0 idle in its loop used {share:.1%} of a core"

@@ -4,36 +4,19 @@ serves, ranks 1-2 are rollout instance leaders) and rank 0 reports what it saw."
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
 
-from libra_hpc.cluster.local import remove_stale_shm
+from mpi_worlds import run_world
 
 HERE = Path(__file__).resolve().parent
 
 
 @pytest.mark.mpi
 def test_three_rank_queue_completes_every_trajectory_exactly_once(tmp_path):
-    started = time.time()
     summary_file = tmp_path / "summary.json"
-    process = subprocess.Popen(["mpiexec", "-n", "3", sys.executable, "-m", "mpi4py", str(HERE / "sched_mpi_world.py"),
-                                str(summary_file)],
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                               cwd=HERE.parent, start_new_session=True)
-    try:
-        out, _ = process.communicate(timeout=60)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        out, _ = process.communicate()
-        remove_stale_shm(started - 1)
-        pytest.fail(f"the queue world hung:\n{out}")
-    assert process.returncode == 0, out
+    run_world("sched_mpi_world.py", 3, summary_file, timeout=60, what="the queue world")
     summary = json.loads(summary_file.read_text())
     assert summary["completed"] == sorted(f"t{i}" for i in range(12)) and summary["unique"] == 12
     assert summary["wrong_tokens"] == [] and summary["audit"] == {}
