@@ -421,6 +421,49 @@ class RLConfig(_Section):
     and training alternate even on separate GPUs)."""
     seed: int = 0
     """Seed of every random choice of the run (the simulator's workload included)."""
+    task: str = "arithmetic"
+    """The agentic task the policy is trained on (libra_hpc/envs/, docs/tasks.md): a built-in task by name (`arithmetic`: word problems solved with a calculator/Python tool in the sandbox; `search`: question answering by searching a generated document collection), configured by its `tasks.<name>` section; or a user's task as `package.module:Factory`, imported from `sys.path` and called with `tasks.plugin` as keyword arguments."""
+
+
+class ArithmeticTaskConfig(_Section):
+    """Arithmetic word problems that need the `calculator` / `python` tools (run in the tool sandbox through the orchestrator): one tool call per step of the problem; the reward is 1 for the exact final number in `<answer>...</answer>`, else 0. Generated from `rl.seed`; no downloads."""
+
+    train_prompts: int = Field(2000, ge=1)
+    """Problems of the training split."""
+    heldout_prompts: int = Field(300, ge=1)
+    """Problems of the held-out split (their texts never appear in the training split: checked by text hash)."""
+    min_steps: int = Field(1, ge=1, le=6)
+    """Fewest arithmetic steps (tool calls a careful solver makes) of one problem."""
+    max_steps: int = Field(4, ge=1, le=6)
+    """Most arithmetic steps of one problem."""
+    max_turns: int = Field(10, ge=1)
+    """Model turns per episode; an episode that has not answered by then ends with reward 0."""
+
+
+class SearchTaskConfig(_Section):
+    """Question answering by searching a document collection the project generates (fictional people, towns and companies): the `search` tool returns the best-matching passages, a miss means another search; multi-hop questions need one search per hop. The reward is 1 for the normalised exact answer in `<answer>...</answer>`, else 0."""
+
+    entities: int = Field(400, ge=20)
+    """People in the generated collection (each with a town and a company, each one document)."""
+    train_prompts: int = Field(2000, ge=1)
+    """Questions of the training split."""
+    heldout_prompts: int = Field(300, ge=1)
+    """Questions of the held-out split (disjoint from training by text hash)."""
+    max_hops: int = Field(3, ge=1, le=3)
+    """Most documents a question chains through (1: the answer is in the first document found)."""
+    top_k: int = Field(2, ge=1, le=10)
+    """Passages one search returns."""
+    max_turns: int = Field(10, ge=1)
+    """Model turns per episode; an episode that has not answered by then ends with reward 0."""
+
+
+class TasksConfig(_Section):
+    """One section per built-in agentic task (libra_hpc/envs/, docs/tasks.md); `rl.task` chooses which one runs."""
+
+    arithmetic: ArithmeticTaskConfig = ArithmeticTaskConfig()
+    search: SearchTaskConfig = SearchTaskConfig()
+    plugin: dict[str, Any] = Field(default_factory=dict)
+    """Keyword arguments of a user's task factory when `rl.task` is `package.module:Factory` (e.g. `{prompts: data/my.jsonl}`)."""
 
 
 class LoggingConfig(_Section):
@@ -443,6 +486,7 @@ class ExperimentConfig(_Section):
     scheduler: SchedulerConfig = SchedulerConfig()
     tools: ToolsConfig = ToolsConfig()
     rl: RLConfig = RLConfig()
+    tasks: TasksConfig = TasksConfig()
     logging: LoggingConfig = LoggingConfig()
 
     @property

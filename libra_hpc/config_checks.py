@@ -24,7 +24,7 @@ SLURM_TIME = re.compile(r"^(?:(\d+)-)?(\d+)(?::(\d+))?(?::(\d+))?$")
 
 def check_common(cfg: ExperimentConfig) -> list[str]:
     """The checks every config of this schema passes, live experiment or simulator scenario."""
-    return [*_check_cluster(cfg), *_check_scheduler(cfg), *_check_tools(cfg)]
+    return [*_check_cluster(cfg), *_check_scheduler(cfg), *_check_tools(cfg), *_check_tasks(cfg)]
 
 
 def check_layout(cfg: ExperimentConfig) -> list[str]:
@@ -32,6 +32,25 @@ def check_layout(cfg: ExperimentConfig) -> list[str]:
     ``rollout.tp_per_node`` on the nodes, the batch over every DP the hybrid pool reaches,
     the scripted borrow/return steps."""
     return [*_check_parallelism(cfg), *_check_rollout_buckets(cfg), *_check_planner(cfg)]
+
+
+BUILTIN_TASKS = ("arithmetic", "search")
+"""Task names ``rl.task`` accepts besides ``package.module:Factory`` (libra_hpc/envs/registry.py)."""
+
+
+def _check_tasks(cfg: ExperimentConfig) -> list[str]:
+    problems = []
+    task = cfg.rl.task
+    if task not in BUILTIN_TASKS and not re.fullmatch(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*", task):
+        problems.append(f"rl.task: {task!r} is neither a built-in task ({', '.join(BUILTIN_TASKS)}) nor "
+                        "'package.module:Factory'")
+    a = cfg.tasks.arithmetic
+    if a.min_steps > a.max_steps:
+        problems.append(f"tasks.arithmetic.min_steps: {a.min_steps} exceeds tasks.arithmetic.max_steps={a.max_steps}")
+    if cfg.tasks.plugin and ":" not in task:
+        problems.append(f"tasks.plugin: set, but rl.task={task!r} is a built-in task (the section is for "
+                        "'package.module:Factory' tasks)")
+    return problems
 
 
 def _check_cluster(cfg: ExperimentConfig) -> list[str]:

@@ -88,6 +88,8 @@ yet. Kept here, in one place, instead of in the field descriptions; update it wi
   `borrow_at_step` / `return_at_step`, and `scheduler`'s routing fields; it ignores the
   initial layout (its allocations come from the planner or the baselines' search), the
   rest of `cluster`, `tools` and `logging`.
+- **Read by the task library** (`libra_hpc.envs.task_from_config`, docs/tasks.md; the job does not
+  run tasks yet): `rl.task`, `rl.seed` and `tasks`.
 - **Read by nothing yet**: `rollout.max_new_tokens` and `rollout.temperature` (the rollout
   engine takes them per request; no caller passes them from the config yet), and the
   queue service's `scheduler.lease_s`, `max_batch`, `tree_save_every_s` (its benchmark
