@@ -418,7 +418,28 @@ class RLConfig(_Section):
     """Samples per prompt (GRPO group): trajectories of one prompt are compared with each other."""
     max_staleness: int = Field(1, ge=0)
     """Policy versions a trajectory may lag behind training; 0 is synchronous RL (rollout
-    and training alternate even on separate GPUs)."""
+    and training alternate even on separate GPUs). Measured per trajectory from the oldest
+    policy version among its generated tokens (partial rollout mixes versions); older
+    trajectories are dropped and counted (libra_hpc/rl/staleness.py)."""
+    advantage_norm: Literal["group_std", "none"] = "group_std"
+    """GRPO advantage of a sample: its reward minus its group's mean, divided by the group's
+    (sample) standard deviation plus `advantage_eps` (`group_std`, DeepSeekMath's GRPO) or
+    not divided (`none`, Dr. GRPO: no bias towards too-easy and too-hard prompts)."""
+    advantage_eps: float = Field(1e-6, gt=0)
+    """Added to the group's reward standard deviation before dividing (`advantage_norm: group_std`)."""
+    filter_zero_variance: bool = True
+    """Leave out of the training batch the groups whose samples all got the same reward (their
+    advantages are 0: no gradient, but their tokens would dilute a token mean); counted in
+    the step log."""
+    loss_aggregation: Literal["token_mean", "seq_mean_token_sum", "seq_mean_token_mean"] = "token_mean"
+    """How per-token losses make the step's loss. `token_mean`: mean over all trained tokens
+    of the batch, every token weighs the same (DAPO). `seq_mean_token_sum`: each sequence's
+    token sum, averaged over sequences (Dr. GRPO, up to a constant). `seq_mean_token_mean`:
+    each sequence's token mean, averaged over sequences (the original GRPO: a short
+    sequence's tokens weigh more). Prompt and tool-output tokens never count."""
+    kl_coef: float = Field(0.0, ge=0)
+    """β of the KL-to-reference penalty added to every trained token's loss (k3 estimator of
+    KL(policy‖reference)); 0 (the default) turns it off and needs no reference policy."""
     seed: int = 0
     """Seed of every random choice of the run (the simulator's workload included)."""
     task: str = "arithmetic"

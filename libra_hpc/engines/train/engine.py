@@ -44,13 +44,15 @@ class StepStats:
 
     ``loss``: the surrogate loss per trained token over the global batch; ``grad_norm``:
     global gradient norm before clipping; ``tokens``: trained tokens in the global batch;
-    ``seconds``: wall time of the step on this rank."""
+    ``seconds``: wall time of the step on this rank; ``kl``: mean k3 estimate of
+    KL(policy‖reference) per trained token (0 when the batch has no KL term)."""
 
     loss: float
     grad_norm: float
     tokens: int
     clipped_fraction: float
     seconds: float
+    kl: float = 0.0
 
 
 class MegatronTrainEngine:
@@ -135,19 +137,20 @@ class MegatronTrainEngine:
         if not ok:
             raise FloatingPointError(f"training step {self.steps}: the optimizer skipped the update (inf/nan "
                                      "gradients); lower training.lr or check the advantages")
-        totals = torch.zeros(3, dtype=torch.float64, device=self.device)
+        totals = torch.zeros(4, dtype=torch.float64, device=self.device)
         for report in reports:
-            totals += torch.stack([report["loss_sum"], report["tokens"], report["clipped"]]).to(totals)
+            totals += torch.stack([report["loss_sum"], report["tokens"], report["clipped"], report["kl"]]).to(totals)
         from megatron.core import parallel_state as ps
 
         if self.placement.pp > 1:
             dist.broadcast(totals, src=ps.get_pipeline_model_parallel_last_rank(),
                            group=ps.get_pipeline_model_parallel_group())
         dist.all_reduce(totals, group=ps.get_data_parallel_group())
-        loss_sum, tokens, clipped = totals.tolist()
+        loss_sum, tokens, clipped, kl = totals.tolist()
         self.steps += 1
         return StepStats(loss=loss_sum / max(tokens, 1), grad_norm=float(grad_norm), tokens=int(tokens),
-                         clipped_fraction=clipped / max(tokens, 1), seconds=time.perf_counter() - start)
+                         clipped_fraction=clipped / max(tokens, 1), seconds=time.perf_counter() - start,
+                         kl=kl / max(tokens, 1))
 
     def export_hf(self) -> dict[str, torch.Tensor] | None:
         """Full Hugging Face weights of this rank's pipeline stage, gathered over TP, on
@@ -259,14 +262,16 @@ class MegatronTrainEngine:
             raise ValueError(f"token id {low if low < 0 else high} is outside the vocabulary of "
                              f"{self.shape.vocab_size} ({self.model_path / 'config.json'})")
 
-    def _micro(self, batch: PolicyBatch) -> dict[str, torch.Tensor]:
+    def _micro(self, batch: PolicyBatch) -> dict[str, torch.Tensor | float]:
         tokens = batch.tokens.to(self.device, torch.long)
         s = tokens.shape[1] - 1
         out = {"input": tokens[:, :-1].contiguous(), "labels": tokens[:, 1:].contiguous(),
                "position": torch.arange(s, device=self.device).expand(tokens.shape[0], s),
                "mask": batch.loss_mask.to(self.device), "advantages": batch.advantages.to(self.device)}
-        if batch.old_logprobs is not None:
-            out["old"] = batch.old_logprobs.to(self.device)
+        for key, value in (("old", batch.old_logprobs), ("weights", batch.weights), ("ref", batch.ref_logprobs)):
+            if value is not None:
+                out[key] = value.to(self.device)
+        out["kl_coef"] = batch.kl_coef
         return out
 
     def _forward_step(self, data_iterator, model):
@@ -274,12 +279,13 @@ class MegatronTrainEngine:
         output = model(mb["input"], mb["position"], None, labels=mb["labels"])
         return output, partial(self._loss, mb)
 
-    def _loss(self, mb: Mapping[str, torch.Tensor], output: torch.Tensor, non_loss_data: bool = False):
+    def _loss(self, mb: Mapping[str, torch.Tensor | float], output: torch.Tensor, non_loss_data: bool = False):
         logprobs = -output.float()  # megatron returns the per-token cross-entropy [b, s]
         if non_loss_data:
             return logprobs.detach()
         loss_sum, tokens, report = policy_gradient_loss(logprobs, mb["advantages"], mb["mask"], mb.get("old"),
-                                                        self.clip_eps)
+                                                        self.clip_eps, weights=mb.get("weights"),
+                                                        ref_logprobs=mb.get("ref"), kl_coef=mb["kl_coef"])
         return loss_sum, tokens, report
 
 

@@ -20,45 +20,70 @@ class PolicyBatch:
     next token is a generated token the policy is trained on (0 for prompt, tool output,
     padding); ``advantages`` [B, S-1] float (GRPO: the sequence's group-normalised reward
     repeated over its tokens); ``old_logprobs`` [B, S-1] the behaviour policy's log-probs
-    (the rollout engine's), or None for a purely on-policy step (ratio 1)."""
+    (the rollout engine's), or None for a purely on-policy step (ratio 1). ``weights``
+    [B, S-1]: per-token loss weights (None: 1), how :mod:`libra_hpc.rl.grpo` turns the
+    engine's per-token mean into its other aggregation modes; ``ref_logprobs`` [B, S-1]:
+    the reference policy's log-probs, required when ``kl_coef`` (β of the k3 KL penalty,
+    see :func:`policy_gradient_loss`) is above 0."""
 
     tokens: torch.Tensor
     loss_mask: torch.Tensor
     advantages: torch.Tensor
     old_logprobs: torch.Tensor | None = None
+    weights: torch.Tensor | None = None
+    ref_logprobs: torch.Tensor | None = None
+    kl_coef: float = 0.0
 
     def __post_init__(self) -> None:
         b, s = self.tokens.shape
-        for name in ("loss_mask", "advantages", "old_logprobs"):
+        if self.kl_coef < 0 or (self.kl_coef > 0 and self.ref_logprobs is None):
+            raise ValueError(f"PolicyBatch.kl_coef={self.kl_coef}: it must be >= 0, and above 0 the batch needs "
+                             "ref_logprobs (the reference policy's log-probs of tokens)")
+        for name in ("loss_mask", "advantages", "old_logprobs", "weights", "ref_logprobs"):
             value = getattr(self, name)
             if value is not None and tuple(value.shape) != (b, s - 1):
                 raise ValueError(f"PolicyBatch.{name} has shape {tuple(value.shape)}; tokens are {b}×{s}, "
                                  f"so per-token arrays must be {b}×{s - 1} (position t scores token t+1)")
 
     def slice(self, start: int, stop: int) -> PolicyBatch:
-        old = None if self.old_logprobs is None else self.old_logprobs[start:stop]
-        return PolicyBatch(self.tokens[start:stop], self.loss_mask[start:stop], self.advantages[start:stop], old)
+        cut = lambda x: None if x is None else x[start:stop]  # noqa: E731
+        return PolicyBatch(self.tokens[start:stop], self.loss_mask[start:stop], self.advantages[start:stop],
+                           cut(self.old_logprobs), cut(self.weights), cut(self.ref_logprobs), self.kl_coef)
 
 
 def policy_gradient_loss(logprobs: torch.Tensor, advantages: torch.Tensor, loss_mask: torch.Tensor,
-                         old_logprobs: torch.Tensor | None = None,
-                         clip_eps: float = 0.2) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
-    """Clipped surrogate summed over masked tokens: ``-Σ min(r·A, clip(r, 1-ε, 1+ε)·A)``
+                         old_logprobs: torch.Tensor | None = None, clip_eps: float = 0.2, *,
+                         weights: torch.Tensor | None = None, ref_logprobs: torch.Tensor | None = None,
+                         kl_coef: float = 0.0) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    """Clipped surrogate summed over masked tokens: ``-Σ w·min(r·A, clip(r, 1-ε, 1+ε)·A)``
     with ``r = exp(logp - old)`` (``old`` = ``logp`` detached when not given: r = 1 and
-    the gradient is REINFORCE's ``-A·∇logp``).
+    the gradient is REINFORCE's ``-A·∇logp``) and per-token weights ``w`` (1 when not
+    given). With ``kl_coef`` β > 0, each token adds ``β·k3``, the k3 estimator of
+    KL(π‖π_ref) (Schulman 2020; GRPO's): ``k3 = exp(ref - logp) - (ref - logp) - 1``, ≥ 0,
+    unbiased when tokens are sampled from π.
 
     Returns (loss sum, token count, report): the caller divides by the token count of the
     whole global batch (megatron's ``calculate_per_token_loss``), so micro-batches and DP
-    replicas with different token counts weigh every token equally."""
+    replicas with different token counts weigh every token equally. ``report["kl"]`` is
+    the k3 sum over masked tokens (unweighted)."""
     mask = loss_mask.to(logprobs.dtype)
     old = logprobs.detach() if old_logprobs is None else old_logprobs.to(logprobs.dtype)
     ratio = torch.exp(logprobs - old)
     unclipped = ratio * advantages
     clipped = ratio.clamp(1.0 - clip_eps, 1.0 + clip_eps) * advantages
     per_token = -torch.minimum(unclipped, clipped)
-    loss_sum = (per_token * mask).sum()
+    kl = torch.zeros((), dtype=logprobs.dtype, device=logprobs.device)
+    if kl_coef > 0:
+        if ref_logprobs is None:
+            raise ValueError(f"kl_coef={kl_coef} needs ref_logprobs (the reference policy's log-probs)")
+        delta = ref_logprobs.to(logprobs.dtype) - logprobs
+        k3 = torch.exp(delta) - delta - 1.0
+        per_token = per_token + kl_coef * k3
+        kl = (k3.detach() * mask).sum()
+    weighted = mask if weights is None else mask * weights.to(logprobs.dtype)
+    loss_sum = (per_token * weighted).sum()
     tokens = loss_mask.sum().to(torch.int)
     with torch.no_grad():
         clipped_tokens = (((ratio - 1.0).abs() > clip_eps).to(mask.dtype) * mask).sum()
     return loss_sum, tokens, {"loss_sum": loss_sum.detach(), "tokens": tokens.detach().float(),
-                              "clipped": clipped_tokens}
+                              "clipped": clipped_tokens, "kl": kl}
