@@ -10,7 +10,7 @@ import pytest
 
 from libra_hpc.config import validate_config
 from libra_hpc.tools.endpoint import EndpointError, EndpointRunner, serve_scorer
-from libra_hpc.tools.isolation import SandboxLimits
+from libra_hpc.tools.isolation import SandboxLimits, SandboxUnavailable
 from libra_hpc.tools.orchestrator import (
     SandboxRunner,
     ToolOrchestrator,
@@ -130,6 +130,26 @@ def test_runner_errors_reach_the_caller_and_free_the_unit():
         orch.submit("t", "reward", "reward", {"x": 1}).result(timeout=10)
     assert orch.scheduler.running == {}
     orch.close()
+
+
+@pytest.mark.parametrize("policy", ["tangram", "dedicated"])
+def test_when_no_sandbox_can_start_every_action_fails_at_once_with_the_reason(policy):
+    """An interpreter that cannot run inside the sandbox (here: missing) fails the probe. The
+    running action, the queued ones (trajectories that never got a unit, and whose callers
+    never end them) and later ones fail at once; close() finds nothing pending."""
+    runner = SandboxRunner(SandboxLimits(wall_time_s=5.0), uid_base=UID_BASE + 20, python="/nonexistent/bin/python")
+    orch = ToolOrchestrator(make_scheduler(policy, [ResourceSpec("cpu", 2), ResourceSpec("reward", 1)]),
+                            {"cpu": runner, "reward": SleepRunner()})
+    start = time.monotonic()
+    futures = [orch.submit(f"t{traj}", "python", "cpu", "print(1)") for traj in range(4) for _call in range(3)]
+    for future in futures:
+        with pytest.raises(SandboxUnavailable, match="needs bwrap, which cannot run here"):
+            future.result(timeout=30)
+    late = orch.submit("t9", "python", "cpu", "print(1)")
+    assert late.done() and isinstance(late.exception(), SandboxUnavailable)
+    assert orch.submit("t0", "reward", "reward", 0.0).result(timeout=5) == 0.0  # other kinds still run
+    orch.close(timeout_s=5.0)
+    assert time.monotonic() - start < 15 and orch.scheduler.queued() == 0
 
 
 def test_scorer_failure_is_an_http_error_with_the_reason():

@@ -10,13 +10,18 @@ from __future__ import annotations
 import dataclasses
 import glob
 import os
+import shutil
 import socket
+import subprocess
+import sys
+import tempfile
 from pathlib import Path
 
 import pytest
 
 from libra_hpc.tools.cgroups import CallCgroup
-from libra_hpc.tools.isolation import SandboxLimits, bwrap_problem
+from libra_hpc.tools import isolation
+from libra_hpc.tools.isolation import SANDBOX_WORKDIR, SandboxLimits, bwrap_argv, bwrap_problem, interpreter_trees
 from libra_hpc.tools.procs import owned_pids
 from libra_hpc.tools.sandbox import Sandbox
 
@@ -90,8 +95,6 @@ def test_cpu_time_of_the_snippet_is_measured_inside_the_namespace(bwrap_sandbox)
 
 def test_command_line_probe_and_run():
     import json
-    import subprocess
-    import sys
     probe = subprocess.run([sys.executable, "-m", "libra_hpc.tools", "--probe"], capture_output=True, text=True,
                            check=True, cwd=ROOT)
     assert json.loads(probe.stdout)["configured"] == "auto"
@@ -236,6 +239,61 @@ def test_shell_kill_everything(bwrap_sandbox):
     assert_contained(bwrap_sandbox, result)
 
 
+# ---------------------------------------------------------------- an interpreter under /tmp
+
+@pytest.fixture(scope="module")
+def tmp_venv():
+    """A virtual environment under the host's /tmp (as CI tools and HPC jobs staging on a
+    node-local $TMPDIR make them), with a file beside it that sandboxes must not see."""
+    root = Path(tempfile.mkdtemp(prefix="libra-test-venv-", dir="/tmp"))
+    try:
+        subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(root / "v")], check=True,
+                       capture_output=True)
+        (root / "host-secret.txt").write_text("secret")
+        yield root
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def test_interpreter_trees_follow_the_venv_its_links_and_its_base(tmp_venv):
+    python = str(tmp_venv / "v" / "bin" / "python")
+    trees = interpreter_trees(python)
+    assert str(tmp_venv / "v") in trees  # pyvenv.cfg and site-packages
+    base = os.path.dirname(os.path.dirname(os.path.realpath(python)))
+    assert base.startswith("/usr") or base in trees
+    argv = bwrap_argv(LIMITS, "/usr", python, UID if os.geteuid() == 0 else None, "m", 99)
+    tmpfs, bind = argv.index(SANDBOX_WORKDIR), argv.index(str(tmp_venv / "v"))
+    assert argv[tmpfs - 1] == "--tmpfs" and argv[bind - 1:bind + 2] == ["--ro-bind", argv[bind], argv[bind]]
+    assert bind > tmpfs  # bound on top of the private tmpfs, not hidden under it
+
+
+def test_an_interpreter_tree_may_not_cover_the_private_tmp(monkeypatch):
+    monkeypatch.setattr(isolation, "interpreter_trees", lambda python: ["/tmp"])
+    with pytest.raises(ValueError, match="contains the sandbox's own /tmp.*directory of its own"):
+        bwrap_argv(LIMITS, "/usr", "/tmp/bin/python", None, "m", 99)
+
+
+def test_an_interpreter_under_tmp_runs_read_only_beside_a_private_tmp(bwrap_sandbox, tmp_venv):
+    python = str(tmp_venv / "v" / "bin" / "python")
+    sandbox = Sandbox(LIMITS, uid=UID + 10, isolation="bwrap", python=python)
+    try:
+        first = sandbox.run_python(
+            "import os, sys\nprint(sys.prefix)\nprint(sorted(os.listdir('/tmp')))\n"
+            f"print(sorted(os.listdir({str(tmp_venv)!r})))\nopen('/tmp/mine', 'w').write('x')\n"
+            f"open({str(tmp_venv / 'host-secret.txt')!r})")
+        lines = first.stdout.splitlines()
+        assert lines == [str(tmp_venv / "v"), repr([tmp_venv.parts[2]]), "['v']"], (first.stdout, first.stderr)
+        assert "FileNotFoundError" in first.stderr  # the rest of the host's /tmp stays hidden
+        write = sandbox.run_python(f"open({python + '-evil'!r}, 'w')")
+        assert "Read-only file system" in write.stderr or "PermissionError" in write.stderr, write.stderr
+        assert not os.path.exists(python + "-evil")
+        again = sandbox.run_python("import os\nprint(sorted(os.listdir('/tmp')))")
+        assert again.stdout == repr([tmp_venv.parts[2]]) + "\n"  # each call gets a fresh /tmp
+        assert_contained(sandbox, write)
+    finally:
+        sandbox.close()
+
+
 # ---------------------------------------------------------------- the weaker fallback
 
 def test_rlimit_fallback_reaps_loops_daemons_and_bombs(rlimit_sandbox):
@@ -267,8 +325,10 @@ def test_rlimit_fallback_as_root_drops_to_the_slot_uid(rlimit_sandbox):
 NON_ROOT_HARNESS = """
 import json, os, sys, types
 # The project's interpreter may live under a 0700 /root and the system python may lack
-# pydantic: load libra_hpc.tools without the package's __init__ (config needs pydantic).
+# pydantic: load the sandbox without the packages' __init__ (config, and the workload that
+# libra_hpc.tools re-exports through replay.py, need pydantic).
 pkg = types.ModuleType("libra_hpc"); pkg.__path__ = [sys.argv[1]]; sys.modules["libra_hpc"] = pkg
+tools = types.ModuleType("libra_hpc.tools"); tools.__path__ = [sys.argv[1] + "/tools"]; sys.modules["libra_hpc.tools"] = tools
 from libra_hpc.tools.isolation import SandboxLimits
 from libra_hpc.tools.procs import owned_pids
 from libra_hpc.tools.sandbox import Sandbox
@@ -293,7 +353,6 @@ def _world_searchable(path: Path) -> bool:
 def test_unprivileged_bwrap_as_a_normal_user(bwrap_sandbox):
     """The non-root mode: bwrap makes a user namespace; RLIMIT_NPROC counts that namespace."""
     import json
-    import subprocess
     codes = {"who": "import os; print(os.getuid(), sorted(os.listdir('/')))",
              "passwd": "print(open('/etc/passwd').read())",
              "bomb": "import os, time\nn = 0\ntry:\n    while True:\n        if os.fork() == 0:\n"

@@ -203,6 +203,25 @@ def test_dedicated_baseline_binds_one_unit_per_trajectory_until_it_ends():
     assert [d.action for d in scheduler.dispatch(8.0)] == [other]
 
 
+@pytest.mark.parametrize("policy", POLICIES)
+def test_drop_queued_empties_one_resource_and_leaves_the_scheduler_usable(policy):
+    """What the orchestrator does when a resource kind cannot run anything (no sandbox starts)."""
+    scheduler = make_scheduler(policy, [ResourceSpec("cpu", 1), ResourceSpec("reward", 1)])
+    running = scheduler.new_action("A", "python", "cpu", 0.0)
+    queued = [scheduler.new_action(t, "python", "cpu", 0.0) for t in ("A", "B", "C")]
+    reward = scheduler.new_action("B", "reward", "reward", 0.0)
+    assert {d.action for d in scheduler.dispatch(0.0)} == {running, reward}
+    assert sorted(a.aid for a in scheduler.drop_queued("cpu")) == sorted(a.aid for a in queued)
+    assert scheduler.queued() == 0 and scheduler.drop_queued("cpu") == []
+    scheduler.complete(running.aid, 1.0)
+    scheduler.complete(reward.aid, 1.0)
+    assert scheduler.dispatch(1.0) == []  # nothing of the dropped actions runs
+    for trajectory in ("A", "B", "C"):
+        scheduler.end_trajectory(trajectory, 1.0)
+    later = scheduler.new_action("D", "python", "cpu", 2.0)
+    assert [d.action for d in scheduler.dispatch(2.0)] == [later]
+
+
 def test_tangram_beats_the_dedicated_baseline_on_a_bursty_trace():
     """Two waves of 48 trajectories of the paper's SWE workload on 8 CPU sandboxes (seeds
     0-3 measured: tangram's mean ACT 0.14-0.19 of dedicated's, held 0.39-0.59)."""

@@ -8,7 +8,7 @@ Importing this package starts nothing and imports neither MPI nor torch.
 """
 
 from libra_hpc.tools.endpoint import EndpointRunner, serve_scorer
-from libra_hpc.tools.isolation import SandboxLimits
+from libra_hpc.tools.isolation import SandboxLimits, SandboxUnavailable
 from libra_hpc.tools.orchestrator import (
     SandboxRunner,
     ToolOrchestrator,
@@ -22,7 +22,7 @@ from libra_hpc.tools.scheduling import Action, DurationEstimator, make_scheduler
 
 __all__ = [
     "Action", "ClassifyRules", "DurationEstimator", "EndpointRunner", "RemoteToolError", "ResourceSpec", "Sandbox",
-    "SandboxLimits", "SandboxRunner", "SlurmSandboxRunner", "ToolOrchestrator", "ToolResult", "TraceShape",
+    "SandboxLimits", "SandboxRunner", "SandboxUnavailable", "SlurmSandboxRunner", "ToolOrchestrator", "ToolResult", "TraceShape",
     "make_scheduler", "make_trace",
     "orchestrator_from_config", "replay", "serve_scorer",
 ]

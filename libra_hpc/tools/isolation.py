@@ -7,7 +7,10 @@ a root made of: ``/usr`` (and the ``/bin``, ``/lib*``, ``/sbin`` links into it) 
 the Python interpreter's own install tree read-only, a new ``/proc`` of its pid namespace,
 a minimal ``/dev``, its code at ``/sandbox`` read-only and a private, size-capped tmpfs at
 ``/tmp`` as working directory. Nothing else: no ``/etc``, no home directories, no project
-files, no host network (only a loopback of its own). The pid namespace's init is bwrap's;
+files, no host network (only a loopback of its own). The interpreter's trees are bound
+after the tmpfs, at their own paths: a virtual environment in ``/tmp/v`` or one staged on
+a node-local ``$TMPDIR`` under ``/tmp`` shows through the private ``/tmp`` (read-only; the
+rest of the host's ``/tmp`` stays hidden). The pid namespace's init is bwrap's;
 when the command or bwrap dies, the kernel kills every process left in the namespace.
 
 - Run as root (CI, most containers): bwrap sets the namespaces up as root (it must, to bind
@@ -68,6 +71,12 @@ MARKER_VAR = "LIBRA_SANDBOX"
 _SYSTEM_LINKS = ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
 
 
+class SandboxUnavailable(RuntimeError):
+    """No sandbox of the configured mode can start on this host (bwrap missing or failing
+    its probe, the interpreter not runnable inside, rlimit without root). Every call would
+    fail the same way: the orchestrator fails the resource's actions at once with it."""
+
+
 @dataclass(frozen=True)
 class SandboxLimits:
     """Resource limits of one tool call (``tools.*`` in the YAML; units in the names)."""
@@ -110,12 +119,57 @@ def sandbox_env(marker: str, workdir: str) -> dict[str, str]:
 
 
 def interpreter_trees(python: str) -> list[str]:
-    """Directories a bwrap sandbox must bind read-only so that ``python`` runs: its
-    install prefix (and the base prefix of a virtual environment), unless under /usr."""
-    trees = {os.path.realpath(sys.base_prefix), os.path.realpath(sys.prefix)} if python == sys.executable else set()
-    trees.add(os.path.dirname(os.path.dirname(os.path.realpath(python))))
-    keep = sorted(t for t in trees if t != "/" and not _under(t, "/usr"))
+    """Directories a bwrap sandbox must bind read-only, at these same paths, so that
+    ``python`` runs there: the install prefix of every hop of its symlink chain (a virtual
+    environment's own prefix holds ``pyvenv.cfg`` and its site-packages; the last hop is the
+    real install), the base interpreter a ``pyvenv.cfg`` names (``home``: a ``--copies``
+    venv has no link to it), and ``sys.prefix`` / ``sys.base_prefix`` when ``python`` is
+    our own interpreter. Each path is kept as written and also resolved (an interpreter
+    finds its prefix from its resolved location). Paths under ``/usr`` (bound anyway) and
+    paths inside another kept tree are left out."""
+    trees: set[str] = set()
+    if os.path.abspath(python) == os.path.abspath(sys.executable):  # not realpath: venvs share the binary
+        trees.update((sys.prefix, sys.base_prefix))
+    for hop in _link_chain(python):
+        prefix = os.path.dirname(os.path.dirname(hop))
+        trees.add(prefix)
+        home = _venv_home(prefix)
+        if home:
+            trees.add(os.path.dirname(home))
+    trees |= {os.path.realpath(t) for t in trees}
+    keep = sorted(os.path.normpath(t) for t in trees if not _system_path(t))
     return [t for t in keep if not any(t != other and _under(t, other) for other in keep)]
+
+
+def _link_chain(path: str, hops: int = 40) -> list[str]:
+    """``path`` (absolute) and every path its symlinks lead to, the resolved one last."""
+    chain = [os.path.abspath(path)]
+    while os.path.islink(chain[-1]) and len(chain) < hops:
+        target = os.readlink(chain[-1])
+        chain.append(os.path.normpath(os.path.join(os.path.dirname(chain[-1]), target)))
+    resolved = os.path.realpath(path)
+    return chain if chain[-1] == resolved else [*chain, resolved]
+
+
+def _venv_home(prefix: str) -> str:
+    """The ``home`` (base interpreter's bin directory) of a ``pyvenv.cfg`` in ``prefix``, or ''."""
+    try:
+        with open(os.path.join(prefix, "pyvenv.cfg"), encoding="utf-8") as cfg:
+            for line in cfg:
+                key, _, value = line.partition("=")
+                if key.strip() == "home" and value.strip():
+                    return os.path.normpath(value.strip())
+    except OSError:
+        pass
+    return ""
+
+
+def _system_path(path: str) -> bool:
+    """Already in every sandbox: ``/``, ``/usr`` and what the ``/bin``-style links lead into it."""
+    if path in ("", "/") or _under(path, "/usr"):
+        return True
+    return any(_under(path, link) and os.path.islink(link) and _under(os.path.realpath(link), "/usr")
+               for link in _SYSTEM_LINKS)
 
 
 def _under(path: str, root: str) -> bool:
@@ -125,6 +179,19 @@ def _under(path: str, root: str) -> bool:
 def _ancestors(path: str) -> list[str]:
     parts = PurePosixPath(path).parents
     return [str(p) for p in reversed(parts) if str(p) != "/"]
+
+
+_OWN_MOUNTS = ("/proc", "/dev", SANDBOX_WORKDIR, "/dev/shm", SANDBOX_CODE_DIR)
+"""Mount points a bwrap sandbox makes itself; an interpreter tree may lie under them (bound
+on top) but must not cover them."""
+
+
+def _check_tree(tree: str) -> None:
+    for mount in _OWN_MOUNTS:
+        if _under(mount, tree):
+            raise ValueError(f"the interpreter's tree {tree} contains the sandbox's own {mount}: binding it would "
+                             "show the host's files there; use an interpreter or virtual environment installed in a "
+                             f"directory of its own (e.g. python3 -m venv {SANDBOX_WORKDIR}/venv), set as tools.python")
 
 
 def bwrap_argv(limits: SandboxLimits, code_dir: str, python: str, uid: int | None, marker: str,
@@ -144,17 +211,18 @@ def bwrap_argv(limits: SandboxLimits, code_dir: str, python: str, uid: int | Non
             argv += ["--symlink", os.readlink(link), link]
         elif os.path.isdir(link):
             argv += ["--ro-bind", link, link]
-    made: set[str] = set()
-    for tree in interpreter_trees(python):
+    argv += ["--proc", "/proc", "--dev", "/dev", "--perms", "1777", "--size", str(limits.workdir_mb << 20),
+             "--tmpfs", SANDBOX_WORKDIR, "--perms", "1777", "--size", str(limits.workdir_mb << 20), "--tmpfs", "/dev/shm",
+             "--ro-bind", code_dir, SANDBOX_CODE_DIR]
+    made = set(_OWN_MOUNTS)
+    for tree in interpreter_trees(python):  # after the tmpfs: a tree under /tmp shows through it
+        _check_tree(tree)
         for parent in _ancestors(tree):
             if parent not in made:  # bwrap would make missing parents 0700: unreadable after setpriv
                 argv += ["--perms", "0755", "--dir", parent]
                 made.add(parent)
-        argv += ["--ro-bind", tree, tree]
-    argv += ["--proc", "/proc", "--dev", "/dev", "--perms", "1777", "--size", str(limits.workdir_mb << 20),
-             "--tmpfs", SANDBOX_WORKDIR, "--perms", "1777", "--size", str(limits.workdir_mb << 20), "--tmpfs", "/dev/shm",
-             "--ro-bind", code_dir, SANDBOX_CODE_DIR, "--chdir", SANDBOX_WORKDIR, "--seccomp", str(seccomp_fd),
-             "--clearenv"]
+        argv += ["--ro-bind", os.path.realpath(tree), tree]
+    argv += ["--chdir", SANDBOX_WORKDIR, "--seccomp", str(seccomp_fd), "--clearenv"]
     for key, value in sandbox_env(marker, SANDBOX_WORKDIR).items():
         argv += ["--setenv", key, value]
     if uid is not None:
@@ -224,16 +292,22 @@ def bwrap_problem(python: str, probe_uid: int | None) -> str | None:
         fd = filter_fd()
     except RuntimeError as err:  # an architecture the filter does not know
         return str(err)
-    argv = bwrap_argv(SandboxLimits(), code_dir, python, probe_uid, "probe", fd) + [python, "-I", "-c", "pass"]
     try:
+        argv = bwrap_argv(SandboxLimits(), code_dir, python, probe_uid, "probe", fd) + [python, "-I", "-c", "pass"]
         done = subprocess.run(argv, capture_output=True, text=True, timeout=30, check=False, pass_fds=(fd,),
                               env={"PATH": os.environ.get("PATH", "")})
+    except ValueError as err:  # an interpreter tree that would cover the sandbox's own mounts
+        return str(err)
     except (OSError, subprocess.TimeoutExpired) as err:
         return f"probe failed: {err}"
     finally:
         os.close(fd)
     if done.returncode != 0:
-        return f"probe exited {done.returncode}: {done.stderr.strip()[-500:]}"
+        hint = ""
+        if f"failed to execute {python}" in done.stderr:
+            hint = (f" (the interpreter {python} cannot run inside the sandbox; bound read-only there: "
+                    f"{', '.join(interpreter_trees(python)) or 'nothing outside /usr'})")
+        return f"probe exited {done.returncode}: {done.stderr.strip()[-500:]}{hint}"
     return None
 
 
@@ -241,7 +315,7 @@ def choose_isolation(requested: str, python: str, probe_uid: int | None) -> str:
     """The mode to use for ``tools.isolation = requested`` (``auto``, ``bwrap``, ``rlimit``).
 
     ``auto`` means bwrap: it never falls back silently to the weaker mode. Raises
-    RuntimeError when bwrap is wanted but cannot run (naming ``tools.isolation: rlimit`` as
+    :class:`SandboxUnavailable` when bwrap is wanted but cannot run (naming ``tools.isolation: rlimit`` as
     the explicit opt-in), when ``rlimit`` is asked for without root (``probe_uid`` None: no
     dedicated uid, so neither RLIMIT_NPROC nor the reaping by uid would hold), or when a
     mode's tools are missing."""
@@ -251,14 +325,14 @@ def choose_isolation(requested: str, python: str, probe_uid: int | None) -> str:
         problem = bwrap_problem(python, probe_uid)
         if problem is None:
             return "bwrap"
-        raise RuntimeError(f"tools.isolation={requested} needs bwrap, which cannot run here: {problem}. Install "
+        raise SandboxUnavailable(f"tools.isolation={requested} needs bwrap, which cannot run here: {problem}. Install "
                            "bubblewrap, or opt in to the weaker fallback with `tools.isolation: rlimit` (root only; "
                            "see its documentation in configs/README.md)")
     if probe_uid is None:
-        raise RuntimeError("tools.isolation=rlimit needs root: without a dedicated slot uid a snippet runs as our own "
+        raise SandboxUnavailable("tools.isolation=rlimit needs root: without a dedicated slot uid a snippet runs as our own "
                            "user (it could signal our processes, and a daemon that drops the marker escapes the "
                            "reaping); run as root or use tools.isolation=bwrap")
     missing = missing_tools("rlimit")
     if missing:
-        raise RuntimeError(f"tool sandbox needs {', '.join(missing)} on PATH (util-linux)")
+        raise SandboxUnavailable(f"tool sandbox needs {', '.join(missing)} on PATH (util-linux)")
     return "rlimit"

@@ -13,6 +13,12 @@ in workers that ``srun`` starts on other nodes, ``tools.placement: slurm``) and
 ``i`` is one concurrent request slot). A runner may also have ``release(unit)``, called when
 the pool retires a unit (a remote worker gives its allocation back), and ``close()``, called
 by :meth:`ToolOrchestrator.close`.
+
+A runner that raises :class:`~libra_hpc.tools.isolation.SandboxUnavailable` (no sandbox can
+start on this host: bwrap missing or failing its probe, the interpreter not runnable
+inside) marks its resource kind unusable for the orchestrator's life: that action, every
+action of the kind still queued and every later submission of it fail at once with the
+reason, instead of waiting for units that can never run them.
 """
 
 from __future__ import annotations
@@ -23,10 +29,10 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Mapping
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
 from typing import Any, Protocol
 
-from libra_hpc.tools.isolation import SandboxLimits
+from libra_hpc.tools.isolation import SandboxLimits, SandboxUnavailable
 from libra_hpc.tools.procs import SlotLeak
 from libra_hpc.tools.remote import SlurmSandboxRunner, srun_argv
 from libra_hpc.tools.sandbox import (
@@ -98,6 +104,7 @@ class ToolOrchestrator:
         self._timer: threading.Timer | None = None
         self._timer_due = math.inf
         self._closed = False
+        self._unavailable: dict[str, str] = {}  # resource kind -> why no unit of it can run anything
         scheduler.on_retire = self._release_unit
         self.records: list[dict] = []  # one per completed action: times relative to t0
 
@@ -106,11 +113,16 @@ class ToolOrchestrator:
 
     def submit(self, trajectory: str, tool: str, resource: str, payload: Any,
                expected_s: float | None = None) -> Future:
-        """Queue one tool call; the future resolves to the runner's result."""
+        """Queue one tool call; the future resolves to the runner's result (or fails at
+        once with :class:`SandboxUnavailable` when ``resource`` cannot run anything)."""
         future: Future = Future()
         with self._lock:
             if self._closed:
                 raise RuntimeError("orchestrator is closed")
+            why = self._unavailable.get(resource)
+            if why is not None:
+                future.set_exception(SandboxUnavailable(why))
+                return future
             action = self.scheduler.new_action(trajectory, tool, resource, self._now(), expected_s)
             self._futures[action.aid] = (future, payload)
             self._dispatch_locked()
@@ -193,8 +205,13 @@ class ToolOrchestrator:
         action = dispatch.action
         result = error = None
         quarantine = False
+        dropped: list[tuple[Future, Any]] = []
         try:
             result = self.runners[action.resource].run(dispatch.unit, payload)
+        except SandboxUnavailable as err:  # every action of this kind would fail the same way
+            log.error("tool %s (action %s): no %s sandbox can start, failing its actions: %s", action.tool,
+                      action.aid, action.resource, err)
+            error = err
         except SlotLeak as err:  # its processes survive: the unit must never run another action
             log.error("tool %s (action %s): %s unit %d quarantined: %s", action.tool, action.aid, action.resource,
                       dispatch.unit, err)
@@ -208,6 +225,9 @@ class ToolOrchestrator:
             self.scheduler.complete(action.aid, done)
             if quarantine:
                 self.scheduler.quarantine(action.resource, dispatch.unit)
+            if isinstance(error, SandboxUnavailable):
+                self._unavailable.setdefault(action.resource, str(error))
+                dropped = [self._futures.pop(a.aid) for a in self.scheduler.drop_queued(action.resource)]
             self.records.append({"aid": action.aid, "trajectory": action.trajectory, "tool": action.tool,
                                  "resource": action.resource, "unit": dispatch.unit, "submitted": action.submitted_at,
                                  "started": dispatch.started_at, "done": done})
@@ -218,6 +238,11 @@ class ToolOrchestrator:
             future.set_exception(error)
         else:
             future.set_result(result)
+        for queued, _payload in dropped:
+            try:
+                queued.set_exception(SandboxUnavailable(self._unavailable[action.resource]))
+            except InvalidStateError:  # the caller cancelled it meanwhile
+                pass
 
 
 def limits_from_config(tools) -> SandboxLimits:

@@ -38,6 +38,7 @@ from libra_hpc.tools.isolation import (
     MARKER_VAR,
     SANDBOX_CODE_DIR,
     SandboxLimits,
+    SandboxUnavailable,
     bwrap_argv,
     choose_isolation,
     parse_wrapper_report,
@@ -125,7 +126,8 @@ class Sandbox:
     must not be in the password database (ValueError) and is held exclusively through an
     flock under ``lock_dir`` for this object's life (:class:`SlotBusy` when another Sandbox
     holds it; :meth:`close` releases it). ``isolation``: ``bwrap``, ``rlimit`` (root only) or
-    ``auto`` (= bwrap; never a silent fallback), see isolation.py."""
+    ``auto`` (= bwrap; never a silent fallback), see isolation.py; :class:`SandboxUnavailable`
+    when that mode cannot start here."""
 
     def __init__(self, limits: SandboxLimits = DEFAULT_LIMITS, *, uid: int = 200000, isolation: str = "auto",
                  python: str = "", rules: ClassifyRules = DEFAULT_RULES, lock_dir: str = DEFAULT_LOCK_DIR):
@@ -163,7 +165,7 @@ class Sandbox:
             log.warning("tool sandbox: %s is not reachable by the slot uid %d; rlimit mode uses /usr/bin/python3",
                         self.python, self.uid)
             return "/usr/bin/python3"
-        raise RuntimeError(f"tools.python: {self.python} cannot be executed by the sandbox uid {self.uid} "
+        raise SandboxUnavailable(f"tools.python: {self.python} cannot be executed by the sandbox uid {self.uid} "
                            "(a parent directory is not world-searchable); set tools.python to a world-executable interpreter")
 
     def run_python(self, code: str, tool: str = "python") -> ToolResult:

@@ -156,6 +156,14 @@ class ActionScheduler:
         """Take a (free) unit out of service for good; see ElasticPool.quarantine."""
         self.pools[resource].quarantine(index)
 
+    def drop_queued(self, resource: str) -> list[Action]:
+        """Remove every queued (not running) action of ``resource`` and return them, in no
+        particular order (the resource cannot run anything: their callers get the error)."""
+        dropped = self._drop_queued(resource)
+        for action in dropped:
+            self.known.discard(action.aid)
+        return dropped
+
     def held_seconds(self, now: float) -> float:
         return sum(pool.held_seconds(now) for pool in self.pools.values())
 
@@ -190,6 +198,9 @@ class ActionScheduler:
     def _dispatch_resource(self, name: str, pool: ElasticPool, now: float) -> list[Dispatch]:
         raise NotImplementedError
 
+    def _drop_queued(self, resource: str) -> list[Action]:
+        raise NotImplementedError
+
 
 class TangramScheduler(ActionScheduler):
     """Action-level sharing, shortest virtual deadline first (module docstring)."""
@@ -213,6 +224,11 @@ class TangramScheduler(ActionScheduler):
 
     def _enqueue(self, action: Action) -> None:
         heapq.heappush(self.queues[action.resource], (self.deadline(action), next(self._seq), action))
+
+    def _drop_queued(self, resource: str) -> list[Action]:
+        dropped = [entry[2] for entry in self.queues[resource]]
+        self.queues[resource].clear()
+        return dropped
 
     def _dispatch_resource(self, name, pool, now):
         """Pop actions by virtual deadline; quota-blocked ones are skipped (they keep their
@@ -287,6 +303,23 @@ class DedicatedScheduler(ActionScheduler):
                 if unit.busy is not None:
                     raise ValueError(f"trajectory {trajectory!r} ended while its action {unit.busy} runs")
                 unit.bound_to, unit.idle_since = None, now
+
+    def _drop_queued(self, resource: str) -> list[Action]:
+        """Also forgets the trajectories waiting for a unit (a later call queues them again);
+        bound ones keep their unit until :meth:`end_trajectory`."""
+        if resource in self.shared:
+            dropped = list(self.shared[resource])
+            self.shared[resource].clear()
+            return dropped
+        dropped = []
+        for key, queue in list(self.per_trajectory.items()):
+            if key[0] == resource:
+                dropped += queue
+                queue.clear()
+                if key not in self.bound:
+                    del self.per_trajectory[key]
+        self.waiting[resource].clear()
+        return dropped
 
     def quarantine(self, resource: str, index: int) -> None:
         """Also unbind the unit: its trajectory waits for another one."""
