@@ -104,15 +104,21 @@ def real_run(trace, policy: str, cpu: int, reward: int, uid_base: int, scorer_ur
 
     def trajectory(t: TrajectoryTrace):
         time.sleep(t.start_s)
-        for call in t.calls:
-            time.sleep(call.gap_s)
-            payload = ({"seconds": call.duration_s} if call.resource == "reward"
-                       else {"code": f"import time; time.sleep({call.duration_s:.4f})", "tool": call.tool})
-            result = orch.submit(t.tid, call.tool, call.resource, payload).result(timeout=300)
-            if call.resource == "cpu" and result.state.status != "success":
-                failures.append((t.tid, result.stderr[-200:]))
-        time.sleep(t.tail_s)
-        orch.end_trajectory(t.tid)
+        try:
+            for call in t.calls:
+                time.sleep(call.gap_s)
+                payload = ({"seconds": call.duration_s} if call.resource == "reward"
+                           else {"code": f"import time; time.sleep({call.duration_s:.4f})", "tool": call.tool})
+                try:
+                    result = orch.submit(t.tid, call.tool, call.resource, payload).result(timeout=300)
+                except Exception as err:  # noqa: BLE001 - reported below; e.g. no sandbox can start here
+                    failures.append((t.tid, f"{type(err).__name__}: {err}"))
+                    return
+                if call.resource == "cpu" and result.state.status != "success":
+                    failures.append((t.tid, result.stderr[-200:]))
+            time.sleep(t.tail_s)
+        finally:
+            orch.end_trajectory(t.tid)  # also after a failure: a dedicated unit must not stay bound
 
     threads = [threading.Thread(target=trajectory, args=(t,)) for t in trace]
     start = time.monotonic()
