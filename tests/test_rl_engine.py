@@ -49,8 +49,9 @@ def _rollout(engine, vocab: int) -> list[Trajectory]:
         generated = [False] * prompt + [True] * first + [False] * tool + [True] * second
         tokens = torch.randint(1, vocab, (1, len(generated)), generator=gen)
         lp = engine.logprobs(tokens)[0].tolist()  # lp[t] scores token t+1
+        logprobs = [0.0] + [x if g else 0.0 for x, g in zip(lp, generated[1:])]
         out.append(Trajectory(prompt_id=f"p{GROUPS[i]}", group_id=GROUPS[i], tokens=tokens[0].tolist(),
-                              generated=generated, logprobs=[0.0] + [x if g else 0.0 for x, g in zip(lp, generated[1:])],
+                              generated=generated, logprobs=logprobs,
                               versions=[0 if g else NOT_GENERATED for g in generated], reward=REWARDS[i],
                               finish_reason="stop"))
     return out
