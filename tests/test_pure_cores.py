@@ -66,7 +66,9 @@ def test_the_import_scan_sees_relative_imports(tmp_path):
     assert _imports(f, tmp_path) == {"libra_hpc.sim", "libra_hpc.sim.context", "libra_hpc.runtime"}
 
 
-@pytest.mark.parametrize("module", ["libra_hpc.envs", "libra_hpc.envs.synthetic"])
+@pytest.mark.parametrize("module", ["libra_hpc.envs", "libra_hpc.envs.synthetic", "libra_hpc.envs.toolcall",
+                                    "libra_hpc.envs.task", "libra_hpc.envs.arithmetic", "libra_hpc.envs.search",
+                                    "libra_hpc.envs.plugin", "libra_hpc.envs.registry", "libra_hpc.envs.solvers"])
 def test_the_shared_workload_imports_neither_mpi_nor_torch_nor_the_simulator(module):
     """The simulator, the scheduler's benchmark and tool replay share libra_hpc.envs; it is
     a pure core, below all three (issue 12)."""
