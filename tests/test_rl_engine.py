@@ -99,3 +99,30 @@ def test_grpo_step_on_megatron_learns_the_advantaged_tokens_and_ignores_masked_o
     assert torch.all(grads[mask] != 0.0)
     moved = ((after - before) * pb.loss_mask).sum(1)
     assert torch.all(moved[advantages > 0] > 0) and torch.all(moved[advantages < 0] < 0), (advantages, moved)
+
+
+def test_kl_to_the_reference_reaches_the_engine_and_holds_the_policy_back(tiny, torch_world):
+    """With ``rl.kl_coef`` the batch carries the reference log-probs; the engine reports
+    k3 = 0 while the policy is the reference, > 0 once it moved, and a large β keeps it
+    nearer the reference than β = 0 does."""
+    from libra_hpc.engines.train.engine import MegatronTrainEngine
+
+    drift = {}
+    for beta in (0.0, 50.0):
+        engine = MegatronTrainEngine(tiny, tp=1, lr=1e-5, micro_batch_size=2)
+        try:
+            trajectories = _rollout(engine, engine.shape.vocab_size)
+            batch, _ = prepare_batch(trajectories, RLConfig(kl_coef=beta), train_version=0, pad_id=0)
+            tokens, mask = torch.tensor(batch.tokens), torch.tensor(batch.loss_mask)
+            reference = engine.logprobs(tokens)
+            stats = [grpo_step(engine, batch, ref_logprobs=reference if beta else None) for _ in range(3)]
+            drift[beta] = ((engine.logprobs(tokens) - reference).abs() * mask).sum().item()
+        finally:
+            engine.shutdown()
+        if beta:
+            assert stats[0].kl == pytest.approx(0.0, abs=1e-9) and stats[2].kl > 0
+        else:
+            assert all(s.kl == 0.0 for s in stats)
+    assert drift[50.0] < drift[0.0], drift
+    with pytest.raises(ValueError, match="needs ref_logprobs"):
+        batch.to_policy_batch()
