@@ -1,0 +1,185 @@
+"""The agentic tasks on the real tool sandbox and orchestrator: episodes, rewards against
+hand-made cases, the held-out split, tool errors and timeouts as observations, and the
+C-MLFQ length signal measured with the scripted noisy solvers."""
+
+from __future__ import annotations
+
+import itertools
+import json
+from concurrent.futures import Future
+
+import pytest
+
+from libra_hpc.config import validate_config
+from libra_hpc.envs import ArithmeticTask, Prompt, SearchTask, SplitLeak, task_from_config
+from libra_hpc.envs.search import normalise
+from libra_hpc.envs.solvers import ArithmeticSolver, SearchSolver, length_signal, run_episode
+from libra_hpc.envs.toolcall import format_call
+from libra_hpc.tools.isolation import SandboxLimits
+from libra_hpc.tools.orchestrator import SandboxRunner, ToolOrchestrator
+from libra_hpc.tools.pool import ResourceSpec
+from libra_hpc.tools.scheduling import make_scheduler
+
+UID_BASES = itertools.count(236000, 10)  # this module's sandbox slot uids, away from the other tool tests'
+
+
+def orchestrator_for(task, wall_time_s=5.0, units=2):
+    """The orchestrator a task's tools run on: sandboxes for ``cpu`` (slot uids of their
+    own: two orchestrators alive at once never share one), the task's own runners."""
+    extra = task.runners()
+    specs = [ResourceSpec("cpu", units, idle_timeout_s=5.0)] + [ResourceSpec(k, 4) for k in extra]
+    runners = {"cpu": SandboxRunner(SandboxLimits(wall_time_s=wall_time_s), uid_base=next(UID_BASES)), **extra}
+    return ToolOrchestrator(make_scheduler("tangram", specs), runners)
+
+
+@pytest.fixture(scope="module")
+def arith():
+    return ArithmeticTask(seed=3, train_prompts=200, heldout_prompts=50)
+
+
+@pytest.fixture(scope="module")
+def search():
+    return SearchTask(seed=3, entities=120, train_prompts=300, heldout_prompts=60)
+
+
+@pytest.fixture(scope="module")
+def orch(arith):
+    o = orchestrator_for(arith, wall_time_s=2.0)
+    yield o
+    o.close()
+
+
+def _chain(steps):
+    value = None
+    for step in steps:
+        value = eval(step.format(v=value))  # noqa: S307 - the generator's own arithmetic
+    return value
+
+
+def test_arithmetic_answers_follow_their_steps_and_splits_are_disjoint(arith):
+    for p in arith.splits.train + arith.splits.heldout:
+        assert _chain(p.meta["steps"]) == int(p.answer)
+    assert not {p.hash for p in arith.splits.train} & arith.splits.heldout_hashes()
+    assert {len(p.meta["steps"]) for p in arith.splits.train} == {1, 2, 3, 4}
+    again = ArithmeticTask(seed=3, train_prompts=200, heldout_prompts=50)
+    assert again.splits == arith.splits  # seeded: the same prompts every time
+
+
+def test_the_demonstration_hook_refuses_held_out_texts(arith):
+    demos = [p.text for p in arith.splits.train[:5]]
+    arith.splits.check_disjoint(demos, "demonstrations")
+    held = "  " + arith.splits.heldout[0].text.upper() + " "  # spacing and case do not hide it
+    with pytest.raises(SplitLeak, match="1 held-out prompt"):
+        arith.splits.check_disjoint(demos + [held], "demonstrations")
+
+
+@pytest.mark.parametrize(("answer", "reward"), [("1234", 1.0), ("1,234", 1.0), ("$1234.", 1.0), ("1234.0", 1.0),
+                                                ("1233", 0.0), ("about 1234", 0.0), ("", 0.0), (None, 0.0)])
+def test_arithmetic_reward(arith, answer, reward):
+    assert arith.verify(Prompt("p", "q", "1234"), answer) == reward
+
+
+@pytest.mark.parametrize(("answer", "reward"), [("Grey", 1.0), ("the grey.", 1.0), ("  GREY ", 1.0),
+                                                ("Grey river", 0.0), ("Gray", 0.0), (None, 0.0)])
+def test_search_reward(search, answer, reward):
+    assert search.verify(Prompt("p", "q", "Grey"), answer) == reward
+
+
+def test_an_arithmetic_episode_recovers_from_a_malformed_call(arith, orch):
+    p = arith.splits.train[0]
+    first = p.meta["steps"][0]
+    ep = arith.episode(p, "t-recover")
+    assert ep.prompt_text.startswith("<|im_start|>system\n") and ep.prompt_text.endswith("<|im_start|>assistant\n")
+    bad = ep.step(f'<tool_call>\n{{"name": "calculator", "arguments": {{"expression": {first}}}\n</tool_call>', orch)
+    assert not bad.done and bad.returns[0].status == "failure" and "not valid JSON" in bad.observation
+    assert "<tool_response>" in bad.observation
+    value = None
+    for step in p.meta["steps"]:
+        res = ep.step(format_call("calculator", {"expression": step.format(v=value)}), orch)
+        assert res.returns[0].status == "success", res.observation
+        value = res.returns[0].output
+    end = ep.step(f"<answer>{value}</answer>", orch)
+    assert end.done and end.reward == 1.0 == float(value == p.answer)
+
+
+def test_tool_errors_and_a_sandbox_timeout_are_observations(arith, orch):
+    ep = arith.episode(arith.splits.train[1], "t-errors")
+    res = ep.step(format_call("calculator", {"expression": "__import__('os')"}) +
+                  format_call("python", {"code": "print(undefined)"}) +
+                  format_call("python", {"code": "while True: pass"}), orch)
+    calc, name_error, hang = res.returns
+    assert calc.status == "failure" and "only numbers" in calc.output
+    assert name_error.status == "failure" and "NameError" in name_error.output
+    assert hang.status == "timeout" and "timed out" in hang.output
+    assert res.observation.count("<tool_response>") == 3 and not res.done
+
+
+class Stuck:
+    """An executor whose calls never return (a lost worker)."""
+
+    def submit(self, trajectory, tool, resource, payload):
+        return Future()
+
+
+def test_a_call_that_never_returns_becomes_a_timeout_observation(arith, monkeypatch):
+    monkeypatch.setattr(arith, "call_timeout_s", 0.2)
+    ep = arith.episode(arith.splits.train[2], "t-stuck")
+    res = ep.step(format_call("calculator", {"expression": "1+1"}), Stuck())
+    assert res.returns[0].status == "timeout" and "did not return within 0.2 s" in res.observation
+    assert ep.step("I give up.", Stuck()).reward == 0.0  # no answer: the episode ends without reward
+
+
+def test_max_turns_ends_an_episode(arith, orch, monkeypatch):
+    monkeypatch.setattr(arith, "max_turns", 2)
+    ep = arith.episode(arith.splits.train[3], "t-turns")
+    assert not ep.step(format_call("calculator", {"expression": "1+1"}), orch).done
+    last = ep.step(format_call("calculator", {"expression": "2+2"}) + "<answer>4</answer>", orch)
+    assert last.done and last.reward == 0.0
+
+
+def test_search_finds_misses_and_chains(search):
+    runner = search.runners()["search"]
+    p = next(p for p in search.splits.train if p.meta["hops"] == 3)
+    person, company, town = p.meta["chain"]
+    assert runner.run(0, {"query": f"{person} born"})["output"].startswith(f"[1] {person} was born")
+    assert runner.run(0, {"query": f"{person}x born"})["status"] == "failure"
+    assert f"[1] {company} is headquartered in {town}" in runner.run(0, {"query": f"{company} headquartered"})["output"]
+    assert normalise(p.answer) in normalise(runner.run(0, {"query": f"{town} river"})["output"])
+
+
+def test_a_search_episode_through_the_orchestrator(search):
+    o = orchestrator_for(search)
+    try:
+        p = next(p for p in search.splits.heldout if p.meta["hops"] == 2)
+        ep = search.episode(p, "s-1")
+        miss = ep.step(format_call("search", {"query": "zzz nothing"}), o)
+        assert miss.returns[0].status == "failure" and "No results" in miss.observation
+        hit = ep.step(format_call("search", {"query": f"{p.meta['chain'][0]} born"}), o)
+        assert p.meta["chain"][1] in hit.observation
+        assert ep.step(f"<answer>{p.answer}</answer>", o).reward == 1.0
+    finally:
+        o.close()
+
+
+def test_tasks_are_chosen_by_name_in_the_config():
+    cfg = validate_config({"rl": {"task": "search", "seed": 5},
+                           "tasks": {"search": {"entities": 50, "train_prompts": 40, "heldout_prompts": 10}}})
+    task = task_from_config(cfg)
+    assert isinstance(task, SearchTask) and len(task.splits.train) == 40 and len(task.splits.heldout) == 10
+
+
+@pytest.mark.parametrize("which", ["arithmetic", "search"])
+def test_the_workload_carries_the_cmlfq_signal(which, arith, search):
+    """Per task, with the noisy solver: generated length p90/p10 >= 4, and the mean tokens
+    still to come after a failed tool return at least twice those after a successful one."""
+    task, solver, n = (arith, ArithmeticSolver(seed=1), 48) if which == "arithmetic" else (search, SearchSolver(seed=1), 200)
+    o = orchestrator_for(task)
+    try:
+        episodes = [run_episode(task, p, solver, o, f"{which}-{i}") for i, p in enumerate(task.splits.train[:n])]
+    finally:
+        o.close()
+    signal = length_signal(episodes)
+    print(which, json.dumps({k: round(v, 2) for k, v in signal.items()}))
+    assert signal["p90_over_p10"] >= 4, signal
+    assert signal["failure_over_success"] >= 2, signal
+    assert 0.5 < signal["success_rate"] < 1.0, signal  # noisy: neither hopeless nor perfect
