@@ -126,7 +126,7 @@ def format_call(name: str, arguments: Mapping[str, Any]) -> str:
 
 def tools_system_prompt(system: str, tools: Sequence[ToolDef]) -> str:
     """The system turn's content with the tool signatures (Qwen2.5's template, verbatim)."""
-    schemas = "\n".join(json.dumps(t.schema()) for t in tools)
+    schemas = "\n".join(json.dumps(t.schema(), ensure_ascii=False) for t in tools)  # the template's tojson
     return (f"{system}\n\n# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
             f"You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n{schemas}\n"
             "</tools>\n\nFor each function call, return a json object with function name and arguments within "
@@ -147,5 +147,7 @@ def render_prompt(system: str, user: str) -> str:
 def render_observation(outputs: Sequence[str]) -> str:
     """What follows a model turn that called tools: the end of that turn, the tool-response
     turn, and the start of the next assistant turn (these tokens come from tools, not the
-    policy: the loss masks them)."""
+    policy: the loss masks them). It starts with ``<|im_end|>``, the model's stop token: a
+    caller whose engine keeps the stop token in the policy's output drops it here
+    (``observation[len(IM_END):]``), so that it is trained on as the policy's own token."""
     return f"{IM_END}\n{IM_START}user\n{tool_responses(outputs)}{IM_END}\n{IM_START}assistant\n"
