@@ -134,7 +134,7 @@ def test_max_turns_ends_an_episode(arith, orch, monkeypatch):
     ep = arith.episode(arith.splits.train[3], "t-turns")
     assert not ep.step(format_call("calculator", {"expression": "1+1"}), orch).done
     last = ep.step(format_call("calculator", {"expression": "2+2"}) + "<answer>4</answer>", orch)
-    assert last.done and last.reward == 0.0
+    assert last.done and last.reward == 0.0 and ep.finish_reason == "max_turns" and not last.returns
 
 
 def test_search_finds_misses_and_chains(search):
@@ -183,3 +183,20 @@ def test_the_workload_carries_the_cmlfq_signal(which, arith, search):
     assert signal["p90_over_p10"] >= 4, signal
     assert signal["failure_over_success"] >= 2, signal
     assert 0.5 < signal["success_rate"] < 1.0, signal  # noisy: neither hopeless nor perfect
+
+
+def test_begin_returns_at_once_and_segments_mark_the_policy_text(arith, orch):
+    p = arith.splits.train[4]
+    ep = arith.episode(p, "t-async")
+    turn = ep.begin("I compute.\n" + format_call("python", {"code": "import time; time.sleep(0.3); print(6)"}), orch)
+    assert not turn.ready()  # the call runs in the sandbox meanwhile
+    with pytest.raises(RuntimeError, match="pending"):
+        ep.begin("again", orch)
+    res = ep.finish(turn)
+    assert turn.ready() and res.returns[0].output == "6"
+    end = ep.step(f"<answer>{p.answer}</answer>", orch)
+    assert end.reward == 1.0 and ep.finish_reason == "answer"
+    pieces = ep.segments()
+    assert [gen for _, gen in pieces] == [False, True, False, True]
+    assert "".join(text for text, _ in pieces) == (ep.prompt_text + ep.generated[0] + res.observation
+                                                   + ep.generated[1])

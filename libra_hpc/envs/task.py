@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import hashlib
 import logging
-from collections.abc import Callable, Iterable, Mapping, Sequence
+import time
+from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
@@ -186,8 +187,27 @@ class StepResult:
     returns: list[ToolReturn] = field(default_factory=list)
 
 
+@dataclass
+class PendingTurn:
+    """A model turn whose calls are running: :meth:`Episode.finish` it once :meth:`ready`
+    (or at once: it waits, up to ``Task.call_timeout_s`` from submission)."""
+
+    text: str
+    calls: list[ParsedCall | CallError]
+    futures: list[Future | ToolReturn]
+    deadline: float
+    """``time.monotonic()`` after which a call still running is reported as timed out."""
+
+    def ready(self) -> bool:
+        return all(isinstance(f, ToolReturn) or f.done() for f in self.futures)
+
+
 class Episode:
-    """One trajectory of ``task`` on ``prompt``; ``trajectory``: its id at the orchestrator."""
+    """One trajectory of ``task`` on ``prompt``; ``trajectory``: its id at the orchestrator.
+
+    Synchronous use: ``step(text, executor)`` per model turn. A rollout loop that keeps
+    many episodes going calls ``begin`` (parses, submits the calls, returns at once) and
+    ``finish`` when the turn's calls are done (``PendingTurn.ready`` or their futures)."""
 
     def __init__(self, task: Task, prompt: Prompt, trajectory: str):
         self.task, self.prompt, self.trajectory = task, prompt, trajectory
@@ -196,26 +216,29 @@ class Episode:
         self.prompt_text = render_prompt(self.messages[0]["content"], prompt.text)
         self.turns: list[tuple[str, list[ToolReturn]]] = []
         """(model text, the returns its calls got) per turn."""
+        self.observations: list[str] = []
+        """The text after each turn that called tools (:attr:`StepResult.observation`)."""
         self.done = False
         self.reward: float | None = None
         self.answer: str | None = None
+        self.finish_reason = ""
+        """Why the episode ended: ``answer`` (the turn had no call), ``max_turns``."""
+        self._pending: PendingTurn | None = None
 
     def step(self, text: str, executor: Executor) -> StepResult:
         """Feed the model's text of one turn; run its calls; the observation or the reward."""
-        if self.done:
-            raise RuntimeError(f"episode {self.trajectory} is over (reward {self.reward}); start a new one")
-        self.messages.append({"role": "assistant", "content": text})
-        calls = parse_tool_calls(text, self.task.tools)
-        if not calls or len(self.turns) + 1 >= self.task.max_turns:
-            self.turns.append((text, []))
-            return self._finish(final_answer(text) if not calls else None)
-        returns = self.run_calls(calls, executor)
-        self.turns.append((text, returns))
-        self.messages.extend({"role": "tool", "content": r.output} for r in returns)
-        return StepResult(render_observation([r.output for r in returns]), False, None, returns)
+        return self.finish(self.begin(text, executor))
 
-    def run_calls(self, calls: Sequence[ParsedCall | CallError], executor: Executor) -> list[ToolReturn]:
-        """Submit every well-formed call at once (they run concurrently), then collect in order."""
+    def begin(self, text: str, executor: Executor) -> PendingTurn:
+        """Parse the turn and submit its well-formed calls (they run concurrently); a
+        malformed call or a payload the task cannot build is already its tool response."""
+        if self.done or self._pending is not None:
+            raise RuntimeError(f"episode {self.trajectory}: a turn is pending or the episode is over "
+                               f"(reward {self.reward}); finish the turn, or start a new episode")
+        calls = parse_tool_calls(text, self.task.tools)
+        if len(self.turns) + 1 >= self.task.max_turns and calls:
+            calls = []  # out of turns: the calls are not run
+            self.finish_reason = "max_turns"
         futures: list[Future | ToolReturn] = []
         for call in calls:
             if isinstance(call, CallError):
@@ -223,17 +246,36 @@ class Episode:
                 continue
             tool = next(t for t in self.task.tools if t.name == call.name)
             try:
-                futures.append(executor.submit(self.trajectory, call.name, tool.resource, self.task.payload(call)))
-            except (TypeError, ValueError) as err:  # the task could not build a payload from these arguments
+                payload = self.task.payload(call)
+            except (TypeError, ValueError) as err:  # the arguments do not make a payload
                 futures.append(ToolReturn(call.name, f"Error: {call.name}: {err}", "failure"))
-        return [self._collect(call, f) for call, f in zip(calls, futures)]
+                continue
+            futures.append(executor.submit(self.trajectory, call.name, tool.resource, payload))
+        self._pending = PendingTurn(text, calls, futures, time.monotonic() + self.task.call_timeout_s)
+        return self._pending
 
-    def _collect(self, call: ParsedCall | CallError, future: Future | ToolReturn) -> ToolReturn:
+    def finish(self, turn: PendingTurn) -> StepResult:
+        """Collect the turn's returns (waiting for running calls up to their deadline)."""
+        if turn is not self._pending:
+            raise RuntimeError(f"episode {self.trajectory}: finish() takes the turn begin() returned")
+        self._pending = None
+        self.messages.append({"role": "assistant", "content": turn.text})
+        if not turn.calls:
+            self.turns.append((turn.text, []))
+            return self._end(None if self.finish_reason == "max_turns" else final_answer(turn.text))
+        returns = [self._collect(call, f, turn.deadline) for call, f in zip(turn.calls, turn.futures)]
+        self.turns.append((turn.text, returns))
+        self.messages.extend({"role": "tool", "content": r.output} for r in returns)
+        observation = render_observation([r.output for r in returns])
+        self.observations.append(observation)
+        return StepResult(observation, False, None, returns)
+
+    def _collect(self, call: ParsedCall | CallError, future: Future | ToolReturn, deadline: float) -> ToolReturn:
         if isinstance(future, ToolReturn):
             return future
         assert isinstance(call, ParsedCall)
         try:
-            return self.task.tool_return(call, future.result(timeout=self.task.call_timeout_s))
+            return self.task.tool_return(call, future.result(timeout=max(0.0, deadline - time.monotonic())))
         except FutureTimeout:
             future.cancel()
             return ToolReturn(call.name, f"Error: {call.name} did not return within {self.task.call_timeout_s:g} s",
@@ -242,8 +284,9 @@ class Episode:
             log.warning("episode %s: tool %s failed: %r", self.trajectory, call.name, err)
             return ToolReturn(call.name, f"Error: {call.name} failed: {err}", "failure")
 
-    def _finish(self, answer: str | None) -> StepResult:
+    def _end(self, answer: str | None) -> StepResult:
         self.done, self.answer = True, answer
+        self.finish_reason = self.finish_reason or "answer"
         self.reward = self.task.verify(self.prompt, answer)
         return StepResult("", True, self.reward)
 
@@ -251,3 +294,14 @@ class Episode:
     def generated(self) -> list[str]:
         """The model's text of each turn."""
         return [text for text, _ in self.turns]
+
+    def segments(self) -> list[tuple[str, bool]]:
+        """The whole trajectory as (text, produced by the policy) pieces, in order: the
+        prompt, then each turn and the observation after it. Tokenised piece by piece,
+        this gives the RL record's tokens and its ``generated`` mask."""
+        pieces = [(self.prompt_text, False)]
+        for k, text in enumerate(self.generated):
+            pieces.append((text, True))
+            if k < len(self.observations):
+                pieces.append((self.observations[k], False))
+        return pieces
