@@ -23,14 +23,20 @@ from libra_hpc.envs.synthetic import CHARS_PER_TOKEN
 from libra_hpc.envs.task import Episode, Executor, Prompt, Task
 from libra_hpc.envs.toolcall import format_call
 
-FILLER = ("Let me read the problem again carefully.", "I will keep track of every quantity.",
-          "The order of the operations matters here.", "I should not skip any step of the computation.",
-          "Each sentence of the problem changes the count.", "I will double-check the numbers I copy.",
-          "It is safer to let the tool do the arithmetic.", "I restate what I know so far before going on.")
+FILLER = {
+    "arithmetic": ("Let me read the problem again carefully.", "I will keep track of every quantity.",
+                   "The order of the operations matters here.", "I should not skip any step of the computation.",
+                   "Each sentence of the problem changes the count.", "I will double-check the numbers I copy.",
+                   "It is safer to let the tool do the arithmetic.", "I restate what I know so far before going on."),
+    "search": ("Let me read the question again carefully.", "I should follow the chain one document at a time.",
+               "The passage must name the entity exactly.", "A shorter query with the exact name works best.",
+               "I will check the spelling of the name in the question.", "I restate what I know so far.",
+               "Only the passage about this entity has the fact I need.", "I must not guess the answer."),
+}
 
 
-def _talk(rng: random.Random, sentences: int) -> str:
-    return " ".join(rng.choice(FILLER) for _ in range(sentences))
+def _talk(rng: random.Random, sentences: int, task: str = "arithmetic") -> str:
+    return " ".join(rng.choice(FILLER[task]) for _ in range(sentences))
 
 
 def _last(episode: Episode) -> tuple[str, str] | None:
@@ -101,9 +107,9 @@ class SearchSolver:
         head = ""
         if last is not None and last[0] != "success":
             head = (f"The search found nothing: {last[1][:80]} The name may be misspelt. "
-                    + _talk(rng, rng.randint(6, 14)) + " ")
+                    + _talk(rng, rng.randint(6, 14), "search") + " ")
         elif last is not None and found < len(chain) and chain[found] not in last[1]:
-            head = f"These passages do not answer it. {_talk(rng, rng.randint(1, 3))} "
+            head = f"These passages do not answer it. {_talk(rng, rng.randint(1, 3), 'search')} "
         if found >= len(chain):
             answer = episode.prompt.answer if rng.random() > self.wrong else rng.choice(("Grey", "1950", "Iron"))
             return f"{head}The passages say the answer is {answer}.\n<answer>{answer}</answer>"
@@ -115,7 +121,7 @@ class SearchSolver:
             query = f"{entity[:i]}{entity[i + 1]}{entity[i]}{entity[i + 2:]} {key}"  # two letters swapped
         elif rng.random() < self.vague:
             query = entity.split()[-1]
-        intro = f"{head}I need the document about {entity}. {_talk(rng, rng.randint(0, 2))}".strip()
+        intro = f"{head}I need the document about {entity}. {_talk(rng, rng.randint(0, 2), 'search')}".strip()
         return f"{intro}\n<tool_call>\n{json.dumps({'name': 'search', 'arguments': {'query': query}})}\n</tool_call>"
 
 
