@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 import textwrap
 
@@ -17,7 +18,7 @@ from libra_hpc.tools.orchestrator import SandboxRunner, ToolOrchestrator
 from libra_hpc.tools.pool import ResourceSpec
 from libra_hpc.tools.scheduling import make_scheduler
 
-UID_BASE = 236500
+UID_BASE = 254000 + os.getpid() % 200 * 4  # apart per process (another checkout's run)
 
 PLUGIN = textwrap.dedent('''
     """My task: squares of numbers, with a python tool (the docs/tasks.md example)."""

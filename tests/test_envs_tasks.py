@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 from concurrent.futures import Future
 
 import pytest
@@ -20,7 +21,9 @@ from libra_hpc.tools.orchestrator import SandboxRunner, ToolOrchestrator
 from libra_hpc.tools.pool import ResourceSpec
 from libra_hpc.tools.scheduling import make_scheduler
 
-UID_BASES = itertools.count(236000, 10)  # this module's sandbox slot uids, away from the other tool tests'
+UID_BASES = itertools.count(250000 + os.getpid() % 200 * 20, 4)
+"""Sandbox slot uids of this module: away from the other tool tests', and apart per process
+(another checkout's test run on the same host holds its own)."""
 
 
 def orchestrator_for(task, wall_time_s=5.0, units=2):
@@ -178,6 +181,8 @@ def test_the_workload_carries_the_cmlfq_signal(which, arith, search):
         episodes = [run_episode(task, p, solver, o, f"{which}-{i}") for i, p in enumerate(task.splits.train[:n])]
     finally:
         o.close()
+    busy = [r.output for e in episodes for _, rs in e.turns for r in rs if "Sandbox" in r.output]
+    assert not busy, f"the sandbox did not run the calls: {busy[0]}"
     signal = length_signal(episodes)
     print(which, json.dumps({k: round(v, 2) for k, v in signal.items()}))
     assert signal["p90_over_p10"] >= 4, signal
