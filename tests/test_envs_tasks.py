@@ -205,3 +205,11 @@ def test_begin_returns_at_once_and_segments_mark_the_policy_text(arith, orch):
     assert [gen for _, gen in pieces] == [False, True, False, True]
     assert "".join(text for text, _ in pieces) == (ep.prompt_text + ep.generated[0] + res.observation
                                                    + ep.generated[1])
+
+
+def test_a_long_tool_output_is_cut_before_the_model_sees_it(arith, orch):
+    ep = arith.episode(arith.splits.train[5], "t-long")
+    res = ep.step(format_call("python", {"code": "print('x' * 9000); raise SystemExit('Error: at the end')"}), orch)
+    out = res.returns[0].output
+    assert len(out) < arith.max_output_chars + 100 and "characters cut" in out and out.endswith("Error: at the end")
+    assert res.returns[0].status == "failure"

@@ -137,6 +137,9 @@ class Task:
     max_turns: int = 10
     call_timeout_s: float = 60.0
     """Seconds :meth:`Episode.step` waits for one call's result before it reports a timeout."""
+    max_output_chars: int = 2000
+    """A tool response longer than this is cut (head and tail kept) before the model sees it:
+    a runaway print must not fill the context."""
 
     def payload(self, call: ParsedCall) -> Any:
         """What the runner of the call's resource kind gets (for ``cpu``: Python source or
@@ -263,7 +266,8 @@ class Episode:
         if not turn.calls:
             self.turns.append((turn.text, []))
             return self._end(None if self.finish_reason == "max_turns" else final_answer(turn.text))
-        returns = [self._collect(call, f, turn.deadline) for call, f in zip(turn.calls, turn.futures)]
+        returns = [_cut(self._collect(call, f, turn.deadline), self.task.max_output_chars)
+                   for call, f in zip(turn.calls, turn.futures)]
         self.turns.append((turn.text, returns))
         self.messages.extend({"role": "tool", "content": r.output} for r in returns)
         observation = render_observation([r.output for r in returns])
@@ -305,3 +309,14 @@ class Episode:
             if k < len(self.observations):
                 pieces.append((self.observations[k], False))
         return pieces
+
+
+def _cut(ret: ToolReturn, limit: int) -> ToolReturn:
+    """``ret`` with its output cut to about ``limit`` characters: the head and the tail
+    (where a traceback's last line is) around a note of how much was left out."""
+    if len(ret.output) <= limit:
+        return ret
+    half = limit // 2
+    left_out = len(ret.output) - 2 * half
+    return ToolReturn(ret.tool, f"{ret.output[:half]}\n[... {left_out} characters cut ...]\n{ret.output[-half:]}",
+                      ret.status)
