@@ -213,3 +213,17 @@ def test_a_long_tool_output_is_cut_before_the_model_sees_it(arith, orch):
     out = res.returns[0].output
     assert len(out) < arith.max_output_chars + 100 and "characters cut" in out and out.endswith("Error: at the end")
     assert res.returns[0].status == "failure"
+
+
+def test_search_splits_are_disjoint_and_seeded(search):
+    assert not {p.hash for p in search.splits.train} & search.splits.heldout_hashes()
+    assert {p.meta["hops"] for p in search.splits.train} == {1, 2, 3}
+    assert SearchTask(seed=3, entities=120, train_prompts=300, heldout_prompts=60).splits == search.splits
+    assert SearchTask(seed=4, entities=120, train_prompts=300, heldout_prompts=60).splits != search.splits
+
+
+def test_a_generator_that_repeats_itself_is_refused():
+    from libra_hpc.envs.task import make_splits
+
+    with pytest.raises(ValueError, match="repeats itself"):
+        make_splits(lambda i: Prompt(str(i), f"question {i % 5}", "a"), train=10, heldout=2)
