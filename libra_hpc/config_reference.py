@@ -90,6 +90,9 @@ yet. Kept here, in one place, instead of in the field descriptions; update it wi
   rest of `cluster`, `tools` and `logging`.
 - **Read by the task library** (`libra_hpc.envs.task_from_config`, docs/tasks.md; the job does not
   run tasks yet): `rl.task`, `rl.seed` and `tasks`.
+- **Read by the RL core** (`libra_hpc.rl.prepare_batch`; the job does not train yet):
+  `rl.max_staleness`, `advantage_norm`, `advantage_eps`, `filter_zero_variance`,
+  `loss_aggregation`, `kl_coef`.
 - **Read by nothing yet**: `rollout.max_new_tokens` and `rollout.temperature` (the rollout
   engine takes them per request; no caller passes them from the config yet), and the
   queue service's `scheduler.lease_s`, `max_batch`, `tree_save_every_s` (its benchmark
