@@ -45,3 +45,27 @@ def _environment_restored_after_the_module():
     if dict(os.environ) != saved:
         os.environ.clear()
         os.environ.update(saved)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> Path:
+    """The tiny local model (libra_hpc/engines/tiny.py, seed 0), built once per test module."""
+    from libra_hpc.engines.tiny import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("tiny") / "model", seed=0)
+
+
+@pytest.fixture(scope="module")
+def torch_world():
+    """A one-rank gloo world in this process (the training world of one-rank engine tests)."""
+    import socket
+
+    import torch.distributed as dist
+
+    assert not dist.is_initialized(), "another test left torch.distributed initialised"
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()

@@ -19,14 +19,8 @@ from libra_hpc.engines.rollout.options import (
     engine_env,
     instance_devices,
 )
-from libra_hpc.engines.tiny import build_tiny_model
 
 TOL = 1e-4  # fp32 log-probabilities, vLLM vs transformers
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    return build_tiny_model(tmp_path_factory.mktemp("rollout") / "tiny")
 
 
 @pytest.fixture(scope="module")

@@ -55,13 +55,6 @@ def test_push_refuses_a_rank_that_is_not_the_root():
         push_weights(MPI.COMM_SELF, {"a": torch.zeros(1)}, root=1)
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    from libra_hpc.engines.tiny import build_tiny_model
-
-    return build_tiny_model(tmp_path_factory.mktemp("tiny") / "model", seed=0)
-
-
 @pytest.mark.mpi
 def test_trained_weights_reach_the_vllm_leader_and_its_logprobs_match(tiny, tmp_path):
     from mpi_worlds import run_world

@@ -5,7 +5,6 @@ from __future__ import annotations
 import itertools
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
@@ -13,11 +12,6 @@ from libra_hpc.config import ModelConfig
 from libra_hpc.engines.tiny import TINY_DEFAULTS, build_tiny_model, resolve_model, task_corpus
 
 FILES = ["config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"]
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory) -> Path:
-    return build_tiny_model(tmp_path_factory.mktemp("tiny") / "model")
 
 
 def test_same_seed_same_bytes_other_seed_other_weights(tiny, tmp_path):

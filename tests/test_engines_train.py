@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import sys
 from pathlib import Path
 
@@ -218,27 +217,6 @@ def test_policy_batch_refuses_misaligned_per_token_arrays():
 
 
 # ------------------------------------------------------------- the engine, for real
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    from libra_hpc.engines.tiny import build_tiny_model
-
-    return build_tiny_model(tmp_path_factory.mktemp("tiny") / "model", seed=0)
-
-
-@pytest.fixture(scope="module")
-def torch_world():
-    """A one-rank gloo world in this process (the training world of the TP=1 tests)."""
-    import torch.distributed as dist
-
-    assert not dist.is_initialized(), "another test left torch.distributed initialised"
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
-
 
 @pytest.fixture(scope="module")
 def tp2_world(tiny, tmp_path_factory):

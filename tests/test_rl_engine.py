@@ -6,7 +6,6 @@ positions exactly zero gradient."""
 
 from __future__ import annotations
 
-import socket
 
 import pytest
 import torch
@@ -18,26 +17,6 @@ from libra_hpc.rl import NOT_GENERATED, Trajectory, grpo_step, prepare_batch
 SEGMENTS = [(4, 3, 2, 4), (4, 5, 3, 2), (5, 2, 2, 6), (5, 4, 0, 0)]
 REWARDS = [1.0, 0.0, 0.0, 1.0]
 GROUPS = ["a", "a", "b", "b"]
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    from libra_hpc.engines.tiny import build_tiny_model
-
-    return build_tiny_model(tmp_path_factory.mktemp("tiny") / "model", seed=0)
-
-
-@pytest.fixture(scope="module")
-def torch_world():
-    import torch.distributed as dist
-
-    assert not dist.is_initialized(), "another test left torch.distributed initialised"
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 def _rollout(engine, vocab: int) -> list[Trajectory]:

@@ -129,13 +129,6 @@ def test_ranks_waiting_for_a_command_do_not_spin(tmp_path):
     assert sum(spinning.values()) / len(spinning) > IDLE_LIMIT, (spinning, result["cores"])
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    from libra_hpc.engines.tiny import build_tiny_model
-
-    return build_tiny_model(tmp_path_factory.mktemp("tiny") / "model", seed=0)
-
-
 @pytest.mark.mpi
 def test_training_relayout_rebuilds_only_the_training_world_beside_a_live_vllm_engine(tiny, tmp_path):
     result = run_world("engines", tmp_path, str(tiny), timeout=900)
