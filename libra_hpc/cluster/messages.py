@@ -18,6 +18,7 @@ communicators and is not listed here.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 QUEUE_REQUEST = 0x1F01
@@ -56,18 +57,16 @@ def wait_message(comm: Any, source: int, tag: int, *, backoff: Backoff | None = 
     probing without blocking and sleeping in between (:class:`Backoff`): an idle rank
     costs almost no CPU. Raises TimeoutError naming the tag and source after
     ``timeout_s``. ``status`` (an MPI.Status) receives the sender and tag."""
-    wait = backoff or Backoff()
-    wait.reset()
-    deadline = None if timeout_s is None else time.monotonic() + timeout_s
-    while True:
+    found: list[Any] = []
+
+    def arrived() -> bool:
         message = comm.improbe(source=source, tag=tag, status=status)
         if message is not None:
-            return message.recv()
-        if deadline is not None and time.monotonic() >= deadline:
-            raise TimeoutError(f"no {TAG_NAMES.get(tag, hex(tag))} message from rank {source} "
-                               f"within {timeout_s} s")
-        wait.sleep()
+            found.append(message)
+        return message is not None
 
+    _poll(arrived, backoff, timeout_s, lambda: f"no {TAG_NAMES.get(tag, hex(tag))} message from rank {source}")
+    return found[0].recv()
 
 
 def wait_sent(requests: list[Any], *, backoff: Backoff | None = None, timeout_s: float | None = None) -> None:
@@ -77,10 +76,17 @@ def wait_sent(requests: list[Any], *, backoff: Backoff | None = None, timeout_s:
     takes it). Raises TimeoutError after ``timeout_s`` (the sends stay posted)."""
     from mpi4py import MPI
 
+    _poll(lambda: MPI.Request.Testall(requests), backoff, timeout_s,
+          lambda: f"{len(requests)} message(s) not taken by their receivers")
+
+
+def _poll(ready: Callable[[], bool], backoff: Backoff | None, timeout_s: float | None, what: Callable[[], str]) -> None:
+    """Call ``ready()`` until it is true, sleeping with ``backoff`` in between; TimeoutError
+    saying ``what()`` after ``timeout_s``."""
     wait = backoff or Backoff()
     wait.reset()
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
-    while not MPI.Request.Testall(requests):
+    while not ready():
         if deadline is not None and time.monotonic() >= deadline:
-            raise TimeoutError(f"{len(requests)} message(s) not taken by their receivers within {timeout_s} s")
+            raise TimeoutError(f"{what()} within {timeout_s} s")
         wait.sleep()
