@@ -446,36 +446,35 @@ class RLConfig(_Section):
     """The agentic task the policy is trained on (libra_hpc/envs/, docs/tasks.md): a built-in task by name (`arithmetic`: word problems solved with a calculator/Python tool in the sandbox; `search`: question answering by searching a generated document collection), configured by its `tasks.<name>` section; or a user's task as `package.module:Factory`, imported from `sys.path` and called with `tasks.plugin` as keyword arguments."""
 
 
-class ArithmeticTaskConfig(_Section):
-    """Arithmetic word problems that need the `calculator` / `python` tools (run in the tool sandbox through the orchestrator): one tool call per step of the problem; the reward is 1 for the exact final number in `<answer>...</answer>`, else 0. Generated from `rl.seed`; no downloads."""
+class _TaskSplits(_Section):
+    """What every built-in task has: its two splits and the episode length."""
 
     train_prompts: int = Field(2000, ge=1)
-    """Problems of the training split."""
+    """Prompts of the training split."""
     heldout_prompts: int = Field(300, ge=1)
-    """Problems of the held-out split (their texts never appear in the training split: checked by text hash)."""
+    """Prompts of the held-out split (their texts never appear in the training split: checked by text hash)."""
+    max_turns: int = Field(10, ge=1)
+    """Model turns per episode; an episode that has not answered by then ends with reward 0."""
+
+
+class ArithmeticTaskConfig(_TaskSplits):
+    """Arithmetic word problems that need the `calculator` / `python` tools (run in the tool sandbox through the orchestrator): one tool call per step of the problem; the reward is 1 for the exact final number in `<answer>...</answer>`, else 0. Generated from `rl.seed`; no downloads."""
+
     min_steps: int = Field(1, ge=1, le=6)
     """Fewest arithmetic steps (tool calls a careful solver makes) of one problem."""
     max_steps: int = Field(4, ge=1, le=6)
     """Most arithmetic steps of one problem."""
-    max_turns: int = Field(10, ge=1)
-    """Model turns per episode; an episode that has not answered by then ends with reward 0."""
 
 
-class SearchTaskConfig(_Section):
+class SearchTaskConfig(_TaskSplits):
     """Question answering by searching a document collection the project generates (fictional people, towns and companies): the `search` tool returns the best-matching passages, a miss means another search; multi-hop questions need one search per hop. The reward is 1 for the normalised exact answer in `<answer>...</answer>`, else 0."""
 
     entities: int = Field(400, ge=20)
     """People in the generated collection (each with a town and a company, each one document)."""
-    train_prompts: int = Field(2000, ge=1)
-    """Questions of the training split."""
-    heldout_prompts: int = Field(300, ge=1)
-    """Questions of the held-out split (disjoint from training by text hash)."""
     max_hops: int = Field(3, ge=1, le=3)
     """Most documents a question chains through (1: the answer is in the first document found)."""
     top_k: int = Field(2, ge=1, le=10)
     """Passages one search returns."""
-    max_turns: int = Field(10, ge=1)
-    """Model turns per episode; an episode that has not answered by then ends with reward 0."""
 
 
 class TasksConfig(_Section):
