@@ -145,6 +145,13 @@ def feasible_tps(model: ModelProfile, hw: HardwareProfile, tps: Sequence[int], c
     return tuple(sorted(out, reverse=True))
 
 
+def pipelined_step_s(t_train: float, t_rollout: float, k: int) -> float:
+    """Steady-state step time of the rollout/training pipeline with staleness ``k``:
+    training step ``s`` ends at max(end(s - k - 1) + T_rollout, end(s - 1)) + T_train, so
+    a step takes max(T_train, (T_rollout + T_train) / (k + 1)) (k = 0: their sum)."""
+    return max(t_train, (t_rollout + t_train) / (k + 1))
+
+
 def profiles(cfg: Any) -> tuple[ModelProfile, HardwareProfile]:
     """The planner's profiles an experiment config names (``model.name``,
     ``cluster.hardware``), the hardware's node size set to ``cluster.gpus_per_node``."""
@@ -208,10 +215,8 @@ class ControlLoop:
         return [(max(1, round(g / n)),) * n for g, c in zip(prior.gen, prior.count) for _ in range(c)]
 
     def step_objective(self, t_train: float, t_rollout: float) -> float:
-        """Steady-state step time of the pipeline with staleness ``k``: training step ``s``
-        ends at max(end(s - k - 1) + T_rollout, end(s - 1)) + T_train, so a step takes
-        max(T_train, (T_rollout + T_train) / (k + 1)) (k = 0: their sum)."""
-        return max(t_train, (t_rollout + t_train) / (self.o.max_staleness + 1))
+        """:func:`pipelined_step_s` at this run's staleness."""
+        return pipelined_step_s(t_train, t_rollout, self.o.max_staleness)
 
     def best_plan(self, lengths: LengthProfile, options: PlannerOptions | None = None) -> PlanResult:
         """The better of plan()'s asynchronous and synchronous searches on ``lengths`` under

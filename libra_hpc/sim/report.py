@@ -54,7 +54,7 @@ ASSUMPTIONS = (
     "libra_vs_oracle uses the better of the two."),
     ("plan()'s async objective max(T_train, T_rollout) assumes one batch in flight; the simulated pipeline "
     "overlaps up to k + 1 batches, so the simulator takes the better of plan()'s async and sync plans under the "
-    "pipelined step max(T_train, (T_rollout + T_train) / (k + 1)) (libra_hpc/sim/policies.py)."),
+    "pipelined step max(T_train, (T_rollout + T_train) / (k + 1)) (libra_hpc/planner/control.py pipelined_step_s)."),
     ("The workload is synthetic (libra_hpc/envs/synthetic.py); every number in the scenario file says whether it is "
     "sourced or an assumption."),
 )

@@ -23,7 +23,7 @@ import statistics
 from libra_hpc.cluster.layout import Layout
 from libra_hpc.planner.costs import TrainShape
 from libra_hpc.planner.costs import rollout_makespan as rollout_cost_makespan
-from libra_hpc.planner.control import length_profile
+from libra_hpc.planner.control import length_profile, pipelined_step_s
 from libra_hpc.sim.context import Context, instances_of, samples_of
 from libra_hpc.sim.engine import EventLoop
 from libra_hpc.sim.rollout import RolloutSide
@@ -66,9 +66,8 @@ def _score(ctx: Context, layout: Layout, train_shape: TrainShape, steps: list[in
         mean_tokens = sum(t.total_tokens for t in batch) / len(batch)
         roll = rollout_makespan(ctx, layout, s)
         train = step_s(ctx.model, ctx.hw, train_shape, mean_tokens, ctx.cal)
-        k = ctx.cfg.rl.max_staleness  # the pipelined step (libra_hpc/sim/policies.py: step_objective)
         values.append(roll + train + ctx.cfg.costs.colocate_switch_s if sync
-                      else max(train, (roll + ctx.weight_sync_s + train) / (k + 1)))
+                      else pipelined_step_s(train, roll + ctx.weight_sync_s, ctx.cfg.rl.max_staleness))
     return statistics.fmean(values)
 
 
@@ -82,8 +81,8 @@ def _screen(ctx: Context, layout: Layout, train_shape: TrainShape, step: int, sy
     roll = rollout_cost_makespan([(ctx.rollout_costs[tp], n) for tp, n in pools.items()],
                                  length_profile(samples_of(batch), len(batch))).makespan_s
     train = step_s(ctx.model, ctx.hw, train_shape, statistics.fmean(t.total_tokens for t in batch), ctx.cal)
-    k = ctx.cfg.rl.max_staleness
-    return roll + train + ctx.cfg.costs.colocate_switch_s if sync else max(train, (roll + train) / (k + 1))
+    return (roll + train + ctx.cfg.costs.colocate_switch_s if sync
+            else pipelined_step_s(train, roll, ctx.cfg.rl.max_staleness))
 
 
 def _two_stage(ctx: Context, candidates: list[Candidate], sync: bool) -> tuple[Layout, TrainShape, list[dict]]:
