@@ -22,7 +22,8 @@ from mpi4py import MPI
 sys.path.insert(0, str(Path(__file__).parent))
 from test_sched_service import StubRouter
 
-from libra_hpc.scheduler.mpi_service import REQUEST_TAG, QueueClient, QueueError, serve
+from libra_hpc.cluster.messages import QUEUE_REQUEST
+from libra_hpc.scheduler.mpi_service import QueueClient, QueueError, serve
 from libra_hpc.scheduler.service import QueueService
 from libra_hpc.scheduler.types import BucketSpec
 
@@ -80,7 +81,7 @@ def client(comm, clients) -> None:
     if rank == 1:
         report(queue.request, ["not", "a", "dict"])
     else:
-        comm.Send(bytearray(b"\x80\x05garbage"), dest=0, tag=REQUEST_TAG)
+        comm.Send(bytearray(b"\x80\x05garbage"), dest=0, tag=QUEUE_REQUEST)
         reply = comm.recv(source=0)
         refused[reply["reason"]] = refused.get(reply["reason"], 0) + 1
     repeated = abandoned = False

@@ -28,9 +28,6 @@ from libra_hpc.scheduler.types import ToolState
 
 log = logging.getLogger(__name__)
 
-REQUEST_TAG = QUEUE_REQUEST  # the names this module used before cluster/messages.py listed every tag
-REPLY_TAG = QUEUE_REPLY
-
 BUSY_MAINTAIN_EVERY = 1024
 """Requests between two runs of the service's overdue maintenance when the loop never idles."""
 
