@@ -191,8 +191,8 @@ class TrainingConfig(_Section):
     context cap and the training sequence length (packed or padded). The planner's training
     cost and memory models and the simulator's workload use it. The global batch of a step
     is not set here: it is ``rl.prompts_per_step × rl.group_size`` sequences."""
-    lr: float = Field(1e-5, gt=0)
-    """Adam learning rate."""
+    lr: float = Field(1e-5, ge=0)
+    """Adam learning rate; 0 trains nothing (the control run of a learning experiment)."""
     grad_clip: float = Field(1.0, gt=0)
     """Largest global L2 norm of the gradients in a step; larger ones are scaled down to it
     (the Megatron optimizer's ``clip_grad``)."""
@@ -486,6 +486,27 @@ class TasksConfig(_Section):
     """Keyword arguments of a user's task factory when `rl.task` is `package.module:Factory` (e.g. `{prompts: data/my.jsonl}`)."""
 
 
+class WarmStartConfig(_Section):
+    """The warm start (libra_hpc/rl/warmstart.py): a short supervised pass that teaches the
+    policy the chat and tool-call format on demonstrations of the task's noisy scripted
+    solver (training split only), before RL. Built once and cached by a fingerprint of
+    these fields, the task and the base model."""
+
+    demonstrations: int = Field(2000, ge=1)
+    """Solver episodes (with real tool returns) to train on."""
+    epochs: int = Field(2, ge=1)
+    """Passes over the demonstrations."""
+    batch_size: int = Field(16, ge=1)
+    """Demonstrations per supervised step."""
+    lr: float = Field(1e-3, gt=0)
+    """Adam learning rate of the supervised pass."""
+    guess: float = Field(0.75, ge=0, le=1)
+    """Share of multi-step problems (two or more tool calls needed) on which the solver answers at
+    once without tools, almost always wrongly: the imperfection RL has to unlearn."""
+    seed: int = Field(0, ge=0)
+    """Seed of the solver's noise and of the batch order."""
+
+
 class LoggingConfig(_Section):
     """Where and how much the run writes."""
 
@@ -507,6 +528,7 @@ class ExperimentConfig(_Section):
     tools: ToolsConfig = ToolsConfig()
     rl: RLConfig = RLConfig()
     tasks: TasksConfig = TasksConfig()
+    warmstart: WarmStartConfig = WarmStartConfig()
     logging: LoggingConfig = LoggingConfig()
 
     @property

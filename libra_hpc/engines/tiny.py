@@ -26,7 +26,7 @@ import os
 import random
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -154,24 +154,34 @@ def build_tiny_model(path: str | os.PathLike, *, seed: int = 0, **overrides: Any
     size must stay ≥ 32 and a multiple of 16 for vLLM's CPU attention. ``path`` may be
     missing or an empty directory. Raises FileExistsError if it holds something else
     (another build, or files that are not a build)."""
-    path = Path(path)
     spec = _spec(seed, overrides)
+    return publish_build(Path(path), spec, lambda staging: _write(staging, spec), "build_tiny_model")
+
+
+def publish_build(path: Path, spec: dict[str, Any], write: Callable[[Path], None], what: str) -> Path:
+    """Publish a checkpoint directory built by ``write(staging)`` at ``path``, atomically:
+    written to a temporary sibling, then renamed. ``spec`` (a JSON-able dict with a
+    ``fingerprint``) is recorded in ``build.json``; when ``path`` already holds a build with
+    the same fingerprint it is reused as is (nothing is written), another build or other
+    files raise FileExistsError naming ``what``. Ranks publishing the same build at once all
+    end up with one complete copy."""
     if path.exists() and not (path.is_dir() and not any(path.iterdir())):
-        return _reuse(path, spec)
+        return _reuse(path, spec, what)
     path.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
     try:
-        _write(staging, spec)
+        write(staging)
+        _dump(staging / _MARKER, spec)
         for file in staging.iterdir():
             file.chmod(0o644)
         staging.chmod(0o755)  # mkdtemp makes it private; a shared cache is read by every rank
         try:
             staging.rename(path)
-            log.info("built tiny model %s (seed %d) at %s", spec["fingerprint"], seed, path)
+            log.info("%s: published %s at %s", what, spec["fingerprint"], path)
         except OSError:  # another process published the same path first (rename replaces only an empty dir)
             if not path.exists():
                 raise
-            return _reuse(path, spec)
+            return _reuse(path, spec, what)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return path
@@ -211,16 +221,16 @@ def _spec(seed: int, overrides: dict[str, Any]) -> dict[str, Any]:
     return spec
 
 
-def _reuse(path: Path, spec: dict[str, Any]) -> Path:
+def _reuse(path: Path, spec: dict[str, Any], what: str) -> Path:
     marker = path / _MARKER
     if not marker.is_file():
-        raise FileExistsError(f"build_tiny_model: {path} exists but is not a tiny-model build (no {_MARKER}); "
+        raise FileExistsError(f"{what}: {path} exists but is not a build of ours (no {_MARKER}); "
                               "choose another path or remove it")
     found = json.loads(marker.read_text())
     if found.get("fingerprint") != spec["fingerprint"]:
-        raise FileExistsError(f"build_tiny_model: {path} holds build {found.get('fingerprint')} "
+        raise FileExistsError(f"{what}: {path} holds build {found.get('fingerprint')} "
                               f"(seed {found.get('seed')}), not the requested {spec['fingerprint']} "
-                              f"(seed {spec['seed']}); choose another path or remove it")
+                              f"(seed {spec.get('seed')}); choose another path or remove it")
     return path
 
 
@@ -241,7 +251,6 @@ def _write(out: Path, spec: dict[str, Any]) -> None:
         "added_tokens_decoder": {str(ids[t]): {"content": t, "special": True, "lstrip": False, "rstrip": False,
                                                "normalized": False, "single_word": False} for t in SPECIAL_TOKENS}})
     _save_weights(out / "model.safetensors", arch, spec["seed"])
-    _dump(out / _MARKER, spec)
 
 
 def _dump(file: Path, obj: Any) -> None:

@@ -288,6 +288,14 @@ class Episode:
             log.warning("episode %s: tool %s failed: %r", self.trajectory, call.name, err)
             return ToolReturn(call.name, f"Error: {call.name} failed: {err}", "failure")
 
+    def abandon(self, reason: str) -> None:
+        """End the episode without an answer (reward ``verify(None)``) for a reason outside
+        the model's turns, e.g. ``context``: the next turn would not fit the engine."""
+        if self.done or self._pending is not None:
+            raise RuntimeError(f"episode {self.trajectory}: abandon() needs a running episode with no pending turn")
+        self.finish_reason = reason
+        self._end(None)
+
     def _end(self, answer: str | None) -> StepResult:
         self.done, self.answer = True, answer
         self.finish_reason = self.finish_reason or "answer"

@@ -268,10 +268,14 @@ def cpu_runner_from_config(tools, rules: ClassifyRules = DEFAULT_RULES) -> Runne
     return SlurmSandboxRunner(argv, wall_time_s=tools.wall_time_s)
 
 
-def orchestrator_from_config(tools, scheduler_cfg=None, clock: Callable[[], float] = time.monotonic) -> ToolOrchestrator:
+def orchestrator_from_config(tools, scheduler_cfg=None, clock: Callable[[], float] = time.monotonic, *,
+                             extra: Mapping[str, Runner] | None = None,
+                             extra_units: int = 8) -> ToolOrchestrator:
     """The orchestrator an experiment's ``tools`` section describes: a ``cpu`` sandbox pool
     and, when ``tools.reward_endpoint`` is set, a ``reward`` endpoint resource.
-    ``scheduler_cfg`` (the ``scheduler`` section) gives the ToolState size classes and error markers."""
+    ``scheduler_cfg`` (the ``scheduler`` section) gives the ToolState size classes and error markers.
+    ``extra``: in-process runners of further resource kinds (a task's ``runners()``, e.g.
+    ``search``), each a pool of ``extra_units`` concurrent calls."""
     from libra_hpc.tools.endpoint import EndpointRunner
     from libra_hpc.tools.pool import ResourceSpec
     from libra_hpc.tools.scheduling import DurationEstimator, make_scheduler
@@ -283,6 +287,11 @@ def orchestrator_from_config(tools, scheduler_cfg=None, clock: Callable[[], floa
     if tools.reward_endpoint:
         resources.append(ResourceSpec("reward", tools.reward_concurrency, 0, tools.idle_timeout_s))
         runners["reward"] = EndpointRunner(tools.reward_endpoint, timeout_s=tools.wall_time_s)
+    for kind, runner in (extra or {}).items():
+        if kind in runners:
+            raise ValueError(f"orchestrator: the task's runner {kind!r} clashes with a resource of the tools section")
+        resources.append(ResourceSpec(kind, extra_units, 0, tools.idle_timeout_s))
+        runners[kind] = runner
     scheduler = make_scheduler(tools.policy, resources, quotas=tools.quotas, now=0.0, aging_rate=tools.aging_rate,
                                estimator=DurationEstimator(tools.expected_s, tools.default_expected_s))
     return ToolOrchestrator(scheduler, runners, clock)

@@ -1,0 +1,191 @@
+"""Group rollouts with tool turns (libra_hpc/rl/rollout.py) and the warm-start
+demonstrations (libra_hpc/rl/warmstart.py), with the tiny model's real tokenizer, the real
+search task and the live orchestrator. The engine here is a scripted stand-in whose turns
+are chosen text (the bookkeeping under test must not depend on what a model happens to
+sample); test_engines_rollout.py runs the same rollout on vLLM."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from libra_hpc.engines.rollout.types import Generation
+from libra_hpc.envs import SearchTask, SplitLeak
+from libra_hpc.envs.solvers import SearchSolver, run_episode
+from libra_hpc.envs.toolcall import IM_END, format_call
+from libra_hpc.rl.grpo import loss_mask
+from libra_hpc.rl.rollout import PromptSampler, TextCodec, rollout
+from libra_hpc.rl.trajectory import NOT_GENERATED
+from libra_hpc.rl.warmstart import (
+    WarmStartOptions,
+    demonstration_pieces,
+    demonstrations,
+    encode_demonstration,
+    fingerprint,
+)
+from libra_hpc.tools.orchestrator import ToolOrchestrator
+from libra_hpc.tools.pool import ResourceSpec
+from libra_hpc.tools.scheduling import make_scheduler
+
+
+@pytest.fixture(scope="module")
+def task():
+    return SearchTask(seed=5, entities=150, max_hops=2, train_prompts=200, heldout_prompts=40, max_turns=4)
+
+
+@pytest.fixture(scope="module")
+def codec(tiny):
+    return TextCodec(tiny)
+
+
+@pytest.fixture
+def orch(task):
+    o = ToolOrchestrator(make_scheduler("tangram", [ResourceSpec("search", 4)]), task.runners())
+    yield o
+    o.close()
+
+
+class ScriptedEngine:
+    """``generate`` answers each prompt with ``policy(decoded prompt)`` plus the end-of-turn
+    token, every token at log-prob -0.25 (like vLLM, the stop token is in the output)."""
+
+    def __init__(self, codec, policy, max_model_len=4096):
+        self.codec, self.policy, self.max_model_len = codec, policy, max_model_len
+        self.calls = []
+
+    def generate(self, prompts, *, max_tokens, temperature, top_p, seed, stop_token_ids):
+        self.calls.append((len(prompts), max_tokens, temperature, seed, tuple(stop_token_ids)))
+        out = []
+        for p in prompts:
+            ids = (self.codec.encode(self.policy(self.codec.decode(p))) + [self.codec.im_end])[:max_tokens]
+            out.append(Generation(ids, [-0.25] * len(ids), "stop" if ids[-1] == self.codec.im_end else "length"))
+        return out
+
+
+def _two_turns(task):
+    """Search the question's person, then answer with the prompt's reference answer."""
+    answers = {p.text: p for p in task.splits.train}
+
+    def policy(text):
+        question = text.split("<|im_start|>user\n")[1].split(IM_END)[0]
+        prompt = answers[question]
+        if "<tool_response>" not in text:
+            return f"I look it up.\n{format_call('search', {'query': prompt.meta['chain'][0]})}"
+        return f"Found it.\n<answer>{prompt.answer}</answer>"
+    return policy
+
+
+def test_a_trajectory_records_prompt_turns_and_tool_output_with_the_right_masks(task, codec, orch):
+    prompt = task.splits.train[0]
+    engine = ScriptedEngine(codec, _two_turns(task))
+    out = rollout(engine, task, [prompt], orch, codec, group_size=3, version=7, tag="s0", seed=1)
+    assert len(out.trajectories) == 3 and {t.group_id for t in out.trajectories} == {f"s0/{prompt.pid}"}
+    t = out.trajectories[0]
+    assert t.reward == 1.0 and t.finish_reason == "answer" and out.success == 1.0 and out.format_valid == 1.0
+    prompt_ids = codec.encode(task.episode(prompt, "x").prompt_text)
+    assert t.tokens[:len(prompt_ids)] == prompt_ids
+    # the pieces: prompt (not generated), turn 1 + <|im_end|> (generated), tool turn (not), turn 2 (generated)
+    runs, last = [], None
+    for g in t.generated:
+        if g != last:
+            runs.append([g, 0])
+            last = g
+        runs[-1][1] += 1
+    assert [g for g, _ in runs] == [False, True, False, True]
+    tool_part = t.tokens[runs[0][1] + runs[1][1]:][:runs[2][1]]
+    tool_text = codec.decode(tool_part)
+    assert tool_text.startswith("\n<|im_start|>user\n<tool_response>") and tool_text.endswith("<|im_start|>assistant\n")
+    assert prompt.meta["chain"][0] in tool_text  # the search result, from the real runner
+    for i, (g, lp, v) in enumerate(zip(t.generated, t.logprobs, t.versions)):
+        assert (lp, v) == ((-0.25, 7) if g else (0.0, NOT_GENERATED)), i
+    assert [t.tokens[i] for i, g in enumerate(t.generated) if g].count(codec.im_end) == 2  # each turn's stop token
+    assert sum(loss_mask(t)) == sum(t.generated) == out.generated_tokens / 3
+    assert engine.calls[0][0] == 3 and engine.calls[0][4] == (codec.im_end,)  # one batched call per turn
+    assert len(engine.calls) == 2 and engine.calls[0][3] != engine.calls[1][3]  # each turn draws its own seed
+
+
+def test_a_malformed_call_is_an_observation_and_the_episode_goes_on(task, codec, orch):
+    prompt = task.splits.train[1]
+
+    def policy(text):
+        if "<tool_response>" not in text:
+            return '<tool_call>\n{"name": "search", "arguments": {"query": }\n</tool_call>'
+        return "<answer>no idea</answer>"
+
+    out = rollout(ScriptedEngine(codec, policy), task, [prompt], orch, codec, group_size=1, version=0, tag="bad")
+    t, episode = out.trajectories[0], out.episodes[0]
+    assert episode.turns[0][1][0].status == "failure" and "not valid JSON" in episode.turns[0][1][0].output
+    assert "not valid JSON" in codec.decode([x for x, g in zip(t.tokens, t.generated) if not g])
+    assert t.reward == 0.0 and out.format_valid == 0.0 and len(episode.turns) == 2
+
+
+def test_an_episode_that_outgrows_the_context_ends_without_reward(task, codec, orch):
+    prompt = task.splits.train[2]
+    long_talk = lambda text: "I keep thinking. " * 12 + format_call("search", {"query": "nothing"})  # noqa: E731
+    prompt_len = len(codec.encode(task.episode(prompt, "x").prompt_text))
+    engine = ScriptedEngine(codec, long_talk, max_model_len=prompt_len + 300)
+    out = rollout(engine, task, [prompt], orch, codec, group_size=1, version=0, tag="ctx", max_turn_tokens=120)
+    t = out.trajectories[0]
+    assert t.finish_reason == "context" and t.reward == 0.0 and len(t.tokens) <= prompt_len + 300
+    assert all(c[1] <= 120 for c in engine.calls)
+
+
+def test_demonstrations_are_encoded_exactly_as_the_rollout_records_the_same_turns(task, codec, orch):
+    """Supervised warm start and RL see one token layout: the solver's episode, encoded as a
+    demonstration, equals the trajectory of an engine that writes the solver's turns."""
+    solver = SearchSolver(seed=2)
+    prompt = task.splits.train[3]
+    demo = run_episode(task, prompt, solver, orch, "demo/0")
+    tokens, trained = encode_demonstration(demo, codec.encode)
+    turns = iter(demo.generated)
+    out = rollout(ScriptedEngine(codec, lambda _: next(turns)), task, [prompt], orch, codec, group_size=1,
+                  version=0, tag="same", max_turn_tokens=2048)
+    t = out.trajectories[0]
+    assert t.tokens == tokens and t.generated == trained and t.reward == demo.reward
+    pieces = demonstration_pieces(demo)
+    assert all(text.endswith(IM_END) for text, is_model in pieces if is_model)
+    assert not any(text.startswith(IM_END) for text, is_model in pieces[1:] if not is_model)
+
+
+def test_the_guessing_solver_skips_tools_on_multi_step_questions_only(task, orch):
+    guesser = SearchSolver(seed=0, guess=1.0)
+    for i, prompt in enumerate(task.splits.train[:30]):
+        episode = run_episode(task, prompt, guesser, orch, f"g/{i}")
+        if prompt.meta["hops"] >= 2:
+            assert len(episode.turns) == 1 and episode.turns[0][1] == [] and episode.reward == 0.0, prompt.text
+        else:
+            assert any(returns for _, returns in episode.turns), prompt.text
+    careful = SearchSolver(seed=0, guess=0.0)
+    multi = [p for p in task.splits.train[:30] if p.meta["hops"] >= 2]
+    assert all(len(run_episode(task, p, careful, orch, f"c/{i}").turns) > 1 for i, p in enumerate(multi))
+
+
+def test_the_held_out_split_never_reaches_demonstrations_or_training_batches(task, orch):
+    solver = SearchSolver(seed=1)
+    episodes = demonstrations(task, solver, orch, 50, threads=4)
+    held = task.splits.heldout_hashes()
+    assert len(episodes) == 50 and not {e.prompt.hash for e in episodes} & held
+    sampler = PromptSampler(task.splits, seed=3)
+    seen = [p for _ in range(30) for p in sampler.next(8)]
+    assert not {p.hash for p in seen} & held
+    assert len({p.pid for p in seen[:200]}) == 200  # one pass covers the split without repeats
+    leaky = dataclasses.replace(task.splits.heldout[0], pid="leak")
+    bad = type(task).__new__(type(task))
+    bad.__dict__.update(task.__dict__)
+    object.__setattr__(bad, "splits", object.__new__(type(task.splits)))
+    object.__setattr__(bad.splits, "train", (leaky, *task.splits.train[:3]))
+    object.__setattr__(bad.splits, "heldout", task.splits.heldout)
+    with pytest.raises(SplitLeak, match="warm-start demonstrations"):
+        demonstrations(bad, solver, orch, 4)
+    with pytest.raises(SplitLeak, match="training batch"):
+        PromptSampler(bad.splits).next(4)
+
+
+def test_the_warm_start_fingerprint_names_everything_that_made_it(task, tiny):
+    base = fingerprint(tiny, task, {"max_hops": 2}, WarmStartOptions())
+    assert base == fingerprint(tiny, task, {"max_hops": 2}, WarmStartOptions())
+    others = [fingerprint(tiny, task, {"max_hops": 3}, WarmStartOptions()),
+              fingerprint(tiny, task, {"max_hops": 2}, WarmStartOptions(guess=0.5)),
+              fingerprint(tiny, task, {"max_hops": 2}, WarmStartOptions(epochs=3))]
+    assert len({base["fingerprint"], *(o["fingerprint"] for o in others)}) == 4
