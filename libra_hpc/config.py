@@ -505,6 +505,10 @@ class WarmStartConfig(_Section):
     once without tools, almost always wrongly: the imperfection RL has to unlearn."""
     seed: int = Field(0, ge=0)
     """Seed of the solver's noise and of the batch order."""
+    loss_on: Literal["turns", "transcript"] = "turns"
+    """Tokens the supervised pass trains on: `turns`, the solver's own turns (supervised fine-tuning);
+    `transcript`, every token of the demonstration, questions and tool outputs included (a small
+    model learns to copy names and numbers from them much sooner)."""
 
 
 class LoggingConfig(_Section):

@@ -264,6 +264,39 @@ def test_turns_join_and_leave_a_running_batch(engine):
     assert engine.stats().kv_usage == 0.0
 
 
+def test_a_group_rollout_with_tool_turns_records_the_engines_own_logprobs(engine, tiny):
+    """libra_hpc/rl/rollout.py on vLLM: the search task with the live orchestrator; every
+    generated token's recorded log-prob is what the engine scores for it in the whole
+    trajectory, tool-output tokens are not generated, and no record outgrows the context."""
+    from libra_hpc.envs import SearchTask
+    from libra_hpc.rl.rollout import TextCodec, rollout
+    from libra_hpc.tools.orchestrator import ToolOrchestrator
+    from libra_hpc.tools.pool import ResourceSpec
+    from libra_hpc.tools.scheduling import make_scheduler
+
+    task = SearchTask(seed=1, entities=60, max_hops=1, train_prompts=20, heldout_prompts=5, max_turns=3)
+    orch = ToolOrchestrator(make_scheduler("tangram", [ResourceSpec("search", 2)]), task.runners())
+    codec = TextCodec(tiny)
+    try:
+        out = rollout(engine, task, task.splits.train[:2], orch, codec, group_size=2, version=3, tag="t", seed=4,
+                      max_turn_tokens=24)
+        again = rollout(engine, task, task.splits.train[:2], orch, codec, group_size=2, version=3, tag="t", seed=4,
+                        max_turn_tokens=24)
+    finally:
+        orch.close()
+    assert [t.tokens for t in out.trajectories] == [t.tokens for t in again.trajectories]  # seeded
+    assert len({tuple(t.tokens) for t in out.trajectories}) == 4  # the samples of a group differ
+    assert [t.group_id for t in out.trajectories] == ["t/" + task.splits.train[0].pid] * 2 + [
+        "t/" + task.splits.train[1].pid] * 2
+    scored = engine.score([t.tokens for t in out.trajectories])
+    for t, score in zip(out.trajectories, scored):
+        assert len(t.tokens) <= engine.max_model_len and t.num_generated > 0
+        got = [lp for lp, g in zip(t.logprobs[1:], t.generated[1:]) if g]
+        want = [s for s, g in zip(score, t.generated[1:]) if g]
+        assert max(abs(a - b) for a, b in zip(got, want, strict=True)) < TOL
+        assert {v for v, g in zip(t.versions, t.generated) if g} == {3}
+
+
 def test_one_engine_per_process(engine, tiny):
     from libra_hpc.engines.rollout import VllmRolloutEngine
 

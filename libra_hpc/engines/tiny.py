@@ -10,7 +10,8 @@ transformers, vLLM and the Megatron conversion all load like any Qwen2 checkpoin
   bytes, on any machine with the same torch), never from transformers' initialisers;
 - ``tokenizer.json`` + ``tokenizer_config.json`` (with a ChatML ``chat_template``): a
   byte-level BPE trained with the ``tokenizers`` library on ``task_corpus()``, text in our
-  own words shaped like the agentic tasks (tool calls, code, arithmetic).
+  own words shaped like the agentic tasks (tool calls, code, arithmetic), and
+  ``tasks_corpus()``, text of the built-in tasks drawn from a seed of its own.
 
 A build is published atomically (written to a temporary sibling, then renamed), so ranks
 that build the same model into a shared cache at the same time all end up reading one
@@ -20,6 +21,7 @@ complete copy. ``build.json`` records what was built; an identical request reuse
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import logging
 import os
@@ -69,7 +71,7 @@ QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[
                r"|\s*[\r\n]+|\s+(?!\S)|\s+")
 """Qwen2's pre-tokenisation pattern (single digits, words with one leading non-letter)."""
 
-_BUILD_VERSION = 1  # bump when the bytes a given spec produces change
+_BUILD_VERSION = 2  # bump when the bytes a given spec produces change
 _MARKER = "build.json"
 
 
@@ -145,6 +147,28 @@ def task_corpus(dialogues: int = 2000, seed: int = 0) -> Iterator[str]:
                f"<|im_start|>assistant\n{thought}\n<tool_call>\n{call}\n</tool_call><|im_end|>\n"
                f"<|im_start|>tool\n<tool_response>\n{result}\n</tool_response><|im_end|>\n"
                f"<|im_start|>assistant\n{answer} {final}<|im_end|>\n<|endoftext|>")
+
+
+def tasks_corpus(seed: int = 7) -> Iterator[str]:
+    """Text of the built-in agentic tasks (libra_hpc/envs/) for the tokenizer: their system
+    turns with the tool signatures, and the questions and documents of a search collection
+    and arithmetic problems drawn from ``seed``, a seed of the tokenizer's own (not a task's:
+    no prompt of a task's splits is in it). Names of people and towns then take a few
+    tokens instead of one per letter."""
+    from libra_hpc.envs.arithmetic import ArithmeticTask
+    from libra_hpc.envs.arithmetic import generate as arithmetic_problem
+    from libra_hpc.envs.search import SearchTask, build_world
+    from libra_hpc.envs.search import generate as search_question
+
+    for task in (ArithmeticTask, SearchTask):
+        system = task.system_prompt(task.__new__(task))
+        yield from [system] * 50
+    for k in range(4):
+        world = build_world(seed + k, 1000)
+        yield from world.documents
+        for i in range(1000):
+            yield search_question(world, seed + k, i, 3).text
+            yield arithmetic_problem(seed + k, i, 1, 6).text
 
 
 def build_tiny_model(path: str | os.PathLike, *, seed: int = 0, **overrides: Any) -> Path:
@@ -274,7 +298,7 @@ def _train_tokenizer(vocab_size: int):
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tokenizer.train_from_iterator(task_corpus(), trainer=trainer)
+    tokenizer.train_from_iterator(itertools.chain(task_corpus(), tasks_corpus()), trainer=trainer)
     size = tokenizer.get_vocab_size(with_added_tokens=True)
     if size != vocab_size:
         raise ValueError(f"build_tiny_model: the tokenizer reached {size} entries, not vocab_size={vocab_size}; "

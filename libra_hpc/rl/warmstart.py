@@ -55,6 +55,7 @@ class WarmStartOptions:
     lr: float = 1e-3
     guess: float = 0.75
     seed: int = 0
+    loss_on: str = "turns"
 
     @classmethod
     def from_config(cls, section: Any) -> WarmStartOptions:
@@ -192,6 +193,8 @@ def build_warmstart(path: Path, base_model: Path, task: Task, spec: dict, option
         episodes = demonstrations(task, solver_for(task, options), executor, options.demonstrations)
         codec = TextCodec(base_model)
         sequences = [encode_demonstration(e, codec.encode) for e in episodes]
+        if options.loss_on == "transcript":  # every token: tool outputs and questions teach copying too
+            sequences = [(tokens, [True] * len(tokens)) for tokens, _ in sequences]
         solved = sum(e.reward or 0.0 for e in episodes) / len(episodes)
         progress(f"warm start: {len(episodes)} demonstrations ({solved:.2f} solved, "
                  f"{sum(map(sum, (m for _, m in sequences)))} trained tokens) in {time.perf_counter() - started:.0f} s")
