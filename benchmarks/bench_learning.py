@@ -110,8 +110,7 @@ def worker_train(args, comm) -> dict:
     if not (warm / "build.json").is_file():
         orch = _orchestrator(cfg, task)
         try:
-            build_warmstart(warm, base, task, spec, options, orch, micro_batch_size=cfg.training.micro_batch_size,
-                            progress=lambda line: print(line, flush=True))
+            build_warmstart(warm, base, task, spec, options, orch, progress=lambda line: print(line, flush=True))
         finally:
             orch.close()
     build_s = time.perf_counter() - started

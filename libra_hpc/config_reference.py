@@ -93,9 +93,13 @@ yet. Kept here, in one place, instead of in the field descriptions; update it wi
 - **Read by the RL core** (`libra_hpc.rl.prepare_batch`; the job does not train yet):
   `rl.max_staleness`, `advantage_norm`, `advantage_eps`, `filter_zero_variance`,
   `loss_aggregation`, `kl_coef`.
-- **Read by nothing yet**: `rollout.max_new_tokens` and `rollout.temperature` (the rollout
-  engine takes them per request; no caller passes them from the config yet), and the
-  queue service's `scheduler.lease_s`, `max_batch`, `tree_save_every_s` (its benchmark
+- **Read by the learning benchmark** (`benchmarks/bench_learning.py` with
+  `configs/learning.yaml`, docs/learning.md; the job does not train yet): `warmstart`,
+  `rl.steps`, `prompts_per_step`, `group_size`, `rollout.max_new_tokens`, `temperature`,
+  `kv_cache_gib`, `training.lr`, `grad_clip`, `ppo_clip`, `micro_batch_size`, `seq_len`,
+  `model.path`, `tools` (the orchestrator of the tool calls), with the task and RL-core
+  fields above.
+- **Read by nothing yet**: the queue service's `scheduler.lease_s`, `max_batch`, `tree_save_every_s` (its benchmark
   and tests pass their own values).
 """
 

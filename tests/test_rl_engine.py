@@ -106,35 +106,3 @@ def test_kl_to_the_reference_reaches_the_engine_and_holds_the_policy_back(tiny, 
     with pytest.raises(ValueError, match="needs ref_logprobs"):
         batch.to_policy_batch()
 
-
-def test_the_warm_start_learns_the_demonstrations_and_is_built_once(tiny, torch_world, tmp_path):
-    """libra_hpc/rl/warmstart.py end to end on the Megatron engine: solver demonstrations on
-    the search task, a supervised pass that lowers their NLL, a checkpoint vLLM and Megatron
-    can load (the base's config and tokenizer, new weights), reused when asked again."""
-    from safetensors.torch import load_file
-
-    from libra_hpc.envs import SearchTask
-    from libra_hpc.rl.warmstart import WarmStartOptions, build_warmstart, fingerprint
-    from libra_hpc.tools.orchestrator import ToolOrchestrator
-    from libra_hpc.tools.pool import ResourceSpec
-    from libra_hpc.tools.scheduling import make_scheduler
-
-    task = SearchTask(seed=2, entities=60, max_hops=2, train_prompts=40, heldout_prompts=10, max_turns=4)
-    options = WarmStartOptions(demonstrations=16, epochs=3, batch_size=8, lr=3e-3, guess=0.5)
-    spec = fingerprint(tiny, task, {"entities": 60}, options)
-    orch = ToolOrchestrator(make_scheduler("tangram", [ResourceSpec("search", 2)]), task.runners())
-    lines = []
-    try:
-        out = build_warmstart(tmp_path / "ws", tiny, task, spec, options, orch, progress=lines.append)
-        again = build_warmstart(tmp_path / "ws", tiny, task, spec, options, orch, progress=lines.append)
-    finally:
-        orch.close()
-    nll = [float(line.rsplit(" ", 1)[1]) for line in lines if "NLL" in line]
-    assert len(nll) == 3 and nll[-1] < nll[0] - 0.5, lines
-    assert again == out and sum("demonstrations (" in line for line in lines) == 1  # the second call reused it
-    assert {p.name for p in out.iterdir()} >= {"config.json", "tokenizer.json", "model.safetensors", "build.json"}
-    trained, base = load_file(str(out / "model.safetensors")), load_file(str(tiny / "model.safetensors"))
-    assert trained.keys() == base.keys() and not torch.equal(trained["lm_head.weight"], base["lm_head.weight"])
-    other = fingerprint(tiny, task, {"entities": 60}, WarmStartOptions(demonstrations=17))
-    with pytest.raises(FileExistsError, match="warm start: .* holds build"):
-        build_warmstart(out, tiny, task, other, options, orch)

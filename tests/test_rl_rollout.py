@@ -189,3 +189,33 @@ def test_the_warm_start_fingerprint_names_everything_that_made_it(task, tiny):
               fingerprint(tiny, task, {"max_hops": 2}, WarmStartOptions(guess=0.5)),
               fingerprint(tiny, task, {"max_hops": 2}, WarmStartOptions(epochs=3))]
     assert len({base["fingerprint"], *(o["fingerprint"] for o in others)}) == 4
+
+
+def test_the_warm_start_learns_the_demonstrations_and_is_built_once(tiny, tmp_path):
+    """libra_hpc/rl/warmstart.py end to end: solver demonstrations on the search task, a
+    supervised pass that lowers their NLL, a checkpoint vLLM and Megatron can load (the
+    base's config and tokenizer, new weights), reused when asked again."""
+    import torch
+    from safetensors.torch import load_file
+
+    from libra_hpc.rl.warmstart import build_warmstart
+
+    task = SearchTask(seed=2, entities=60, max_hops=2, train_prompts=40, heldout_prompts=10, max_turns=4)
+    options = WarmStartOptions(demonstrations=16, epochs=3, batch_size=8, lr=3e-3, guess=0.5)
+    spec = fingerprint(tiny, task, {"entities": 60}, options)
+    orch = ToolOrchestrator(make_scheduler("tangram", [ResourceSpec("search", 2)]), task.runners())
+    lines = []
+    try:
+        out = build_warmstart(tmp_path / "ws", tiny, task, spec, options, orch, progress=lines.append)
+        again = build_warmstart(tmp_path / "ws", tiny, task, spec, options, orch, progress=lines.append)
+    finally:
+        orch.close()
+    nll = [float(line.rsplit(" ", 1)[1]) for line in lines if "NLL" in line]
+    assert len(nll) == 3 and nll[-1] < nll[0] - 0.5, lines
+    assert again == out and sum("demonstrations (" in line for line in lines) == 1  # the second call reused it
+    assert {p.name for p in out.iterdir()} >= {"config.json", "tokenizer.json", "model.safetensors", "build.json"}
+    trained, base = load_file(str(out / "model.safetensors")), load_file(str(tiny / "model.safetensors"))
+    assert trained.keys() == base.keys() and not torch.equal(trained["lm_head.weight"], base["lm_head.weight"])
+    other = fingerprint(tiny, task, {"entities": 60}, WarmStartOptions(demonstrations=17))
+    with pytest.raises(FileExistsError, match="warm start: .* holds build"):
+        build_warmstart(out, tiny, task, other, options, orch)

@@ -129,12 +129,14 @@ def format_valid(episode: Episode) -> bool:
 
 def rollout(engine: Any, task: Task, prompts: Sequence[Prompt], executor: Executor, codec: TextCodec, *,
             group_size: int, version: int, tag: str, temperature: float = 1.0, top_p: float = 1.0,
-            max_turn_tokens: int = 256, seed: int = 0) -> Rollout:
+            max_turn_tokens: int = 256, seed: int | None = None) -> Rollout:
     """Sample ``group_size`` episodes of each prompt with the engine's current weights
     (policy ``version``) and score them. ``tag`` names this batch (e.g. ``step3``): group
     ids are ``{tag}/{prompt id}``, episode ids ``{tag}/{prompt id}/{sample}``.
     ``temperature`` 0 is greedy; ``seed`` makes sampling reproducible (each turn of each
-    episode draws its own seed from it); ``max_turn_tokens`` caps one model turn."""
+    episode draws its own seed from it; None: the engine's own generator, see
+    ``VllmRolloutEngine.generate`` for why large batches on CPU need that); ``max_turn_tokens``
+    caps one model turn."""
     if group_size < 1 or max_turn_tokens < 1:
         raise ValueError(f"rollout: group_size ({group_size}) and max_turn_tokens ({max_turn_tokens}) must be >= 1")
     started = time.perf_counter()
@@ -152,7 +154,8 @@ def rollout(engine: Any, task: Task, prompts: Sequence[Prompt], executor: Execut
         budget = min(max_turn_tokens, min(limit - len(s.tokens) for s in active))
         tick = time.perf_counter()
         generations = engine.generate([s.tokens for s in active], max_tokens=budget, temperature=temperature,
-                                      top_p=top_p, seed=random.Random(f"{seed}/{tag}/{turn}").randrange(1 << 30),
+                                      top_p=top_p,
+                                      seed=None if seed is None else random.Random(f"{seed}/{tag}/{turn}").randrange(1 << 30),
                                       stop_token_ids=[codec.im_end])
         out.generate_s += time.perf_counter() - tick
         tick = time.perf_counter()

