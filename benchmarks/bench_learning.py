@@ -49,7 +49,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run from a checkout without installing
 
 TRAIN, ROLL = 0, 1
-TAG_TRAJ, TAG_DONE = 41, 42
+TAG_TRAJ, TAG_DONE, TAG_WARM = 41, 42, 43
 
 
 def _settings(args):
@@ -105,7 +105,7 @@ def worker_train(args, comm) -> dict:
     options = WarmStartOptions.from_config(cfg.warmstart)
     spec = fingerprint(base, task, getattr(cfg.tasks, cfg.rl.task).model_dump(), options)
     warm = Path(args.cache) / f"warmstart-{spec['fingerprint']}"
-    start_torch_world(comm.Split(0, 0))
+    start_torch_world(comm.Split(0, 0))  # collective with rank 1's Split
     started = time.perf_counter()
     if not (warm / "build.json").is_file():
         orch = _orchestrator(cfg, task)
@@ -115,7 +115,7 @@ def worker_train(args, comm) -> dict:
             orch.close()
     build_s = time.perf_counter() - started
     print(f"warm start: {warm} ({'built in %.0f s' % build_s if build_s > 1 else 'cached'})", flush=True)
-    comm.bcast(str(warm), root=TRAIN)
+    comm.send(str(warm), dest=ROLL, tag=TAG_WARM)
     codec = TextCodec(warm)
     mbs = cfg.training.micro_batch_size
     runs = [("seed", cfg.rl.seed + k, cfg.training.lr) for k in range(args.seeds)] + [("control", cfg.rl.seed, 0.0)]
@@ -155,9 +155,12 @@ def worker_rollout(args, comm) -> None:
     from libra_hpc.engines.sync import pull_weights
     from libra_hpc.rl.rollout import PromptSampler, TextCodec, evaluate, rollout
 
+    from mpi4py import MPI
+
+    comm.Split(MPI.UNDEFINED, 1)  # collective: rank 0 splits off its one-rank torch world
     cfg = _settings(args)
     task = _task(cfg)
-    warm = Path(comm.bcast(None, root=TRAIN))
+    warm = Path(_recv(comm, TRAIN, TAG_WARM))  # sleeps while rank 0 builds the warm start
     codec = TextCodec(warm)
     heldout = list(task.splits.heldout[:args.eval_prompts])
     if len(heldout) < args.eval_prompts:

@@ -15,7 +15,8 @@ PURE = ["libra_hpc.config", "libra_hpc.cluster.layout", "libra_hpc.cluster.topol
         "libra_hpc.planner.hybrid", "libra_hpc.planner.search", "libra_hpc.planner.gate",
         "libra_hpc.planner.prior", "libra_hpc.planner.control", "libra_hpc.sim", "libra_hpc.sim.run",
         "libra_hpc.tools", "libra_hpc.tools.orchestrator", "libra_hpc.tools.scheduling", "libra_hpc.tools.replay",
-        "libra_hpc.rl", "libra_hpc.rl.trajectory", "libra_hpc.rl.grpo", "libra_hpc.rl.staleness", "libra_hpc.rl.step"]
+        "libra_hpc.rl", "libra_hpc.rl.trajectory", "libra_hpc.rl.grpo", "libra_hpc.rl.staleness", "libra_hpc.rl.step",
+        "libra_hpc.rl.rollout", "libra_hpc.rl.warmstart"]
 
 
 @pytest.mark.parametrize("module", PURE)

@@ -11,8 +11,8 @@ import dataclasses
 import pytest
 
 from libra_hpc.engines.rollout.types import Generation
-from libra_hpc.envs import SearchTask, SplitLeak
-from libra_hpc.envs.solvers import SearchSolver, run_episode
+from libra_hpc.envs import ArithmeticTask, SearchTask, SplitLeak
+from libra_hpc.envs.solvers import ArithmeticSolver, SearchSolver, run_episode
 from libra_hpc.envs.toolcall import IM_END, format_call
 from libra_hpc.rl.grpo import loss_mask
 from libra_hpc.rl.rollout import PromptSampler, TextCodec, rollout
@@ -159,6 +159,14 @@ def test_the_guessing_solver_skips_tools_on_multi_step_questions_only(task, orch
     careful = SearchSolver(seed=0, guess=0.0)
     multi = [p for p in task.splits.train[:30] if p.meta["hops"] >= 2]
     assert all(len(run_episode(task, p, careful, orch, f"c/{i}").turns) > 1 for i, p in enumerate(multi))
+
+
+def test_the_guessing_arithmetic_solver_answers_multi_step_problems_at_once_and_wrongly(orch):
+    task = ArithmeticTask(seed=1, train_prompts=20, heldout_prompts=5, min_steps=2, max_steps=3)
+    for i, prompt in enumerate(task.splits.train[:10]):
+        episode = run_episode(task, prompt, ArithmeticSolver(seed=i, guess=1.0), orch, f"a/{i}")
+        assert len(episode.turns) == 1 and episode.turns[0][1] == [] and episode.reward == 0.0
+        assert episode.answer is not None and episode.answer != prompt.answer
 
 
 def test_the_held_out_split_never_reaches_demonstrations_or_training_batches(task, orch):
