@@ -188,7 +188,7 @@ def worker_rollout(args, comm) -> None:
                 prompts = sampler.next(cfg.rl.prompts_per_step, lambda: f"training batch {step + 1} of run {kind} {seed}")
                 result = rollout(engine, task, prompts, orch, codec, group_size=cfg.rl.group_size, version=step,
                                  tag=f"{kind}{seed}-s{step}", temperature=cfg.rollout.temperature,
-                                 max_turn_tokens=cfg.rollout.max_new_tokens, seed=seed)
+                                 max_turn_tokens=cfg.rollout.max_new_tokens)
                 summary = result.summary()
                 report = {"reward": summary["success"], "format_valid": summary["format_valid"],
                           "tokens_per_s": summary["tokens_per_s"], "rollout_s": summary["wall_s"],

@@ -124,9 +124,15 @@ class SearchSolver:
         elif last is not None and found < len(chain) and chain[found] not in last[1]:
             head = f"These passages do not answer it. {_talk(rng, rng.randint(1, 3), 'search')} "
         if found >= len(chain):
-            answer = episode.prompt.answer if rng.random() > self.wrong else rng.choice(("Grey", "1950", "Iron"))
-            return f"{head}The passages say the answer is {answer}.\n<answer>{answer}</answer>"
+            if rng.random() < self.wrong:
+                answer = rng.choice(("Grey", "1950", "Iron"))
+                return f"{head}The passages say the answer is {answer}.\n<answer>{answer}</answer>"
+            answer = episode.prompt.answer
+            quote = _evidence(outputs, chain[-1], answer)
+            return f"{head}The passage says: {quote}.\n<answer>{answer}</answer>"
         entity = chain[found]
+        if found and not head:  # quote what leads on: "X was born in Town", then search Town
+            head = f"The passage says: {_evidence(outputs, chain[found - 1], entity)}. "
         key = ("born" if found == 0 else "headquartered" if " " in entity else "river")
         query = f"{entity} {key}"
         if rng.random() < self.typo[sloppy]:
@@ -136,6 +142,23 @@ class SearchSolver:
             query = entity.split()[-1]
         intro = f"{head}I need the document about {entity}. {_talk(rng, rng.randint(0, 2), 'search')}".strip()
         return f"{intro}\n<tool_call>\n{json.dumps({'name': 'search', 'arguments': {'query': query}})}\n</tool_call>"
+
+
+def _evidence(outputs: Sequence[str], entity: str, target: str) -> str:
+    """The clause of ``entity``'s passage that ends with ``target`` ("Alvo Brenn was born in
+    Corford"): what the solver quotes before it uses a fact, so that the fact is copied
+    right after the words that introduce it (a small model copies that far more reliably
+    than it looks a fact up by the question's wording)."""
+    for out in reversed(outputs):
+        start = out.find(f"] {entity} ")
+        if start < 0:
+            continue
+        doc = out[start + 2:].split("\n")[0]
+        end = doc.find(target, len(entity))
+        if end >= 0:
+            clause = doc.rfind(". ", 0, end)
+            return doc[clause + 2 if clause >= 0 else 0:end + len(target)]
+    return f"{entity} leads to {target}"
 
 
 def _guesses(seed: int, rate: float, episode: Episode, calls_needed: int) -> bool:
