@@ -96,13 +96,13 @@ def worker_train(args, comm) -> dict:
     from libra_hpc.rl.rollout import TextCodec
     from libra_hpc.rl.step import grpo_step, prepare_batch
     from libra_hpc.rl.trajectory import Trajectory
-    from libra_hpc.rl.warmstart import WarmStartOptions, build_warmstart, fingerprint
+    from libra_hpc.rl.warmstart import build_warmstart, fingerprint
 
     torch.set_num_threads(args.threads)
     cfg = _settings(args)
     task = _task(cfg)
     base = resolve_model(cfg.model, cache_dir=args.cache)
-    options = WarmStartOptions.from_config(cfg.warmstart)
+    options = cfg.warmstart
     spec = fingerprint(base, task, getattr(cfg.tasks, cfg.rl.task).model_dump(), options)
     warm = Path(args.cache) / f"warmstart-{spec['fingerprint']}"
     start_torch_world(comm.Split(0, 0))  # collective with rank 1's Split

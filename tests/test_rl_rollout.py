@@ -10,6 +10,7 @@ import dataclasses
 
 import pytest
 
+from libra_hpc.config import WarmStartConfig
 from libra_hpc.engines.rollout.types import Generation
 from libra_hpc.envs import ArithmeticTask, SearchTask, SplitLeak
 from libra_hpc.envs.solvers import ArithmeticSolver, SearchSolver, run_episode
@@ -18,7 +19,6 @@ from libra_hpc.rl.grpo import loss_mask
 from libra_hpc.rl.rollout import PromptSampler, TextCodec, rollout
 from libra_hpc.rl.trajectory import NOT_GENERATED
 from libra_hpc.rl.warmstart import (
-    WarmStartOptions,
     demonstration_pieces,
     demonstrations,
     encode_demonstration,
@@ -191,11 +191,11 @@ def test_the_held_out_split_never_reaches_demonstrations_or_training_batches(tas
 
 
 def test_the_warm_start_fingerprint_names_everything_that_made_it(task, tiny):
-    base = fingerprint(tiny, task, {"max_hops": 2}, WarmStartOptions())
-    assert base == fingerprint(tiny, task, {"max_hops": 2}, WarmStartOptions())
-    others = [fingerprint(tiny, task, {"max_hops": 3}, WarmStartOptions()),
-              fingerprint(tiny, task, {"max_hops": 2}, WarmStartOptions(guess=0.5)),
-              fingerprint(tiny, task, {"max_hops": 2}, WarmStartOptions(epochs=3))]
+    base = fingerprint(tiny, task, {"max_hops": 2}, WarmStartConfig())
+    assert base == fingerprint(tiny, task, {"max_hops": 2}, WarmStartConfig())
+    others = [fingerprint(tiny, task, {"max_hops": 3}, WarmStartConfig()),
+              fingerprint(tiny, task, {"max_hops": 2}, WarmStartConfig(guess=0.5)),
+              fingerprint(tiny, task, {"max_hops": 2}, WarmStartConfig(epochs=3))]
     assert len({base["fingerprint"], *(o["fingerprint"] for o in others)}) == 4
 
 
@@ -209,7 +209,7 @@ def test_the_warm_start_learns_the_demonstrations_and_is_built_once(tiny, tmp_pa
     from libra_hpc.rl.warmstart import build_warmstart
 
     task = SearchTask(seed=2, entities=60, max_hops=2, train_prompts=40, heldout_prompts=10, max_turns=4)
-    options = WarmStartOptions(demonstrations=16, epochs=3, batch_size=8, lr=3e-3, guess=0.5)
+    options = WarmStartConfig(demonstrations=16, epochs=3, batch_size=8, lr=3e-3, guess=0.5)
     spec = fingerprint(tiny, task, {"entities": 60}, options)
     orch = ToolOrchestrator(make_scheduler("tangram", [ResourceSpec("search", 2)]), task.runners())
     lines = []
@@ -224,6 +224,6 @@ def test_the_warm_start_learns_the_demonstrations_and_is_built_once(tiny, tmp_pa
     assert {p.name for p in out.iterdir()} >= {"config.json", "tokenizer.json", "model.safetensors", "build.json"}
     trained, base = load_file(str(out / "model.safetensors")), load_file(str(tiny / "model.safetensors"))
     assert trained.keys() == base.keys() and not torch.equal(trained["lm_head.weight"], base["lm_head.weight"])
-    other = fingerprint(tiny, task, {"entities": 60}, WarmStartOptions(demonstrations=17))
+    other = fingerprint(tiny, task, {"entities": 60}, WarmStartConfig(demonstrations=17))
     with pytest.raises(FileExistsError, match="warm start: .* holds build"):
         build_warmstart(out, tiny, task, other, options, orch)

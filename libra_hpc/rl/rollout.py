@@ -148,7 +148,7 @@ def rollout(engine: Any, task: Task, prompts: Sequence[Prompt], executor: Execut
                                    [False] * len(ids), [0.0] * len(ids), [NOT_GENERATED] * len(ids)))
     out = Rollout([], [s.episode for s in samples])
     limit = int(getattr(engine, "max_model_len", 1 << 30))
-    active = [s for s in samples if not _out_of_context(s, limit)]
+    active = [s for s in samples if not _ends_for_context(s, limit)]
     turn = 0
     while active:
         budget = min(max_turn_tokens, min(limit - len(s.tokens) for s in active))
@@ -200,8 +200,9 @@ def rollout(engine: Any, task: Task, prompts: Sequence[Prompt], executor: Execut
     return out
 
 
-def _out_of_context(sample: _Sample, limit: int) -> bool:
-    """End the episode (no answer) when not even a short turn fits the context any more."""
+def _ends_for_context(sample: _Sample, limit: int) -> bool:
+    """Whether the episode had to end (no answer; it is abandoned here) because not even a
+    short turn fits the context any more."""
     if len(sample.tokens) + _MIN_TURN <= limit:
         return False
     sample.episode.abandon("context")

@@ -22,7 +22,8 @@ weights) published like the tiny model build (:func:`libra_hpc.engines.tiny.publ
 in a folder named by a fingerprint of everything that made it (base build, task and its
 options, warm-start options): an identical request reuses it.
 
-Pure at import time (torch, safetensors and the engine are imported inside the calls).
+Pure at import time (torch, transformers and safetensors are imported inside the calls).
+``options`` is the ``warmstart`` config section (:class:`libra_hpc.config.WarmStartConfig`).
 """
 
 from __future__ import annotations
@@ -35,10 +36,10 @@ import shutil
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from libra_hpc.config import WarmStartConfig
 from libra_hpc.envs.solvers import ArithmeticSolver, SearchSolver, run_episode
 from libra_hpc.envs.task import Episode, Executor, Task
 from libra_hpc.envs.toolcall import IM_END
@@ -49,24 +50,7 @@ _VERSION = 3  # bump when the same options produce different weights (a solver o
 _BASE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json")
 
 
-@dataclass(frozen=True)
-class WarmStartOptions:
-    """The ``warmstart`` config section (:class:`libra_hpc.config.WarmStartConfig`)."""
-
-    demonstrations: int = 2000
-    epochs: int = 2
-    batch_size: int = 16
-    lr: float = 1e-3
-    guess: float = 0.75
-    seed: int = 0
-    loss_on: str = "turns"
-
-    @classmethod
-    def from_config(cls, section: Any) -> WarmStartOptions:
-        return cls(**{k: getattr(section, k) for k in cls.__dataclass_fields__})
-
-
-def solver_for(task: Task, options: WarmStartOptions) -> Callable[[Episode], str]:
+def solver_for(task: Task, options: WarmStartConfig) -> Callable[[Episode], str]:
     """The task's noisy scripted solver: the built-in tasks' own, or a plugin task's
     ``solver(seed=..., guess=...)`` method."""
     if task.name == "arithmetic":
@@ -118,13 +102,13 @@ def encode_demonstration(episode: Episode, encode: Callable[[str], list[int]]) -
     return tokens, trained
 
 
-def fingerprint(base_model: Path, task: Task, task_options: dict[str, Any], options: WarmStartOptions) -> dict:
+def fingerprint(base_model: Path, task: Task, task_options: dict[str, Any], options: WarmStartConfig) -> dict:
     """What names a warm-start build: the base checkpoint's own fingerprint (its
     ``build.json``) or path, the task and its options, and the warm-start options."""
     marker = base_model / "build.json"
     base = json.loads(marker.read_text()).get("fingerprint") if marker.is_file() else str(base_model.resolve())
     spec = {"version": _VERSION, "base": base, "task": task.name, "task_options": task_options,
-            "options": asdict(options)}
+            "options": options.model_dump()}
     spec["fingerprint"] = hashlib.sha256(json.dumps(spec, sort_keys=True, default=str).encode()).hexdigest()[:12]
     return spec
 
@@ -168,7 +152,7 @@ def nll(model: Any, rows: Sequence[tuple[list[int], list[bool]]], pad_id: int):
     return -(logprobs * mask).sum() / mask.sum().clamp(min=1)
 
 
-def build_warmstart(path: Path, base_model: Path, task: Task, spec: dict, options: WarmStartOptions,
+def build_warmstart(path: Path, base_model: Path, task: Task, spec: dict, options: WarmStartConfig,
                     executor: Executor, *, progress: Callable[[str], None] = log.info) -> Path:
     """The warm-start checkpoint at ``path`` (:func:`fingerprint`'s ``spec``): reused when
     already built, else demonstrations, ``options.epochs`` of supervised steps of
