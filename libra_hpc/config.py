@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any, Literal, TypeVar
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from libra_hpc.config_checks import SLURM_TIME, check_common, check_layout
 
@@ -172,6 +172,20 @@ class ModelConfig(_Section):
     engines load it."""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     """Parameter and activation dtype of both engines (vLLM rollout, Megatron training)."""
+    tiny: dict[str, int | float] = {}
+    """Architecture of the tiny model when ``path`` is null: overrides of its ``config.json``
+    keys (``TINY_DEFAULTS`` in ``libra_hpc/engines/tiny.py``: ``num_hidden_layers`` 2,
+    ``hidden_size`` 128, ``intermediate_size`` 384, ``num_attention_heads`` 4,
+    ``num_key_value_heads`` 2, ``head_dim`` 32, ``vocab_size`` 1024), e.g.
+    ``{num_hidden_layers: 4}``. Each architecture is its own cached build."""
+
+    @field_validator("tiny")
+    @classmethod
+    def _tiny_keys(cls, value: dict[str, int | float]) -> dict[str, int | float]:
+        from libra_hpc.engines.tiny import check_overrides
+
+        check_overrides(value)
+        return value
 
 
 class TrainingConfig(_Section):
@@ -499,7 +513,8 @@ class WarmStartConfig(_Section):
     batch_size: int = Field(16, ge=1)
     """Demonstrations per supervised step."""
     lr: float = Field(1e-3, gt=0)
-    """Adam learning rate of the supervised pass."""
+    """Peak Adam learning rate of the supervised pass: a linear warm-up over the first 3% of
+    the steps, then a cosine decay to 5% of it at the last step."""
     guess: float = Field(0.75, ge=0, le=1)
     """Share of multi-step problems (two or more tool calls needed) on which the solver answers at
     once without tools, almost always wrongly: the imperfection RL has to unlearn."""

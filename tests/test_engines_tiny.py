@@ -87,3 +87,19 @@ def test_resolve_model_builds_the_tiny_model_or_checks_the_given_path(tmp_path):
         resolve_model(ModelConfig(path=str(tmp_path / "missing")))
     with pytest.raises(FileNotFoundError, match=f"model.path: {tmp_path} has no config.json"):
         resolve_model(ModelConfig(path=str(tmp_path)))
+
+
+def test_model_tiny_overrides_build_their_own_architecture_and_bad_keys_are_refused(tmp_path):
+    import json
+
+    from libra_hpc.config import load_config
+
+    default = resolve_model(ModelConfig(path=None), cache_dir=tmp_path)
+    deeper = resolve_model(ModelConfig(path=None, tiny={"num_hidden_layers": 3}), cache_dir=tmp_path)
+    assert deeper != default
+    assert json.loads((deeper / "config.json").read_text())["num_hidden_layers"] == 3
+    assert json.loads((default / "config.json").read_text())["num_hidden_layers"] == 2
+    with pytest.raises(ValueError, match=r"model\.tiny: tiny model: unknown override\(s\) \['layers'\]"):
+        load_config(None, ["model.tiny={layers: 4}"])
+    with pytest.raises(ValueError, match=r"model\.tiny: .*head_dim=16"):
+        load_config(None, ["model.tiny={hidden_size: 64, head_dim: 16}"])

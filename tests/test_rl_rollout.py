@@ -227,3 +227,16 @@ def test_the_warm_start_learns_the_demonstrations_and_is_built_once(tiny, tmp_pa
     other = fingerprint(tiny, task, {"entities": 60}, WarmStartConfig(demonstrations=17))
     with pytest.raises(FileExistsError, match="warm start: .* holds build"):
         build_warmstart(out, tiny, task, other, options, orch)
+
+
+def test_the_supervised_learning_rate_warms_up_then_decays_to_its_floor():
+    from libra_hpc.rl.warmstart import lr_factor
+
+    total = 200
+    factors = [lr_factor(k, total) for k in range(total)]
+    ramp = round(0.03 * total)
+    assert factors[0] == pytest.approx(1 / ramp) and factors[ramp - 1] == pytest.approx(1.0)
+    assert all(a < b for a, b in zip(factors[:ramp - 1], factors[1:ramp]))  # warm-up rises
+    assert all(a >= b for a, b in zip(factors[ramp:], factors[ramp + 1:]))  # then never rises
+    assert factors[total // 2 + ramp // 2] == pytest.approx(0.525, abs=0.02)  # cosine: halfway is halfway
+    assert lr_factor(total, total) == pytest.approx(0.05) and min(factors) >= 0.05

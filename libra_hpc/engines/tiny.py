@@ -225,21 +225,29 @@ def resolve_model(model_cfg: Any, *, cache_dir: str | os.PathLike | None = None)
                                     "(config.json, *.safetensors, tokenizer files) or null for the tiny model")
         return path
     root = Path(cache_dir) if cache_dir is not None else Path.home() / ".cache" / "libra_hpc"
-    spec = _spec(0, {})
-    return build_tiny_model(root / f"tiny-{spec['fingerprint']}", seed=0)
+    overrides = dict(getattr(model_cfg, "tiny", None) or {})
+    spec = _spec(0, overrides)
+    return build_tiny_model(root / f"tiny-{spec['fingerprint']}", seed=0, **overrides)
 
 
-def _spec(seed: int, overrides: dict[str, Any]) -> dict[str, Any]:
+def check_overrides(overrides: dict[str, Any]) -> dict[str, Any]:
+    """The tiny model's architecture with ``overrides`` applied; raises ValueError naming an
+    unknown key or a shape vLLM's CPU attention cannot run."""
     unknown = sorted(set(overrides) - set(TINY_DEFAULTS))
     if unknown:
-        raise ValueError(f"build_tiny_model: unknown override(s) {unknown}; valid keys: {sorted(TINY_DEFAULTS)}")
+        raise ValueError(f"tiny model: unknown override(s) {unknown}; valid keys: {sorted(TINY_DEFAULTS)}")
     arch = {**TINY_DEFAULTS, **overrides}
     heads, kv = arch["num_attention_heads"], arch["num_key_value_heads"]
     if arch["head_dim"] < 32 or arch["head_dim"] % 16 or heads % kv or heads * arch["head_dim"] != arch["hidden_size"]:
-        raise ValueError(f"build_tiny_model: head_dim={arch['head_dim']} must be >= 32 and a multiple of 16 "
+        raise ValueError(f"tiny model: head_dim={arch['head_dim']} must be >= 32 and a multiple of 16 "
                          f"(vLLM CPU attention) with num_attention_heads × head_dim = hidden_size "
                          f"({heads} × {arch['head_dim']} vs {arch['hidden_size']}), and num_attention_heads "
                          f"a multiple of num_key_value_heads={kv}")
+    return arch
+
+
+def _spec(seed: int, overrides: dict[str, Any]) -> dict[str, Any]:
+    arch = check_overrides(overrides)
     spec = {"version": _BUILD_VERSION, "seed": int(seed), "arch": arch}
     spec["fingerprint"] = hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:12]
     return spec

@@ -31,6 +31,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import random
 import shutil
 import time
@@ -46,7 +47,7 @@ from libra_hpc.envs.toolcall import IM_END
 
 log = logging.getLogger(__name__)
 
-_VERSION = 3  # bump when the same options produce different weights (a solver or encoding change)
+_VERSION = 4  # bump when the same options produce different weights (a solver or encoding change)
 _BASE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json")
 
 
@@ -111,6 +112,17 @@ def fingerprint(base_model: Path, task: Task, task_options: dict[str, Any], opti
             "options": options.model_dump()}
     spec["fingerprint"] = hashlib.sha256(json.dumps(spec, sort_keys=True, default=str).encode()).hexdigest()[:12]
     return spec
+
+
+def lr_factor(step: int, total: int, warmup: float = 0.03, floor: float = 0.05) -> float:
+    """Learning-rate multiplier of supervised step ``step`` of ``total``: linear warm-up
+    over the first ``warmup`` share of the steps, then a cosine decay from 1 to ``floor``
+    (the last steps refine instead of jumping around the minimum they found)."""
+    ramp = max(1, round(warmup * total))
+    if step < ramp:
+        return (step + 1) / ramp
+    done = min(1.0, (step - ramp) / max(1, total - ramp))
+    return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * done))
 
 
 def sft_batches(sequences: Sequence[tuple[list[int], list[bool]]], batch_size: int, seed: int,
@@ -189,6 +201,8 @@ def build_warmstart(path: Path, base_model: Path, task: Task, spec: dict, option
         sequences = fits
         torch.manual_seed(options.seed)
         optimizer = torch.optim.Adam(model.parameters(), lr=options.lr)
+        total = options.epochs * -(-len(sequences) // options.batch_size)
+        schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda k: lr_factor(k, total))
         held = sequences[:: max(1, len(sequences) // 32)][:32]
         step = 0
         for epoch in range(options.epochs):
@@ -198,6 +212,7 @@ def build_warmstart(path: Path, base_model: Path, task: Task, spec: dict, option
                 loss.backward()
                 torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
                 optimizer.step()
+                schedule.step()
                 optimizer.zero_grad(set_to_none=True)
                 step += 1
                 if step % 100 == 0:
