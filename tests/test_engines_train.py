@@ -347,6 +347,34 @@ def test_micro_batching_does_not_change_the_step(tiny, torch_world):
     assert stats[0].grad_norm == pytest.approx(stats[1].grad_norm, rel=1e-5)
 
 
+
+@pytest.mark.mpi
+def test_padding_and_row_order_do_not_change_the_step(tiny, torch_world):
+    """A training step runs micro-batches of rows sorted by length, each cut after its last
+    trained token: rows of very different lengths, shuffled and padded 40 tokens wider,
+    step exactly like the compact batch (same loss, gradient norm and new weights)."""
+    from libra_hpc.engines.train.loss import PolicyBatch
+
+    tokens, mask, advantages = fixed_batch(1024)
+    mask[0, 8:] = 0  # row 0 trains on 3 tokens, row 2 on 10: the batch is ragged
+    mask[2, 15:] = 0
+    compact = PolicyBatch(tokens, mask, advantages)
+    assert compact.trained_widths().tolist() == [9, tokens.shape[1], 16, tokens.shape[1] - 2]
+    order = torch.tensor([2, 0, 3, 1])
+    wide = PolicyBatch(torch.cat([tokens, torch.zeros(4, 40, dtype=tokens.dtype)], 1),
+                       torch.cat([mask, torch.zeros(4, 40)], 1), torch.cat([advantages, torch.ones(4, 40)], 1)).take(order)
+    results = []
+    for batch in (compact, wide):
+        engine = _engine(tiny, micro_batch_size=2)
+        try:
+            results.append((engine.train_step(batch), engine.export_hf()))
+        finally:
+            engine.shutdown()
+    (a, weights_a), (b, weights_b) = results
+    assert a.tokens == b.tokens == int(mask.sum())
+    assert a.loss == pytest.approx(b.loss, abs=1e-6) and a.grad_norm == pytest.approx(b.grad_norm, rel=1e-5)
+    assert all(torch.allclose(weights_a[k], weights_b[k], atol=1e-6) for k in weights_a)
+
 def test_engine_refuses_bad_shapes_with_the_reason(tiny, torch_world):
     from libra_hpc.engines.train.loss import PolicyBatch
 

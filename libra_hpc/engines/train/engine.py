@@ -244,11 +244,25 @@ class MegatronTrainEngine:
         if rows % mbs:
             raise ValueError(f"batch of {rows} sequences does not split into micro-batches of {mbs}; "
                              "give a multiple of training.micro_batch_size")
-        micro = [self._micro(batch.slice(i, i + mbs)) for i in range(0, rows, mbs)]
+        if forward_only or self.placement.pp > 1:  # one width: pipeline stages exchange fixed-shape activations
+            micro = [self._micro(batch.slice(i, i + mbs)) for i in range(0, rows, mbs)]
+        else:
+            micro = self._trimmed_micro_batches(batch, mbs)
         return get_forward_backward_func()(
             forward_step_func=self._forward_step, data_iterator=iter(micro), model=[self.model],
             num_microbatches=len(micro), seq_length=batch.tokens.shape[1] - 1, micro_batch_size=mbs,
             forward_only=forward_only, collect_non_loss_data=forward_only)
+
+    def _trimmed_micro_batches(self, batch: PolicyBatch, mbs: int) -> list[dict[str, torch.Tensor | float]]:
+        """Micro-batches of rows of similar length, each cut to its longest row's last trained
+        token: the same loss and gradients as the padded batch (the loss sums over trained
+        tokens; attention is causal), without computing the padding. Trajectories of an
+        agentic batch differ in length by several times, so this is most of a step on CPU."""
+        widths = batch.trained_widths()
+        order = torch.argsort(widths, stable=True)
+        batch, widths = batch.take(order), widths[order]
+        return [self._micro(batch.slice(i, i + mbs).narrow(max(2, int(widths[i:i + mbs].max()))))
+                for i in range(0, batch.tokens.shape[0], mbs)]
 
     def _check_tokens(self, tokens: torch.Tensor) -> None:
         """Refuse what would fail deep inside megatron (or silently extrapolate RoPE)."""

@@ -50,6 +50,26 @@ class PolicyBatch:
         return PolicyBatch(self.tokens[start:stop], self.loss_mask[start:stop], self.advantages[start:stop],
                            cut(self.old_logprobs), cut(self.weights), cut(self.ref_logprobs), self.kl_coef)
 
+    def take(self, rows: torch.Tensor) -> PolicyBatch:
+        """The batch's ``rows`` (an index tensor), in that order."""
+        pick = lambda x: None if x is None else x[rows]  # noqa: E731
+        return PolicyBatch(self.tokens[rows], self.loss_mask[rows], self.advantages[rows],
+                           pick(self.old_logprobs), pick(self.weights), pick(self.ref_logprobs), self.kl_coef)
+
+    def narrow(self, width: int) -> PolicyBatch:
+        """The first ``width`` tokens of every row (and the per-token arrays' first ``width`` - 1)."""
+        cut = lambda x: None if x is None else x[:, :width - 1]  # noqa: E731
+        return PolicyBatch(self.tokens[:, :width], cut(self.loss_mask), cut(self.advantages),
+                           cut(self.old_logprobs), cut(self.weights), cut(self.ref_logprobs), self.kl_coef)
+
+    def trained_widths(self) -> torch.Tensor:
+        """Per row, the tokens up to and including its last trained one ([B] int64; 1 for a
+        row with nothing to train): what the loss sees of the row (attention is causal, so
+        what follows cannot change it)."""
+        used = self.loss_mask.ne(0)
+        last = used.shape[1] - used.flip(1).int().argmax(1)  # last trained position + 1
+        return torch.where(used.any(1), last + 1, torch.ones_like(last))
+
 
 def policy_gradient_loss(logprobs: torch.Tensor, advantages: torch.Tensor, loss_mask: torch.Tensor,
                          old_logprobs: torch.Tensor | None = None, clip_eps: float = 0.2, *,
