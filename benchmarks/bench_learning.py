@@ -118,7 +118,8 @@ def worker_train(args, comm) -> dict:
     comm.send(str(warm), dest=ROLL, tag=TAG_WARM)
     codec = TextCodec(warm)
     mbs = cfg.training.micro_batch_size
-    runs = [("seed", cfg.rl.seed + k, cfg.training.lr) for k in range(args.seeds)] + [("control", cfg.rl.seed, 0.0)]
+    runs = [("seed", cfg.rl.seed + k, cfg.training.lr) for k in range(args.seeds)]
+    runs += [("control", cfg.rl.seed, 0.0)] if args.control else []
     log_rows = []
     for kind, seed, lr in runs:
         engine = MegatronTrainEngine(warm, lr=lr, clip_grad=cfg.training.grad_clip, clip_eps=cfg.training.ppo_clip,
@@ -172,10 +173,10 @@ def worker_rollout(args, comm) -> None:
     final: dict = {}
     try:
         base = evaluate(engine, task, heldout, orch, codec, tag="eval-warm", max_turn_tokens=cfg.rollout.max_new_tokens)
-        final["warmstart"] = base.summary()
+        final["warmstart"] = {**base.summary(), **_breakdown(base)}
         print(f"warm start held-out success {base.success:.3f} on {len(heldout)} prompts "
-              f"(format-valid {base.format_valid:.2f}, {base.wall_s:.0f} s)", flush=True)
-        runs = [("seed", cfg.rl.seed + k) for k in range(args.seeds)] + [("control", cfg.rl.seed)]
+              f"(format-valid {base.format_valid:.2f}, {_describe(base)}; {base.wall_s:.0f} s)", flush=True)
+        runs = [("seed", cfg.rl.seed + k) for k in range(args.seeds)] + ([("control", cfg.rl.seed)] if args.control else [])
         for kind, seed in runs:
             _polite_barrier(comm)
             engine.update_weights(pull_weights(comm, root=TRAIN))
@@ -199,13 +200,34 @@ def worker_rollout(args, comm) -> None:
                 engine.update_weights(pull_weights(comm, root=TRAIN))
             after = evaluate(engine, task, heldout, orch, codec, tag=f"eval-{kind}{seed}",
                              max_turn_tokens=cfg.rollout.max_new_tokens)
-            final.setdefault("runs", []).append({"run": kind, "seed": seed, **after.summary()})
+            final.setdefault("runs", []).append({"run": kind, "seed": seed, **after.summary(), **_breakdown(after)})
             print(f"{kind} {seed}: held-out success {base.success:.3f} -> {after.success:.3f} "
-                  f"(format-valid {after.format_valid:.2f})", flush=True)
+                  f"(format-valid {after.format_valid:.2f}, {_describe(after)})", flush=True)
     finally:
         engine.shutdown()
         orch.close()
     comm.send(final, dest=TRAIN, tag=TAG_DONE)
+
+
+def _breakdown(result) -> dict:
+    """What a greedy evaluation did: the share of episodes answered without any tool call,
+    and success per number of documents/steps the prompt needs (``meta["hops"]`` or
+    ``meta["steps"]``, when the task records it)."""
+    episodes = result.episodes
+    out = {"no_tool": sum(not any(returns for _, returns in e.turns) for e in episodes) / max(len(episodes), 1)}
+    by: dict[int, list[float]] = {}
+    for e in episodes:
+        need = e.prompt.meta.get("hops", len(e.prompt.meta.get("steps", ())) or None)
+        if need is not None:
+            by.setdefault(int(need), []).append(e.reward or 0.0)
+    out["success_by_need"] = {k: round(statistics.fmean(v), 3) for k, v in sorted(by.items())}
+    return out
+
+
+def _describe(result) -> str:
+    b = _breakdown(result)
+    need = ", ".join(f"{k}-step {v:.2f}" for k, v in b["success_by_need"].items())
+    return f"answered without a tool {b['no_tool']:.2f}" + (f"; success {need}" if need else "")
 
 
 def _print_row(row: dict) -> None:
@@ -245,6 +267,8 @@ def main() -> None:
                         help="override a config field, e.g. --set rl.steps=8 (repeatable)")
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--eval-prompts", type=int, default=200)
+    parser.add_argument("--no-control", dest="control", action="store_false",
+                        help="leave out the learning-rate-0 control run (a quick look; control_gain is then null)")
     parser.add_argument("--subset", type=int, default=64, help="held-out prompts of the in-run evaluations")
     parser.add_argument("--eval-every", type=int, default=4, help="steps between in-run evaluations")
     parser.add_argument("--cache", default=str(Path.home() / ".cache" / "libra_hpc"))
@@ -268,7 +292,7 @@ def main() -> None:
         cmd = ["mpiexec", "-n", "2", sys.executable, "-m", "mpi4py", __file__, "--worker", "--out", str(out),
                "--config", args.config, "--seeds", str(args.seeds), "--eval-prompts", str(args.eval_prompts),
                "--subset", str(args.subset), "--eval-every", str(args.eval_every), "--cache", args.cache,
-               "--threads", str(args.threads)] + [f"--set={s}" for s in args.set]
+               "--threads", str(args.threads)] + ([] if args.control else ["--no-control"]) + [f"--set={s}" for s in args.set]
         done = subprocess.run(cmd, cwd=ROOT)
         if done.returncode != 0 or not out.is_file():
             raise SystemExit(f"bench_learning: the MPI job failed (exit {done.returncode}); see its output above")
@@ -276,7 +300,7 @@ def main() -> None:
     final = result["final"]
     warm = final["warmstart"]["success"]
     seeds = [r for r in final["runs"] if r["run"] == "seed"]
-    control = next(r for r in final["runs"] if r["run"] == "control")
+    control = next((r for r in final["runs"] if r["run"] == "control"), None)
     gains = [r["success"] - warm for r in seeds]
     print(f"\nheld-out success on {args.eval_prompts} prompts (greedy), warm start {warm:.3f}")
     print(f"{'run':>8} {'seed':>4} {'after':>7} {'gain':>7} {'format':>7}")
@@ -287,7 +311,7 @@ def main() -> None:
         "success_rl": round(statistics.fmean(r["success"] for r in seeds), 4),
         "success_rl_per_seed": [round(r["success"], 4) for r in seeds], "gains": [round(g, 4) for g in gains],
         "gain_mean": round(statistics.fmean(gains), 4), "gain_min": round(min(gains), 4),
-        "control_gain": round(control["success"] - warm, 4), "format_valid_warmstart": round(final["warmstart"]["format_valid"], 4),
+        "control_gain": None if control is None else round(control["success"] - warm, 4), "format_valid_warmstart": round(final["warmstart"]["format_valid"], 4),
         "format_valid_rl": round(statistics.fmean(r["format_valid"] for r in seeds), 4),
         "eval_prompts": args.eval_prompts, "seeds": args.seeds, "steps": cfg.rl.steps,
         "batch": cfg.rl.prompts_per_step * cfg.rl.group_size, "lr": cfg.training.lr,
