@@ -513,8 +513,12 @@ class WarmStartConfig(_Section):
     batch_size: int = Field(16, ge=1)
     """Demonstrations per supervised step."""
     lr: float = Field(1e-3, gt=0)
-    """Peak Adam learning rate of the supervised pass: a linear warm-up over the first 3% of
-    the steps, then a cosine decay to 5% of it at the last step."""
+    """Adam learning rate of the supervised pass (the peak, with ``schedule: cosine``)."""
+    schedule: Literal["cosine", "constant"] = "cosine"
+    """Learning-rate schedule: `cosine`, a linear warm-up over the first 3% of the steps, then
+    a cosine decay to 5% of ``lr`` at the last step (a lower loss); `constant`, ``lr``
+    throughout (a less peaked policy, which samples more varied episodes: more groups with
+    a success for RL to reinforce, see docs/learning.md)."""
     guess: float = Field(0.75, ge=0, le=1)
     """Share of multi-step problems (two or more tool calls needed) on which the solver answers at
     once without tools, almost always wrongly: the imperfection RL has to unlearn."""

@@ -202,7 +202,8 @@ def build_warmstart(path: Path, base_model: Path, task: Task, spec: dict, option
         torch.manual_seed(options.seed)
         optimizer = torch.optim.Adam(model.parameters(), lr=options.lr)
         total = options.epochs * -(-len(sequences) // options.batch_size)
-        schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda k: lr_factor(k, total))
+        schedule = torch.optim.lr_scheduler.LambdaLR(
+            optimizer, lambda k: lr_factor(k, total) if options.schedule == "cosine" else 1.0)
         held = sequences[:: max(1, len(sequences) // 32)][:32]
         step = 0
         for epoch in range(options.epochs):
