@@ -73,7 +73,11 @@ def test_grpo_step_on_megatron_learns_the_advantaged_tokens_and_ignores_masked_o
     losses = [s.loss for s in stats]
     assert losses[2] < losses[1] < losses[0], losses
     # gradient reached exactly the generated tokens of the first step's micro-batches
-    grads = torch.cat([t.grad for t in seen[:2]])
+    # (micro-batches hold rows sorted by trained length, each cut after its last trained token)
+    order = torch.argsort(pb.trained_widths(), stable=True)
+    grads = torch.zeros_like(pb.loss_mask)
+    for k, t in enumerate(seen[:2]):
+        grads[order[2 * k:2 * k + 2], :t.shape[1]] = t.grad
     assert torch.all(grads[~mask] == 0.0), "a prompt, tool-output or padding position got gradient"
     assert torch.all(grads[mask] != 0.0)
     moved = ((after - before) * pb.loss_mask).sum(1)
