@@ -225,7 +225,7 @@ def resolve_model(model_cfg: Any, *, cache_dir: str | os.PathLike | None = None)
                                     "(config.json, *.safetensors, tokenizer files) or null for the tiny model")
         return path
     root = Path(cache_dir) if cache_dir is not None else Path.home() / ".cache" / "libra_hpc"
-    overrides = dict(getattr(model_cfg, "tiny", None) or {})
+    overrides = dict(model_cfg.tiny)
     spec = _spec(0, overrides)
     return build_tiny_model(root / f"tiny-{spec['fingerprint']}", seed=0, **overrides)
 
