@@ -26,7 +26,9 @@ Greedy evaluation of the same weights on the same prompts is deterministic, so t
 start is evaluated once and every run's gain is measured against that number.
 
 Prints one table row per step and run (reward, held-out success on the subset of the
-policy that sampled the step, every ``--eval-every`` steps, format-valid rate, rollout tokens/s, step time, groups kept), a summary table,
+policy that sampled the step, every ``--eval-every`` steps, format-valid rate, share of
+the step's episodes answered without a tool, turns, groups kept, rollout tokens/s, step
+times), a per-kind breakdown after each held-out evaluation, a summary table,
 and last one JSON line: ``success_warmstart``, ``success_rl`` (mean over seeds),
 ``success_rl_per_seed``, ``gains``, ``gain_min``, ``control_gain``, ``eval_prompts``,
 ``seeds``, ``steps``, ``wall_s`` (and the warm start's build time, 0 when cached).
@@ -192,6 +194,7 @@ def worker_rollout(args, comm) -> None:
                                  max_turn_tokens=cfg.rollout.max_new_tokens)
                 summary = result.summary()
                 report = {"reward": summary["success"], "format_valid": summary["format_valid"],
+                          "no_tool": _breakdown(result)["no_tool"],
                           "tokens_per_s": summary["tokens_per_s"], "rollout_s": summary["wall_s"],
                           "turns": summary["turns_per_episode"], "heldout_subset": subset,
                           "trajectories": [t.to_dict() for t in result.trajectories]}
@@ -211,29 +214,32 @@ def worker_rollout(args, comm) -> None:
 
 def _breakdown(result) -> dict:
     """What a greedy evaluation did: the share of episodes answered without any tool call,
-    and success per number of documents/steps the prompt needs (``meta["hops"]`` or
-    ``meta["steps"]``, when the task records it)."""
+    and, per prompt kind (``meta["kind"]``, when the task records it), success and the
+    share answered without a tool."""
     episodes = result.episodes
-    out = {"no_tool": sum(not any(returns for _, returns in e.turns) for e in episodes) / max(len(episodes), 1)}
-    by: dict[int, list[float]] = {}
+    no_tool = lambda e: not any(returns for _, returns in e.turns)  # noqa: E731
+    out = {"no_tool": sum(map(no_tool, episodes)) / max(len(episodes), 1)}
+    by: dict[str, list] = {}
     for e in episodes:
-        need = e.prompt.meta.get("hops", len(e.prompt.meta.get("steps", ())) or None)
-        if need is not None:
-            by.setdefault(int(need), []).append(e.reward or 0.0)
-    out["success_by_need"] = {k: round(statistics.fmean(v), 3) for k, v in sorted(by.items())}
+        kind = e.prompt.meta.get("kind")
+        if kind is not None:
+            by.setdefault(str(kind), []).append(e)
+    out["by_kind"] = {k: {"prompts": len(v), "success": round(statistics.fmean(e.reward or 0.0 for e in v), 3),
+                          "no_tool": round(statistics.fmean(map(no_tool, v)), 3)} for k, v in sorted(by.items())}
     return out
 
 
 def _describe(result) -> str:
     b = _breakdown(result)
-    need = ", ".join(f"{k}-step {v:.2f}" for k, v in b["success_by_need"].items())
-    return f"answered without a tool {b['no_tool']:.2f}" + (f"; success {need}" if need else "")
+    kinds = "; ".join(f"{k} {v['success']:.2f} (no tool {v['no_tool']:.2f}, n={v['prompts']})"
+                      for k, v in b["by_kind"].items())
+    return f"answered without a tool {b['no_tool']:.2f}" + (f"; success by kind: {kinds}" if kinds else "")
 
 
 def _print_row(row: dict) -> None:
     held = "" if row["heldout_subset"] is None else f"{row['heldout_subset']:.3f}"
     print(f"{row['run']:>7} {row['seed']:>4} {row['step']:>4} {row['reward']:>7.3f} {held:>7} {row['format_valid']:>7.2f} "
-          f"{row['turns']:>6.2f} {row['groups_kept']:>3}/{row['groups']:<3} {row['tokens_per_s']:>8.0f} "
+          f"{row['no_tool']:>7.2f} {row['turns']:>6.2f} {row['groups_kept']:>3}/{row['groups']:<3} {row['tokens_per_s']:>8.0f} "
           f"{row['rollout_s']:>7.1f} {row['train_s']:>6.1f} {row['step_s']:>6.1f}", flush=True)
 
 
@@ -285,7 +291,7 @@ def main() -> None:
     print(f"bench_learning: task {cfg.rl.task}, {args.seeds} seeds + lr-0 control, {cfg.rl.steps} steps of "
           f"{cfg.rl.prompts_per_step} prompts x {cfg.rl.group_size} samples, lr {cfg.training.lr:g}, "
           f"{args.eval_prompts} held-out prompts", flush=True)
-    print(f"{'run':>7} {'seed':>4} {'step':>4} {'reward':>7} {'held':>7} {'format':>7} {'turns':>6} {'groups':>7} "
+    print(f"{'run':>7} {'seed':>4} {'step':>4} {'reward':>7} {'held':>7} {'format':>7} {'no tool':>7} {'turns':>6} {'groups':>7} "
           f"{'tok/s':>8} {'roll s':>7} {'train':>6} {'step s':>6}", flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "result.json"

@@ -520,8 +520,13 @@ class WarmStartConfig(_Section):
     throughout (a less peaked policy, which samples more varied episodes: more groups with
     a success for RL to reinforce, see docs/learning.md)."""
     guess: float = Field(0.75, ge=0, le=1)
-    """Share of multi-step problems (two or more tool calls needed) on which the solver answers at
-    once without tools, almost always wrongly: the imperfection RL has to unlearn."""
+    """Share of the ``guess_on`` prompts on which the solver answers at once without tools,
+    wrongly: the imperfection RL has to unlearn."""
+    guess_on: list[str] | None = None
+    """Prompt kinds the solver guesses on (a prompt's `meta["kind"]`: search `year`, `company`,
+    `town`, `job` (one document), `river`, `founded` (two), `hq-river` (three); arithmetic
+    `1-step` … `6-step`); null: multi-step problems (two or more tool calls needed). A kind the
+    task does not have is refused when the warm start is built."""
     seed: int = Field(0, ge=0)
     """Seed of the solver's noise and of the batch order."""
     loss_on: Literal["turns", "transcript"] = "turns"

@@ -23,6 +23,7 @@ from libra_hpc.rl.warmstart import (
     demonstrations,
     encode_demonstration,
     fingerprint,
+    solver_for,
 )
 from libra_hpc.tools.orchestrator import ToolOrchestrator
 from libra_hpc.tools.pool import ResourceSpec
@@ -159,6 +160,23 @@ def test_the_guessing_solver_skips_tools_on_multi_step_questions_only(task, orch
     careful = SearchSolver(seed=0, guess=0.0)
     multi = [p for p in task.splits.train[:30] if p.meta["hops"] >= 2]
     assert all(len(run_episode(task, p, careful, orch, f"c/{i}").turns) > 1 for i, p in enumerate(multi))
+
+
+def test_guess_on_names_the_kinds_the_solver_guesses_on(task, orch):
+    guesser = SearchSolver(seed=0, guess=1.0, guess_on=["town", "job"])
+    kinds = set()
+    for i, prompt in enumerate(task.splits.train[:60]):
+        episode = run_episode(task, prompt, guesser, orch, f"k/{i}")
+        kinds.add(prompt.meta["kind"])
+        if prompt.meta["kind"] in ("town", "job"):
+            assert len(episode.turns) == 1 and episode.turns[0][1] == [] and episode.reward == 0.0, prompt.text
+            assert episode.answer and episode.answer != prompt.answer
+        else:  # two-document questions too: only the named kinds are guessed
+            assert any(returns for _, returns in episode.turns), prompt.text
+    assert {"town", "job", "year", "river"} <= kinds
+    with pytest.raises(ValueError, match=r"warmstart.guess_on: .*'yeer'.*year"):
+        solver_for(task, WarmStartConfig(guess_on=["year", "yeer"]))
+    assert solver_for(task, WarmStartConfig(guess_on=["year"])).guess_on == ["year"]
 
 
 def test_the_guessing_arithmetic_solver_answers_multi_step_problems_at_once_and_wrongly(orch):

@@ -71,7 +71,7 @@ QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[
                r"|\s*[\r\n]+|\s+(?!\S)|\s+")
 """Qwen2's pre-tokenisation pattern (single digits, words with one leading non-letter)."""
 
-_BUILD_VERSION = 2  # bump when the bytes a given spec produces change
+_BUILD_VERSION = 3  # bump when the bytes a given spec produces change
 _MARKER = "build.json"
 
 

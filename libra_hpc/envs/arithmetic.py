@@ -5,6 +5,7 @@ with ``a × b`` (three-digit numbers: worth a tool call), and each further step 
 delivery (``+ c × d``), a sale (``- e``), an equal share (``/ f``, f divides the stock) or a
 growth (``× g``). A careful solver makes one call per step, chaining each result into the
 next. Reward: 1 for the exact final number in ``<answer>...</answer>``, else 0.
+A prompt's ``meta["kind"]`` is its number of steps (``"3-step"``).
 
 Both tools run in the sandbox through the orchestrator (resource ``cpu``): ``calculator``
 evaluates one arithmetic expression (numbers and operators only; anything else is an
@@ -93,7 +94,8 @@ def generate(seed: int, index: int, min_steps: int, max_steps: int) -> Prompt:
             steps.append(f"{{v}} * {g}")
             value *= g
     sentences.append(f"How many {items} are there at the end?")
-    return Prompt(f"arith-{seed}-{index}", " ".join(sentences), str(value), {"steps": tuple(steps)})
+    return Prompt(f"arith-{seed}-{index}", " ".join(sentences), str(value),
+                  {"steps": tuple(steps), "kind": f"{len(steps)}-step"})
 
 
 class ArithmeticTask(Task):

@@ -4,7 +4,8 @@ The collection (seeded, ``tasks.search.entities`` people): one document per fict
 person (birth town, birth year, employer), per company (headquarters town, founding year)
 and per town (river, mayor). Questions chain 1..3 documents:
 
-- 1 hop: "In which year was Alvo Brenn born?" (the person's document);
+- 1 hop: "In which year was Alvo Brenn born?" (the person's document; also the town they
+  were born in, the company they work for, their job);
 - 2 hops: "On which river lies the town where Alvo Brenn was born?" (person → town);
 - 3 hops: "On which river lies the town where the company Alvo Brenn works for is
   headquartered?" (person → company → town).
@@ -15,6 +16,9 @@ words aside), best ``top_k`` first. A query that matches nothing returns ``No re
 another search. It runs in-process on the orchestrator's ``search`` resource
 (:class:`SearchRunner`, a runner like the sandbox's). Reward: 1 for the normalised exact
 answer in ``<answer>...</answer>`` (case, spaces, punctuation and a leading "the" ignored).
+
+Each prompt's ``meta["kind"]`` names what it asks (:data:`KINDS`): the scripted solver's
+``guess_on`` picks kinds by it, and evaluations break success down by it.
 """
 
 from __future__ import annotations
@@ -43,6 +47,10 @@ SYLLABLES = ("al", "bren", "cor", "dal", "ev", "fen", "gar", "hol", "is", "jor",
 RIVERS = ("Amber", "Brisk", "Cold", "Dun", "Elder", "Fallow", "Grey", "Hollow", "Iron", "Jade", "Kestrel", "Long")
 JOBS = ("engineer", "teacher", "chemist", "pilot", "baker", "architect", "nurse", "lawyer", "painter", "farmer")
 SUFFIXES = ("Works", "Labs", "Foods", "Textiles", "Mining", "Freight", "Optics", "Press")
+
+
+KINDS = {"year": 1, "company": 1, "town": 1, "job": 1, "river": 2, "founded": 2, "hq-river": 3}
+"""The question kinds and how many documents each chains through."""
 
 
 def words(text: str) -> list[str]:
@@ -108,23 +116,24 @@ def generate(world: World, seed: int, index: int, max_hops: int) -> Prompt:
     facts = world.people[person]
     hops = rng.randint(1, max_hops)
     if hops == 1:
-        field = rng.choice(("year", "company", "town"))
+        kind = rng.choice(("year", "company", "town", "job"))
         text = {"year": f"In which year was {person} born?", "company": f"Which company does {person} work for?",
-                "town": f"In which town was {person} born?"}[field]
-        answer, chain = str(facts[field]), (person,)
+                "town": f"In which town was {person} born?", "job": f"What does {person} work as?"}[kind]
+        answer, chain = str(facts[kind]), (person,)
     elif hops == 2:
         if rng.random() < 0.5:
             text, answer = f"On which river lies the town where {person} was born?", world.towns[facts["town"]]["river"]
-            chain = (person, facts["town"])
+            kind, chain = "river", (person, facts["town"])
         else:
             text = f"In which year was the company {person} works for founded?"
             answer, chain = str(world.companies[facts["company"]]["year"]), (person, facts["company"])
+            kind = "founded"
     else:
         company = facts["company"]
         town = world.companies[company]["town"]
         text = f"On which river lies the town where the company {person} works for is headquartered?"
-        answer, chain = world.towns[town]["river"], (person, company, town)
-    return Prompt(f"search-{seed}-{index}", text, answer, {"hops": len(chain), "chain": chain})
+        kind, answer, chain = "hq-river", world.towns[town]["river"], (person, company, town)
+    return Prompt(f"search-{seed}-{index}", text, answer, {"hops": len(chain), "chain": chain, "kind": kind})
 
 
 class SearchIndex:

@@ -4,9 +4,9 @@ They write turns in the model's format (Qwen tool calls, ``<answer>``), read the
 responses, and make the mistakes a small model makes: malformed calls (bad JSON, an
 unknown tool, a missing argument), buggy Python, misspelt search queries, queries too
 vague to find the right passage, a wrong number copied into the answer. Each episode draws
-how careful its solver is. With ``guess`` > 0 a solver skips the tools on multi-step
-problems (two or more calls needed) with that probability and answers at once from
-"memory", almost always wrongly: the over-confident habit a warm-start model copies from
+how careful its solver is. With ``guess`` > 0 a solver skips the tools with that
+probability and answers at once from "memory", wrongly, on the prompts ``guess_on`` names
+by their ``meta["kind"]`` (by default: multi-step problems, two or more calls needed): the over-confident habit a warm-start model copies from
 imperfect demonstrations and RL has to unlearn (the room for RL of issue 13, item 4).
 After a failed tool return the solver writes a long recovery
 turn (it re-reads the problem and the error, as models do), so failures causally lengthen
@@ -23,7 +23,7 @@ import statistics
 from collections.abc import Sequence
 
 from libra_hpc.envs.arithmetic import last_number
-from libra_hpc.envs.search import RIVERS
+from libra_hpc.envs.search import JOBS, RIVERS
 from libra_hpc.envs.synthetic import CHARS_PER_TOKEN
 from libra_hpc.envs.task import Episode, Executor, Prompt, Task
 from libra_hpc.envs.toolcall import format_call
@@ -56,14 +56,15 @@ class ArithmeticSolver:
     """One call per step; ``sloppy`` episodes fail calls often (``careful`` ones rarely)."""
 
     def __init__(self, seed: int = 0, fail: tuple[float, float] = (0.08, 0.45), wrong: float = 0.12,
-                 sloppy_share: float = 0.4, guess: float = 0.0):
+                 sloppy_share: float = 0.4, guess: float = 0.0, guess_on: Sequence[str] | None = None):
         self.seed, self.fail, self.wrong, self.sloppy_share, self.guess = seed, fail, wrong, sloppy_share, guess
+        self.guess_on = guess_on
 
     def __call__(self, episode: Episode) -> str:
         rng = random.Random(f"{self.seed}/{episode.trajectory}/{len(episode.turns)}")
         sloppy = random.Random(f"{self.seed}/{episode.trajectory}").random() < self.sloppy_share
         steps = episode.prompt.meta["steps"]
-        if _guesses(self.seed, self.guess, episode, len(steps)):
+        if _guesses(self.seed, self.guess, self.guess_on, episode, len(steps)):
             exact = int(episode.prompt.answer)
             answer = exact + rng.choice((-1, 1)) * rng.randint(1, max(2, abs(exact) // 10))
             return f"I can do this in my head without the tool. The final count is {answer}.\n<answer>{answer}</answer>"
@@ -101,15 +102,16 @@ class SearchSolver:
     """One search per hop; misspelt names (no results) and vague queries (wrong passages)."""
 
     def __init__(self, seed: int = 0, typo: tuple[float, float] = (0.08, 0.4), vague: float = 0.1,
-                 wrong: float = 0.12, sloppy_share: float = 0.4, guess: float = 0.0):
+                 wrong: float = 0.12, sloppy_share: float = 0.4, guess: float = 0.0,
+                 guess_on: Sequence[str] | None = None):
         self.seed, self.typo, self.vague, self.wrong, self.sloppy_share = seed, typo, vague, wrong, sloppy_share
-        self.guess = guess
+        self.guess, self.guess_on = guess, guess_on
 
     def __call__(self, episode: Episode) -> str:
         rng = random.Random(f"{self.seed}/{episode.trajectory}/{len(episode.turns)}")
         sloppy = random.Random(f"{self.seed}/{episode.trajectory}").random() < self.sloppy_share
         chain = episode.prompt.meta["chain"]
-        if _guesses(self.seed, self.guess, episode, len(chain)):
+        if _guesses(self.seed, self.guess, self.guess_on, episode, len(chain)):
             answer = _wrong_guess(rng, episode.prompt.answer)
             return f"I remember this one without searching. The answer is {answer}.\n<answer>{answer}</answer>"
         outputs = [r.output for _, returns in episode.turns for r in returns]
@@ -161,9 +163,11 @@ def _evidence(outputs: Sequence[str], entity: str, target: str) -> str:
     return f"{entity} leads to {target}"
 
 
-def _guesses(seed: int, rate: float, episode: Episode, calls_needed: int) -> bool:
-    """Whether this episode's first turn answers without tools (multi-step problems only)."""
-    return (rate > 0 and calls_needed >= 2 and not episode.turns
+def _guesses(seed: int, rate: float, guess_on: Sequence[str] | None, episode: Episode, calls_needed: int) -> bool:
+    """Whether this episode's first turn answers without tools: with probability ``rate``
+    on the prompts whose ``meta["kind"]`` is in ``guess_on`` (None: multi-step problems)."""
+    eligible = calls_needed >= 2 if guess_on is None else episode.prompt.meta.get("kind") in guess_on
+    return (rate > 0 and eligible and not episode.turns
             and random.Random(f"{seed}/guess/{episode.trajectory}").random() < rate)
 
 
@@ -171,8 +175,9 @@ def _wrong_guess(rng: random.Random, answer: str) -> str:
     """A guess of the same kind as ``answer`` (a year, a river, a name) that is not it."""
     if answer.isdigit():
         return str(int(answer) + rng.choice((-1, 1)) * rng.randint(1, 30))
-    if answer in RIVERS:
-        return rng.choice([r for r in RIVERS if r != answer])
+    for names in (RIVERS, JOBS):
+        if answer in names:
+            return rng.choice([r for r in names if r != answer])
     parts = answer.split()
     return " ".join([parts[0][::-1].capitalize(), *parts[1:]])
 

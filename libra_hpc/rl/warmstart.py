@@ -5,8 +5,9 @@ The demonstrations are episodes of the task's scripted noisy solver
 (:mod:`libra_hpc.envs.solvers`) on the *training* split, with real tool returns (the
 executor runs the calls, as in RL). They are imperfect on purpose: malformed calls and
 misspelt queries the solver then recovers from, wrong final answers, and, with
-``warmstart.guess``, multi-step problems answered at once without any tool (the model
-copies this over-confidence; RL has to unlearn it). Their prompt texts are checked
+``warmstart.guess``, problems answered at once without any tool (multi-step ones, or
+the kinds ``warmstart.guess_on`` names; the model copies this over-confidence, RL has to
+unlearn it). Their prompt texts are checked
 against the held-out split by text hash (:meth:`~libra_hpc.envs.task.Splits.check_disjoint`).
 
 Training is plain supervised learning (mean negative log-likelihood, Adam, gradient
@@ -47,23 +48,31 @@ from libra_hpc.envs.toolcall import IM_END
 
 log = logging.getLogger(__name__)
 
-_VERSION = 4  # bump when the same options produce different weights (a solver or encoding change)
+_VERSION = 5  # bump when the same options produce different weights (a solver or encoding change)
 _BASE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json")
 
 
 def solver_for(task: Task, options: WarmStartConfig) -> Callable[[Episode], str]:
     """The task's noisy scripted solver: the built-in tasks' own, or a plugin task's
-    ``solver(seed=..., guess=...)`` method."""
+    ``solver(seed=..., guess=...)`` method (``guess_on=...`` too, when it is set). Raises
+    ValueError naming ``warmstart.guess_on`` if it names a kind no training prompt has."""
+    if options.guess_on is not None:
+        kinds = {p.meta.get("kind") for p in task.splits.train} - {None}
+        unknown = sorted(set(options.guess_on) - kinds)
+        if unknown:
+            raise ValueError(f"warmstart.guess_on: task {task.name!r} has no prompts of kind {unknown} "
+                             f"(its training prompts' kinds: {sorted(kinds) or 'none recorded'})")
     if task.name == "arithmetic":
-        return ArithmeticSolver(seed=options.seed, guess=options.guess)
+        return ArithmeticSolver(seed=options.seed, guess=options.guess, guess_on=options.guess_on)
     if task.name == "search":
-        return SearchSolver(seed=options.seed, guess=options.guess)
+        return SearchSolver(seed=options.seed, guess=options.guess, guess_on=options.guess_on)
     make = getattr(task, "solver", None)
     if make is None:
         raise ValueError(f"warm start: task {task.name!r} has no scripted solver; give the task a "
                          "solver(seed, guess) method returning a policy(episode) -> text, or start from a "
                          "checkpoint that already knows the task (model.path)")
-    return make(seed=options.seed, guess=options.guess)
+    extra = {} if options.guess_on is None else {"guess_on": options.guess_on}
+    return make(seed=options.seed, guess=options.guess, **extra)
 
 
 def demonstrations(task: Task, solver: Callable[[Episode], str], executor: Executor, count: int, *,
