@@ -288,7 +288,7 @@ def main() -> None:
         return
     cfg = _settings(args)  # refuse a bad config before starting anything
     started = time.perf_counter()
-    print(f"bench_learning: task {cfg.rl.task}, {args.seeds} seeds + lr-0 control, {cfg.rl.steps} steps of "
+    print(f"bench_learning: task {cfg.rl.task}, {args.seeds} seeds{' + lr-0 control' if args.control else ''}, {cfg.rl.steps} steps of "
           f"{cfg.rl.prompts_per_step} prompts x {cfg.rl.group_size} samples, lr {cfg.training.lr:g}, "
           f"{args.eval_prompts} held-out prompts", flush=True)
     print(f"{'run':>7} {'seed':>4} {'step':>4} {'reward':>7} {'held':>7} {'format':>7} {'no tool':>7} {'turns':>6} {'groups':>7} "

@@ -489,6 +489,24 @@ class SearchTaskConfig(_TaskSplits):
     """Most documents a question chains through (1: the answer is in the first document found)."""
     top_k: int = Field(2, ge=1, le=10)
     """Passages one search returns."""
+    kinds: list[str] | None = Field(None, min_length=1)
+    """Question kinds to ask, drawn uniformly: `year`, `company`, `town`, `job` (one document),
+    `river`, `founded` (two), `hq-river` (three); none may chain through more than `max_hops`
+    documents. null: a number of documents uniform in 1..`max_hops`, then a kind of it."""
+
+    @field_validator("kinds")
+    @classmethod
+    def _kinds_fit(cls, value, info):
+        from libra_hpc.envs.search import KINDS
+
+        unknown = sorted(set(value or ()) - set(KINDS))
+        if unknown:
+            raise ValueError(f"unknown question kinds {unknown}; the kinds are {list(KINDS)}")
+        hops = info.data.get("max_hops", 3)
+        over = [k for k in value or () if KINDS[k] > hops]
+        if over:
+            raise ValueError(f"{over} chain through more than max_hops={hops} documents; raise max_hops or drop them")
+        return value
 
 
 class TasksConfig(_Section):

@@ -27,6 +27,7 @@ import math
 import random
 import re
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -110,18 +111,21 @@ def build_world(seed: int, entities: int) -> World:
     return World(people, companies, towns, tuple(docs))
 
 
-def generate(world: World, seed: int, index: int, max_hops: int) -> Prompt:
+def generate(world: World, seed: int, index: int, max_hops: int, kinds: Sequence[str] | None = None) -> Prompt:
+    """Question ``index`` of ``seed``: a person, then a kind (one of ``kinds``, or a number
+    of documents uniform in 1..``max_hops`` and a kind of it), then its text and answer."""
     rng = random.Random(f"search-q/{seed}/{index}")
     person = rng.choice(list(world.people))
     facts = world.people[person]
-    hops = rng.randint(1, max_hops)
+    chosen = rng.choice(list(kinds)) if kinds else None
+    hops = KINDS[chosen] if chosen else rng.randint(1, max_hops)
     if hops == 1:
-        kind = rng.choice(("year", "company", "town", "job"))
+        kind = chosen or rng.choice(("year", "company", "town", "job"))
         text = {"year": f"In which year was {person} born?", "company": f"Which company does {person} work for?",
                 "town": f"In which town was {person} born?", "job": f"What does {person} work as?"}[kind]
         answer, chain = str(facts[kind]), (person,)
     elif hops == 2:
-        if rng.random() < 0.5:
+        if (chosen or ("river" if rng.random() < 0.5 else "founded")) == "river":
             text, answer = f"On which river lies the town where {person} was born?", world.towns[facts["town"]]["river"]
             kind, chain = "river", (person, facts["town"])
         else:
@@ -177,12 +181,15 @@ class SearchTask(Task):
     tools = TOOLS
 
     def __init__(self, *, seed: int = 0, entities: int = 400, train_prompts: int = 2000, heldout_prompts: int = 300,
-                 max_hops: int = 3, top_k: int = 2, max_turns: int = 10):
+                 max_hops: int = 3, top_k: int = 2, max_turns: int = 10, kinds: Sequence[str] | None = None):
+        unknown = sorted(set(kinds or ()) - set(KINDS))
+        if unknown:
+            raise ValueError(f"search task: unknown question kinds {unknown} (kinds: {sorted(KINDS)})")
         self.max_turns = max_turns
         self.world = build_world(seed, entities)
         self.index = SearchIndex(self.world.documents)
         self.top_k = top_k
-        self.splits = make_splits(lambda i: generate(self.world, seed, i, max_hops), train_prompts, heldout_prompts)
+        self.splits = make_splits(lambda i: generate(self.world, seed, i, max_hops, kinds), train_prompts, heldout_prompts)
 
     def payload(self, call: ParsedCall) -> Any:
         return {"query": str(call.arguments["query"])}
