@@ -490,7 +490,8 @@ class SearchTaskConfig(_TaskSplits):
     top_k: int = Field(2, ge=1, le=10)
     """Passages one search returns."""
     kinds: list[str] | None = Field(None, min_length=1)
-    """Question kinds to ask, drawn uniformly: `year`, `company`, `town`, `job` (one document),
+    """Question kinds to ask, drawn uniformly: `year`, `company`, `employer` (the company
+    again, asked "Which firm employs …?"), `town`, `job` (one document),
     `river`, `founded` (two), `hq-river` (three); none may chain through more than `max_hops`
     documents. null: a number of documents uniform in 1..`max_hops`, then a kind of it."""
 
@@ -542,7 +543,7 @@ class WarmStartConfig(_Section):
     wrongly: the imperfection RL has to unlearn."""
     guess_on: list[str] | None = None
     """Prompt kinds the solver guesses on (a prompt's `meta["kind"]`: search `year`, `company`,
-    `town`, `job` (one document), `river`, `founded` (two), `hq-river` (three); arithmetic
+    `employer`, `town`, `job` (one document), `river`, `founded` (two), `hq-river` (three); arithmetic
     `1-step` … `6-step`); null: multi-step problems (two or more tool calls needed). A kind the
     task does not have is refused when the warm start is built."""
     seed: int = Field(0, ge=0)

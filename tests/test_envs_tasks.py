@@ -11,7 +11,7 @@ from concurrent.futures import Future
 
 import pytest
 
-from libra_hpc.config import validate_config
+from libra_hpc.config import ConfigError, validate_config
 from libra_hpc.envs import ArithmeticTask, Prompt, SearchTask, SplitLeak, task_from_config
 from libra_hpc.envs.search import KINDS, normalise
 from libra_hpc.envs.solvers import ArithmeticSolver, SearchSolver, length_signal, run_episode
@@ -169,6 +169,19 @@ def test_tasks_are_chosen_by_name_in_the_config():
                            "tasks": {"search": {"entities": 50, "train_prompts": 40, "heldout_prompts": 10}}})
     task = task_from_config(cfg)
     assert isinstance(task, SearchTask) and len(task.splits.train) == 40 and len(task.splits.heldout) == 10
+
+
+def test_search_kinds_choose_the_questions_and_bad_kinds_are_refused():
+    cfg = validate_config({"rl": {"task": "search"}, "tasks": {"search": {
+        "entities": 60, "train_prompts": 60, "heldout_prompts": 20, "max_hops": 2, "kinds": ["town", "river"]}}})
+    task = task_from_config(cfg)
+    prompts = task.splits.train + task.splits.heldout
+    assert {p.meta["kind"] for p in prompts} == {"town", "river"}
+    town = next(p for p in prompts if p.meta["kind"] == "town")
+    assert town.answer == task.world.people[town.meta["chain"][0]]["town"]
+    for kinds, message in ((["towns"], "unknown question kinds"), (["hq-river"], "more than max_hops=2")):
+        with pytest.raises(ConfigError, match=rf"tasks.search.kinds: .*{message}"):
+            validate_config({"tasks": {"search": {"max_hops": 2, "kinds": kinds}}})
 
 
 @pytest.mark.parametrize("which", ["arithmetic", "search"])

@@ -5,7 +5,7 @@ person (birth town, birth year, employer), per company (headquarters town, found
 and per town (river, mayor). Questions chain 1..3 documents:
 
 - 1 hop: "In which year was Alvo Brenn born?" (the person's document; also the town they
-  were born in, the company they work for, their job);
+  were born in, the company they work for, asked two ways, their job);
 - 2 hops: "On which river lies the town where Alvo Brenn was born?" (person → town);
 - 3 hops: "On which river lies the town where the company Alvo Brenn works for is
   headquartered?" (person → company → town).
@@ -50,7 +50,7 @@ JOBS = ("engineer", "teacher", "chemist", "pilot", "baker", "architect", "nurse"
 SUFFIXES = ("Works", "Labs", "Foods", "Textiles", "Mining", "Freight", "Optics", "Press")
 
 
-KINDS = {"year": 1, "company": 1, "town": 1, "job": 1, "river": 2, "founded": 2, "hq-river": 3}
+KINDS = {"year": 1, "company": 1, "employer": 1, "town": 1, "job": 1, "river": 2, "founded": 2, "hq-river": 3}
 """The question kinds and how many documents each chains through."""
 
 
@@ -120,10 +120,11 @@ def generate(world: World, seed: int, index: int, max_hops: int, kinds: Sequence
     chosen = rng.choice(list(kinds)) if kinds else None
     hops = KINDS[chosen] if chosen else rng.randint(1, max_hops)
     if hops == 1:
-        kind = chosen or rng.choice(("year", "company", "town", "job"))
+        kind = chosen or rng.choice(("year", "company", "employer", "town", "job"))
         text = {"year": f"In which year was {person} born?", "company": f"Which company does {person} work for?",
-                "town": f"In which town was {person} born?", "job": f"What does {person} work as?"}[kind]
-        answer, chain = str(facts[kind]), (person,)
+                "employer": f"Which firm employs {person}?", "town": f"In which town was {person} born?",
+                "job": f"What does {person} work as?"}[kind]
+        answer, chain = str(facts["company" if kind == "employer" else kind]), (person,)
     elif hops == 2:
         if (chosen or ("river" if rng.random() < 0.5 else "founded")) == "river":
             text, answer = f"On which river lies the town where {person} was born?", world.towns[facts["town"]]["river"]
