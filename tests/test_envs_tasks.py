@@ -173,12 +173,14 @@ def test_tasks_are_chosen_by_name_in_the_config():
 
 def test_search_kinds_choose_the_questions_and_bad_kinds_are_refused():
     cfg = validate_config({"rl": {"task": "search"}, "tasks": {"search": {
-        "entities": 60, "train_prompts": 60, "heldout_prompts": 20, "max_hops": 2, "kinds": ["town", "river"]}}})
+        "entities": 60, "train_prompts": 60, "heldout_prompts": 20, "max_hops": 2, "kinds": ["town", "employer", "river"]}}})
     task = task_from_config(cfg)
     prompts = task.splits.train + task.splits.heldout
-    assert {p.meta["kind"] for p in prompts} == {"town", "river"}
-    town = next(p for p in prompts if p.meta["kind"] == "town")
-    assert town.answer == task.world.people[town.meta["chain"][0]]["town"]
+    assert {p.meta["kind"] for p in prompts} == {"town", "employer", "river"}
+    for kind, field in (("town", "town"), ("employer", "company")):
+        p = next(p for p in prompts if p.meta["kind"] == kind)
+        assert p.answer == task.world.people[p.meta["chain"][0]][field]
+        assert task.verify(p, f"the {p.answer.upper()}.") == 1.0 and task.verify(p, "Grey") == 0.0
     for kinds, message in ((["towns"], "unknown question kinds"), (["hq-river"], "more than max_hops=2")):
         with pytest.raises(ConfigError, match=rf"tasks.search.kinds: .*{message}"):
             validate_config({"tasks": {"search": {"max_hops": 2, "kinds": kinds}}})
