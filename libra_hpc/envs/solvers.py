@@ -6,8 +6,9 @@ unknown tool, a missing argument), buggy Python, misspelt search queries, querie
 vague to find the right passage, a wrong number copied into the answer. Each episode draws
 how careful its solver is. With ``guess`` > 0 a solver skips the tools with that
 probability and answers at once from "memory", wrongly, on the prompts ``guess_on`` names
-by their ``meta["kind"]`` (by default: multi-step problems, two or more calls needed): the over-confident habit a warm-start model copies from
-imperfect demonstrations and RL has to unlearn (the room for RL of issue 13, item 4).
+by their ``meta["kind"]`` (by default: multi-step problems, two or more calls needed):
+the over-confident habit a warm-start model copies from imperfect demonstrations and RL
+has to unlearn (the room for RL of issue 13, item 4).
 After a failed tool return the solver writes a long recovery
 turn (it re-reads the problem and the error, as models do), so failures causally lengthen
 what follows: the signal C-MLFQ routes on, measured by :func:`length_signal`. They also
