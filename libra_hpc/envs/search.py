@@ -120,7 +120,7 @@ def generate(world: World, seed: int, index: int, max_hops: int, kinds: Sequence
     chosen = rng.choice(list(kinds)) if kinds else None
     hops = KINDS[chosen] if chosen else rng.randint(1, max_hops)
     if hops == 1:
-        kind = chosen or rng.choice(("year", "company", "employer", "town", "job"))
+        kind = chosen or rng.choice([k for k, docs in KINDS.items() if docs == 1])
         text = {"year": f"In which year was {person} born?", "company": f"Which company does {person} work for?",
                 "employer": f"Which firm employs {person}?", "town": f"In which town was {person} born?",
                 "job": f"What does {person} work as?"}[kind]
