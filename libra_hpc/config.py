@@ -8,7 +8,9 @@ by libra_hpc/config_reference.py).
 
 The simulator's scenarios (libra_hpc/sim/config.py) are this schema plus the simulator's own
 sections, read by the same loader (:func:`load_config` with ``schema=SimConfig``) and
-refused with the same error (:class:`ConfigError`).
+refused with the same error (:class:`ConfigError`). The learning half's sections (``rl``,
+``tasks``, ``warmstart``) are in libra_hpc/config_learning.py and the strict YAML reader and
+section base in libra_hpc/config_yaml.py; their names the rest of the code uses are importable from here.
 
 Nothing here reads the environment: the only inputs are the YAML file and ``--set``
 overrides given on the command line.
@@ -17,88 +19,17 @@ overrides given on the command line.
 from __future__ import annotations
 
 import difflib
-import re
 import types
 import typing
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, Field, ValidationError, field_validator
 
 from libra_hpc.config_checks import SLURM_TIME, check_common, check_layout
-
-
-
-class DuplicateKeyError(yaml.YAMLError):
-    """A YAML mapping gives the same key twice. YAML leaves this to the reader and PyYAML
-    keeps the last value without a word, so a file that sets ``every_steps`` twice would run
-    with whichever came last; refused instead. ``problems`` has one line per repeat."""
-
-    def __init__(self, problems: list[str]):
-        self.problems = problems
-        super().__init__("; ".join(problems))
-
-
-class _YamlLoader(yaml.SafeLoader):
-    """SafeLoader with YAML 1.2 numbers: ``2:00:00`` stays a string (YAML 1.1 reads it as
-    the base-60 number 7200, which would wreck Slurm time limits) and ``1e-5`` is a float
-    (YAML 1.1 wants ``1.0e-5``). A key given twice in one mapping is refused
-    (:class:`DuplicateKeyError`)."""
-
-    def construct_document(self, node):
-        problems: list[str] = []
-        self._find_duplicates(node, [], problems)
-        if problems:
-            raise DuplicateKeyError(problems)
-        return super().construct_document(node)
-
-    def _find_duplicates(self, node, path: list[str], problems: list[str]) -> None:
-        if isinstance(node, yaml.SequenceNode):
-            for i, item in enumerate(node.value):
-                self._find_duplicates(item, [*path, str(i)], problems)
-        elif isinstance(node, yaml.MappingNode):
-            first: dict[Any, int] = {}
-            for key_node, value_node in node.value:
-                if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *base`: explicit keys may override it
-                    continue
-                key = self.construct_object(key_node, deep=True) if isinstance(key_node, yaml.ScalarNode) else None
-                if isinstance(key, typing.Hashable) and key is not None:
-                    line = key_node.start_mark.line + 1
-                    if key in first:
-                        dotted = ".".join([*path, str(key)])
-                        problems.append(f"{dotted}: the key {str(key)!r} is given twice (lines {first[key]} and "
-                                        f"{line}); a repeated key would silently replace the first value, keep one")
-                    else:
-                        first[key] = line
-                    self._find_duplicates(value_node, [*path, str(key)], problems)
-                else:
-                    self._find_duplicates(value_node, path, problems)
-
-
-_YamlLoader.yaml_implicit_resolvers = {
-    first: [(tag, rx) for tag, rx in resolvers if tag not in ("tag:yaml.org,2002:int", "tag:yaml.org,2002:float")]
-    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
-}
-_YamlLoader.add_implicit_resolver(
-    "tag:yaml.org,2002:int", re.compile(r"^(?:[-+]?(?:0|[1-9][0-9_]*)|0x[0-9a-fA-F_]+|0o[0-7_]+)$"), list("-+0123456789")
-)
-_YamlLoader.add_implicit_resolver(
-    "tag:yaml.org,2002:float",
-    re.compile(r"^(?:[-+]?(?:\.[0-9]+|[0-9][0-9_]*(?:\.[0-9_]*)?)(?:[eE][-+]?[0-9]+)?|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$"),
-    list("-+.0123456789"),
-)
-
-
-def parse_yaml(text: str):
-    """YAML as every config file of the project is read (see _YamlLoader): YAML 1.2
-    numbers, a key given twice refused. Raises yaml.YAMLError (DuplicateKeyError for a
-    repeated key)."""
-    return yaml.load(text, Loader=_YamlLoader)  # noqa: S506 - a SafeLoader subclass
-
-
-class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True, frozen=True, use_attribute_docstrings=True)
+from libra_hpc.config_learning import RLConfig, TasksConfig, WarmStartConfig
+from libra_hpc.config_yaml import DuplicateKeyError, _Section, parse_yaml
 
 
 class ClusterConfig(_Section):
@@ -417,141 +348,6 @@ class ToolsConfig(_Section):
     """`srun --time` of each sandbox worker's own allocation with `placement: slurm` and a partition (Slurm's format, e.g. `4:00:00`); empty: the partition's default."""
     slurm_args: list[str] = Field(default_factory=list)
     """Extra `srun` options for the sandbox workers (e.g. `["--account=rl", "--qos=cpu"]`) with `placement: slurm`."""
-
-
-class RLConfig(_Section):
-    """The RL loop. One step rolls out ``prompts_per_step × group_size`` trajectories and
-    trains on all of them: that product is the global batch of the training step (the
-    planner, the simulator and the batch checks all use it; ``ExperimentConfig.batch_size``)."""
-
-    steps: int = Field(4, ge=1)
-    """Number of RL steps (optimizer steps) the controller runs, or the simulator simulates."""
-    prompts_per_step: int = Field(3, ge=1)
-    """Prompts sampled per RL step."""
-    group_size: int = Field(4, ge=1)
-    """Samples per prompt (GRPO group): trajectories of one prompt are compared with each other."""
-    max_staleness: int = Field(1, ge=0)
-    """Policy versions a trajectory may lag behind training; 0 is synchronous RL (rollout
-    and training alternate even on separate GPUs). Measured per trajectory from the oldest
-    policy version among its generated tokens (partial rollout mixes versions); older
-    trajectories are dropped and counted (libra_hpc/rl/staleness.py)."""
-    advantage_norm: Literal["group_std", "none"] = "group_std"
-    """GRPO advantage of a sample: its reward minus its group's mean, divided by the group's
-    (sample) standard deviation plus `advantage_eps` (`group_std`, DeepSeekMath's GRPO) or
-    not divided (`none`, Dr. GRPO: no bias towards too-easy and too-hard prompts)."""
-    advantage_eps: float = Field(1e-6, gt=0)
-    """Added to the group's reward standard deviation before dividing (`advantage_norm: group_std`)."""
-    filter_zero_variance: bool = True
-    """Leave out of the training batch the groups whose samples all got the same reward (their
-    advantages are 0: no gradient, but their tokens would dilute a token mean); counted in
-    the step log."""
-    loss_aggregation: Literal["token_mean", "seq_mean_token_sum", "seq_mean_token_mean"] = "token_mean"
-    """How per-token losses make the step's loss. `token_mean`: mean over all trained tokens
-    of the batch, every token weighs the same (DAPO). `seq_mean_token_sum`: each sequence's
-    token sum, averaged over sequences (Dr. GRPO, up to a constant). `seq_mean_token_mean`:
-    each sequence's token mean, averaged over sequences (the original GRPO: a short
-    sequence's tokens weigh more). Prompt and tool-output tokens never count."""
-    kl_coef: float = Field(0.0, ge=0)
-    """β of the KL-to-reference penalty added to every trained token's loss (k3 estimator of
-    KL(policy‖reference)); 0 (the default) turns it off and needs no reference policy."""
-    seed: int = 0
-    """Seed of every random choice of the run (the simulator's workload included)."""
-    task: str = "arithmetic"
-    """The agentic task the policy is trained on (libra_hpc/envs/, docs/tasks.md): a built-in task by name (`arithmetic`: word problems solved with a calculator/Python tool in the sandbox; `search`: question answering by searching a generated document collection), configured by its `tasks.<name>` section; or a user's task as `package.module:Factory`, imported from `sys.path` and called with `tasks.plugin` as keyword arguments."""
-
-
-class _TaskSplits(_Section):
-    """What every built-in task has: its two splits and the episode length."""
-
-    train_prompts: int = Field(2000, ge=1)
-    """Prompts of the training split."""
-    heldout_prompts: int = Field(300, ge=1)
-    """Prompts of the held-out split (their texts never appear in the training split: checked by text hash)."""
-    max_turns: int = Field(10, ge=1)
-    """Model turns per episode; an episode that has not answered by then ends with reward 0."""
-
-
-class ArithmeticTaskConfig(_TaskSplits):
-    """Arithmetic word problems that need the `calculator` / `python` tools (run in the tool sandbox through the orchestrator): one tool call per step of the problem; the reward is 1 for the exact final number in `<answer>...</answer>`, else 0. Generated from `rl.seed`; no downloads."""
-
-    min_steps: int = Field(1, ge=1, le=6)
-    """Fewest arithmetic steps (tool calls a careful solver makes) of one problem."""
-    max_steps: int = Field(4, ge=1, le=6)
-    """Most arithmetic steps of one problem."""
-
-
-class SearchTaskConfig(_TaskSplits):
-    """Question answering by searching a document collection the project generates (fictional people, towns and companies): the `search` tool returns the best-matching passages, a miss means another search; multi-hop questions need one search per hop. The reward is 1 for the normalised exact answer in `<answer>...</answer>`, else 0."""
-
-    entities: int = Field(400, ge=20)
-    """People in the generated collection (each with a town and a company, each one document)."""
-    max_hops: int = Field(3, ge=1, le=3)
-    """Most documents a question chains through (1: the answer is in the first document found)."""
-    top_k: int = Field(2, ge=1, le=10)
-    """Passages one search returns."""
-    kinds: list[str] | None = Field(None, min_length=1)
-    """Question kinds to ask, drawn uniformly: `year`, `company`, `employer` (the company
-    again, asked "Which firm employs …?"), `town`, `job` (one document),
-    `river`, `founded` (two), `hq-river` (three); none may chain through more than `max_hops`
-    documents. null: a number of documents uniform in 1..`max_hops`, then a kind of it."""
-
-    @field_validator("kinds")
-    @classmethod
-    def _kinds_fit(cls, value, info):
-        from libra_hpc.envs.search import KINDS
-
-        unknown = sorted(set(value or ()) - set(KINDS))
-        if unknown:
-            raise ValueError(f"unknown question kinds {unknown}; the kinds are {list(KINDS)}")
-        hops = info.data.get("max_hops", 3)
-        over = [k for k in value or () if KINDS[k] > hops]
-        if over:
-            raise ValueError(f"{over} chain through more than max_hops={hops} documents; raise max_hops or drop them")
-        return value
-
-
-class TasksConfig(_Section):
-    """One section per built-in agentic task (libra_hpc/envs/, docs/tasks.md); `rl.task` chooses which one runs."""
-
-    arithmetic: ArithmeticTaskConfig = ArithmeticTaskConfig()
-    search: SearchTaskConfig = SearchTaskConfig()
-    plugin: dict[str, Any] = Field(default_factory=dict)
-    """Keyword arguments of a user's task factory when `rl.task` is `package.module:Factory` (e.g. `{prompts: data/my.jsonl}`)."""
-
-
-class WarmStartConfig(_Section):
-    """The warm start (libra_hpc/rl/warmstart.py): a short supervised pass that teaches the
-    policy the chat and tool-call format on demonstrations of the task's noisy scripted
-    solver (training split only), before RL. Built once and cached by a fingerprint of
-    these fields, the task and the base model."""
-
-    demonstrations: int = Field(2000, ge=1)
-    """Solver episodes (with real tool returns) to train on."""
-    epochs: int = Field(2, ge=1)
-    """Passes over the demonstrations."""
-    batch_size: int = Field(16, ge=1)
-    """Demonstrations per supervised step."""
-    lr: float = Field(1e-3, gt=0)
-    """Adam learning rate of the supervised pass (the peak, with ``schedule: cosine``)."""
-    schedule: Literal["cosine", "constant"] = "cosine"
-    """Learning-rate schedule: `cosine`, a linear warm-up over the first 3% of the steps, then
-    a cosine decay to 5% of ``lr`` at the last step (a lower loss); `constant`, ``lr``
-    throughout (a less peaked policy, which samples more varied episodes: more groups with
-    a success for RL to reinforce, see docs/learning.md)."""
-    guess: float = Field(0.75, ge=0, le=1)
-    """Share of the ``guess_on`` prompts on which the solver answers at once without tools,
-    wrongly: the imperfection RL has to unlearn."""
-    guess_on: list[str] | None = None
-    """Prompt kinds the solver guesses on (a prompt's `meta["kind"]`: search `year`, `company`,
-    `employer`, `town`, `job` (one document), `river`, `founded` (two), `hq-river` (three); arithmetic
-    `1-step` … `6-step`); null: multi-step problems (two or more tool calls needed). A kind the
-    task does not have is refused when the warm start is built."""
-    seed: int = Field(0, ge=0)
-    """Seed of the solver's noise and of the batch order."""
-    loss_on: Literal["turns", "transcript"] = "turns"
-    """Tokens the supervised pass trains on: `turns`, the solver's own turns (supervised fine-tuning);
-    `transcript`, every token of the demonstration, questions and tool outputs included (a small
-    model learns to copy names and numbers from them much sooner)."""
 
 
 class LoggingConfig(_Section):
