@@ -359,6 +359,31 @@ class LoggingConfig(_Section):
     """Python logging level of every rank."""
 
 
+class JobConfig(_Section):
+    """What the submitted job does (``libra_hpc/runtime/``)."""
+
+    mode: Literal["rl", "check"] = "rl"
+    """``rl``: the training job (warm start, held-out evaluation, asynchronous GRPO with the
+    C-MLFQ queue and the tool pool, final evaluation, exported checkpoint). ``check``: only
+    the cluster check (each group's collectives, the layouts of the scripted hybrid-pool
+    steps ``planner.borrow_at_step``/``return_at_step``, a test hook): see the MPI world
+    and the torch worlds work before a long run."""
+    warmstart: bool = True
+    """Start from the task's warm start (``warmstart`` section; built once and cached) instead
+    of the model as it is."""
+    eval_prompts: int = Field(200, ge=0)
+    """Held-out prompts scored greedily before and after training (the same prompts)."""
+    eval_checkpoint: str | None = None
+    """Evaluation only: score this Hugging Face checkpoint directory on the held-out prompts
+    and stop (``launch.py --eval DIR``)."""
+    export: bool = True
+    """Write the trained policy as a Hugging Face checkpoint in the log folder (``checkpoint/``)."""
+    cache_dir: str | None = None
+    """Where built models and warm starts are cached (default ``~/.cache/libra_hpc``)."""
+    torch_threads: int = Field(1, ge=1)
+    """Torch intra-op threads per training rank (and for the warm-start build on rank 0)."""
+
+
 class ExperimentConfig(_Section):
     """One experiment. Every section is optional and falls back to its defaults."""
 
@@ -373,6 +398,7 @@ class ExperimentConfig(_Section):
     tasks: TasksConfig = TasksConfig()
     warmstart: WarmStartConfig = WarmStartConfig()
     logging: LoggingConfig = LoggingConfig()
+    job: JobConfig = JobConfig()
 
     @property
     def training_slots(self) -> int:

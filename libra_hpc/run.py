@@ -41,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from libra_hpc.cluster.world import World  # MPI init happens here, after the config is known to be good
     from libra_hpc.metrics.runlog import RunLog
-    from libra_hpc.runtime.controller import run_controller
+    from libra_hpc.runtime.check import run_controller
     from libra_hpc.runtime.signals import StopRequest
     from libra_hpc.runtime.worker import run_worker
 
@@ -59,11 +59,14 @@ def main(argv: list[str] | None = None) -> int:
             handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s: %(message)s"))
             logging.getLogger().addHandler(handler)
         world = World.connect(env, cfg.cluster.nodes, cfg.cluster.gpus_per_node, cfg.cluster.torch_backend)
-        if world.rank == 0:
-            log.info("controller up: %d ranks, log folder %s", world.size, runlog.folder)
-            run_controller(world, cfg, runlog, stop)
+        if cfg.job.mode == "check":
+            if world.rank == 0:
+                log.info("controller up: %d ranks, log folder %s (cluster check)", world.size, runlog.folder)
+                run_controller(world, cfg, runlog, stop)
+            else:
+                run_worker(world)
         else:
-            run_worker(world)
+            run_job(world, cfg, runlog, stop)
         world.close()
     except BaseException as exc:  # noqa: BLE001 - any failure on any rank must stop the whole world
         log.exception("rank %d failed", rank)
@@ -78,6 +81,36 @@ def main(argv: list[str] | None = None) -> int:
         if runlog is not None:
             runlog.close()
     return 0
+
+
+def run_job(world, cfg: ExperimentConfig, runlog, stop) -> None:
+    """The RL job (``job.mode: rl``): rank 0 the controller, the others their roles."""
+    from mpi4py import MPI
+
+    data = MPI.COMM_WORLD.Dup()  # the data plane's own communicator (collective, once)
+    if world.rank == 0:
+        from libra_hpc.runtime.controller import JobController
+
+        log.info("controller up: %d ranks, log folder %s", world.size, runlog.folder)
+        summary = JobController(world, cfg, runlog, stop).run()
+        _write_report(runlog, summary)
+        runlog.event("shutdown", steps=summary["steps"], of=cfg.rl.steps, completed=summary["completed"])
+    else:
+        from libra_hpc.runtime.job import run_job_worker
+
+        run_job_worker(world, data, cfg)
+    data.Free()
+
+
+def _write_report(runlog, summary: dict) -> None:
+    import json
+
+    try:
+        from libra_hpc.metrics.report import write_report
+    except ImportError:
+        (runlog.folder / "summary.json").write_text(json.dumps(summary, indent=2, sort_keys=True))
+        return
+    write_report(runlog.folder, summary)
 
 
 if __name__ == "__main__":

@@ -13,6 +13,16 @@ communicators and is not listed here.
 | ``COMMAND`` | controller → any rank | a command (layout change, step, stop) |
 | ``REPORT`` | any rank → controller | the answer to a command, a step report, a heartbeat |
 | ``TOOL_DONE`` | tool worker → controller | a tool action's completion |
+| ``TOOL_REQUEST`` | rollout leader → controller | a tool action for the shared pool (runtime/tools.py) |
+| ``TOOL_RESULT`` | controller → rollout leader | its result |
+
+Data-plane tags (on the job's own communicator, ``COMM_WORLD.Dup()``, never rank 0):
+
+| tag | from → to | what |
+|---|---|---|
+| ``TRAJECTORY`` | rollout leader → training ranks | a finished trajectory, to the DP replica the controller chose |
+| ``WEIGHTS`` / ``WEIGHTS_BYTES`` | export holder → rollout leaders | a policy version: manifest, then bytes |
+| ``EPISODE_ASK`` / ``EPISODE`` | rollout leader ↔ rollout leader | a migrating trajectory's state, pulled by its next instance |
 """
 
 from __future__ import annotations
@@ -26,9 +36,18 @@ QUEUE_REPLY = 0x1F02
 COMMAND = 0x2001
 REPORT = 0x2002
 TOOL_DONE = 0x2003
+TOOL_REQUEST = 0x2004
+TOOL_RESULT = 0x2005
+TRAJECTORY = 0x4001
+WEIGHTS = 0x4002
+WEIGHTS_BYTES = 0x4003
+EPISODE_ASK = 0x4004
+EPISODE = 0x4005
 
 TAG_NAMES = {QUEUE_REQUEST: "queue_request", QUEUE_REPLY: "queue_reply", COMMAND: "command", REPORT: "report",
-             TOOL_DONE: "tool_done"}
+             TOOL_DONE: "tool_done", TOOL_REQUEST: "tool_request", TOOL_RESULT: "tool_result",
+             TRAJECTORY: "trajectory", WEIGHTS: "weights", WEIGHTS_BYTES: "weights_bytes", EPISODE_ASK: "episode_ask",
+             EPISODE: "episode"}
 
 
 class Backoff:

@@ -1,98 +1,370 @@
-"""The controller loop (rank 0): decide the layout of each step, command the world, check
-and record what every group reports.
+"""The controller (rank 0) of the RL job: one event loop, never holding a token or a weight.
 
-Until the cost-based planner lands, the layout decision is the scripted one of the
-config: the initial layout, the hybrid pool lent to training at
-``planner.borrow_at_step`` and given back at ``planner.return_at_step``. Each step is one
-control round over the MPI control plane (:class:`~libra_hpc.cluster.world.World`): send
-every worker the step's command (with a new layout when it changes), let every group run
-its check collective (MPI; training ranks also their torch world, rebuilt when the
-training group changes), collect one report per worker.
+Handlers on the loop (:mod:`.loop`): the C-MLFQ queue (``QUEUE_REQUEST``,
+:class:`~libra_hpc.scheduler.mpi_service.QueueHandler`), tool actions on the shared
+Tangram pool (``TOOL_REQUEST``, :class:`~.tools.ToolService`) and the ranks' reports
+(``REPORT``, :meth:`JobController._report`). What the run goes through:
+
+1. ``starting``: the warm start is built (or found cached) before the loop; every rank
+   gets its role (:class:`~.roles.Roles`) and starts its engine, then says ``ready``;
+2. ``eval:warmstart``: the leaders score the held-out prompts greedily, a share each;
+3. ``rl``: batch ``b`` (``rl.prompts_per_step`` prompts × ``rl.group_size``) goes into the
+   queue once policy ``b - rl.max_staleness`` exists; a finished trajectory is routed
+   (its whole GRPO group to one DP replica, the one with the fewest tokens of that batch
+   so far) and its leader sends it there; when batch ``b`` is complete and step ``b - 1``
+   is done, the trainers run step ``b`` and post policy ``b + 1`` to the leaders, who take
+   it at their next turn boundary;
+4. ``eval:final`` once every leader runs the last policy, then ``export`` (the policy as a
+   Hugging Face checkpoint), then ``stop``; the report, plots and ``summary.json``.
+
+A failure anywhere (a rank that raises, a report that names an error) ends the job with
+the rank's message; the metrics and events written so far stay.
 """
 
 from __future__ import annotations
 
 import logging
+import statistics
 import time
+from pathlib import Path
+from typing import Any
 
-from libra_hpc.cluster.layout import Layout, layout_from_config, lend_hybrid_to_training, return_hybrid_to_rollout
-from libra_hpc.cluster.world import World
-from libra_hpc.config import ExperimentConfig
-from libra_hpc.metrics.runlog import RunLog
-from libra_hpc.runtime.signals import StopRequest
+from libra_hpc.cluster.layout import layout_from_config
+from libra_hpc.cluster.messages import COMMAND, REPORT
+from libra_hpc.runtime.episodes import batch_of, group_of, trajectory_id
+from libra_hpc.runtime.roles import Roles, roles_from_layout
 
 log = logging.getLogger(__name__)
 
 
-class GroupCheckError(RuntimeError):
-    """A group's check collective returned the wrong sum: its communicator is broken."""
+class JobFailed(RuntimeError):
+    """A rank reported an error; the message names the rank and its role."""
 
 
-def next_layout(cfg: ExperimentConfig, step: int, current: Layout, initial: Layout) -> Layout | None:
-    """The layout to switch to before ``step``, or None to keep the current one."""
-    if step == cfg.planner.borrow_at_step and current.hybrid:
-        return lend_hybrid_to_training(current, reason=f"planner.borrow_at_step={step}: lend the hybrid pool to training")
-    if step == cfg.planner.return_at_step and current.hybrid:
-        return return_hybrid_to_rollout(current, initial, reason=f"planner.return_at_step={step}: hybrid pool back to rollout")
-    return None
+class JobController:
+    def __init__(self, world: Any, cfg: Any, runlog: Any, stop: Any):
+        self.world, self.cfg, self.runlog, self.stop = world, cfg, runlog, stop
+        self.comm = world.comm
+        self.phase = "starting"
+        self.started = time.perf_counter()
+        self.summary: dict[str, Any] = {"scheduler_policy": cfg.scheduler.policy}
+        self.ready: set[int] = set()
+        self.evals: dict[str, list[dict]] = {}
+        self.version = 0
+        self.training = False
+        self.batches: dict[int, dict] = {}
+        self.trained: dict[int, list[dict]] = {}
+        self.group_dest: dict[str, int] = {}
+        self.leader_version: dict[int, int] = {}
+        self.leader_load: dict[int, dict] = {}
+        self.idle_rollout_s = 0.0
+        self.trained_tids: list[str] = []
+        self.last_step_end = None
+        self.exported: str | None = None
+        self.rss: dict[str, float] = {}
+
+    # ------------------------------------------------------------------ start
+
+    def run(self) -> dict:
+        from libra_hpc.envs.registry import task_from_config
+        from libra_hpc.rl.rollout import PromptSampler
+        from libra_hpc.runtime.loop import EventLoop
+        from libra_hpc.runtime.tools import ToolService
+        from libra_hpc.scheduler.mpi_service import QueueHandler
+        from libra_hpc.tools.orchestrator import orchestrator_from_config
+
+        cfg = self.cfg
+        self.runlog.event("world_started", **self.world.topology.describe(), backend=self.world.backend)
+        self.task = task_from_config(cfg)
+        self.orchestrator = orchestrator_from_config(cfg.tools, cfg.scheduler, extra=self.task.runners())
+        try:
+            self.warm, build_s = self._warm_start()
+            self.summary["warmstart_build_s"] = round(build_s, 1)
+            self.layout = layout_from_config(cfg)
+            self.roles: Roles = roles_from_layout(self.layout, self.world.topology.rank_of)
+            self.runlog.event("layout_applied", step=0, by="config", **self.layout.summary())
+            self.world.command({"op": "start", "roles": self.roles, "warm": str(self.warm)})
+            self.sampler = PromptSampler(self.task.splits, seed=cfg.rl.seed)
+            self.service = self._queue_service()
+            loop = self.loop = EventLoop(self.comm)
+            QueueHandler(self.comm, self.service).attach(loop)
+            self.tools = ToolService(self.comm, self.orchestrator)
+            self.tools.attach(loop)
+            loop.on(REPORT, self._report, fatal=True, name="report")
+            loop.every(5.0, self._progress, name="progress")
+            loop.run(stop_when=lambda: self.phase == "done" or bool(self.stop))
+            if self.stop and self.phase != "done":
+                self.runlog.event("stop_requested", signal=self.stop.signal, phase=self.phase, version=self.version)
+        finally:
+            self.world.command({"op": "stop"})
+            self.orchestrator.close()
+        return self._finish()
+
+    def _warm_start(self) -> tuple[Path, float]:
+        """The policy the run starts from, and the seconds spent building it (0 cached)."""
+        from libra_hpc.engines.tiny import resolve_model
+        from libra_hpc.rl.warmstart import build_warmstart, fingerprint
+
+        cfg = self.cfg
+        if cfg.job.eval_checkpoint:
+            return Path(cfg.job.eval_checkpoint), 0.0
+        cache = Path(cfg.job.cache_dir).expanduser() if cfg.job.cache_dir else Path.home() / ".cache" / "libra_hpc"
+        base = resolve_model(cfg.model, cache_dir=cache)
+        if not cfg.job.warmstart:
+            return base, 0.0
+        spec = fingerprint(base, self.task, getattr(cfg.tasks, cfg.rl.task).model_dump(), cfg.warmstart)
+        warm = cache / f"warmstart-{spec['fingerprint']}"
+        if (warm / "build.json").is_file():
+            self.runlog.event("warmstart", path=str(warm), cached=True)
+            return warm, 0.0
+        import torch
+
+        torch.set_num_threads(max(cfg.job.torch_threads, 2))
+        started = time.perf_counter()
+        self.runlog.event("warmstart", path=str(warm), cached=False, demonstrations=cfg.warmstart.demonstrations)
+        build_warmstart(warm, base, self.task, spec, cfg.warmstart, self.orchestrator,
+                        progress=lambda line: self.runlog.event("progress", line=f"warm start: {line}"))
+        return warm, time.perf_counter() - started
+
+    def _queue_service(self):
+        from libra_hpc.scheduler.routers import router_from_config
+        from libra_hpc.scheduler.service import QueueService
+
+        s = self.cfg.scheduler
+        buckets = self.roles.buckets(s.bucket_token_limits)
+        router = router_from_config(s, buckets, seed=self.cfg.rl.seed)
+        self.runlog.event("buckets", policy=s.policy, buckets={b.name: {"tp": b.tp, "token_limit": b.token_limit,
+                                                                         "instances": list(b.instances)} for b in buckets})
+        return QueueService(router, lease_s=s.lease_s, max_batch=s.max_batch, size_thresholds=s.size_thresholds,
+                            error_markers=s.error_markers, buckets=buckets)
+
+    # ------------------------------------------------------------------ reports
+
+    def _report(self, message: Any, source: int) -> None:
+        if not isinstance(message, dict) or "op" not in message:
+            raise JobFailed(f"rank {source} sent a malformed report: {message!r:.200}")
+        if "rss_mb" in message:
+            key = f"{message.get('role')}:{source}"
+            self.rss[key] = max(self.rss.get(key, 0.0), message["rss_mb"])
+        handler = getattr(self, f"_on_{message['op']}", None)
+        if handler is None:
+            raise JobFailed(f"rank {source} sent a report with unknown op {message['op']!r}")
+        handler(message, source)
+
+    def _on_error(self, message: dict, source: int) -> None:
+        raise JobFailed(f"rank {source} ({message.get('role')} on {message.get('slot')}): {message.get('error')}")
+
+    def _on_ready(self, message: dict, source: int) -> None:
+        self.ready.add(source)
+        if len(self.ready) == len(self.world.workers):
+            self.runlog.event("ready", start_s=round(time.perf_counter() - self.started, 2))
+            self._start_eval("warmstart")
+
+    def _on_load(self, message: dict, source: int) -> None:
+        self.leader_load[message["instance"]] = message
+
+    # --- evaluation
+
+    def _start_eval(self, phase: str) -> None:
+        n = min(self.cfg.job.eval_prompts, len(self.task.splits.heldout))
+        leaders = sorted(self.roles.leaders.items())
+        if n == 0:
+            return self._eval_done(phase, [])
+        self.phase = f"eval:{phase}"
+        self.evals[phase] = []
+        self._eval_expect = 0
+        for k, (_, rank) in enumerate(leaders):
+            indices = list(range(k, n, len(leaders)))
+            if indices:
+                self._send(rank, {"op": "eval", "phase": phase, "indices": indices})
+                self._eval_expect += 1
+        self.runlog.event("progress", line=f"held-out evaluation ({phase}): {n} prompts on {self._eval_expect} instances")
+
+    def _on_eval(self, message: dict, source: int) -> None:
+        got = self.evals[message["phase"]]
+        got.append(message)
+        if len(got) == self._eval_expect:
+            self._eval_done(message["phase"], got)
+
+    def _eval_done(self, phase: str, parts: list[dict]) -> None:
+        rewards = [r for p in parts for r in p["rewards"]]
+        success = statistics.fmean(rewards) if rewards else None
+        self.summary[f"eval_success_{phase}"] = None if success is None else round(success, 4)
+        self.summary["eval_prompts"] = len(rewards)
+        self.runlog.event("eval", phase=phase, success=success, prompts=len(rewards), version=self.version,
+                          wall_s=max((p["wall_s"] for p in parts), default=0.0))
+        log.info("held-out success (%s): %s on %d prompts", phase, success, len(rewards))
+        if phase == "warmstart" and not self.cfg.job.eval_checkpoint and self.cfg.rl.steps > 0:
+            self.phase = "rl"
+            self.rl_started = time.perf_counter()
+            for b in range(min(self.cfg.rl.max_staleness + 1, self.cfg.rl.steps)):
+                self._submit(b)
+        elif phase == "warmstart" or (phase == "final" and not self.cfg.job.export):
+            self.phase = "done"
+        elif phase == "final":
+            self.phase = "export"
+            path = str(self.runlog.folder / "checkpoint")
+            for rank in self.roles.trainers:
+                self._send(rank, {"op": "export", "path": path})
+            self._export_expect = len(self.roles.trainers)
+
+    def _on_exported(self, message: dict, source: int) -> None:
+        if message.get("path"):
+            self.exported = message["path"]
+            self.runlog.event("exported", path=message["path"], tensors=message["tensors"])
+        self._export_expect -= 1
+        if self._export_expect == 0:
+            self.phase = "done"
+
+    # --- rollout
+
+    def _submit(self, b: int) -> None:
+        cfg = self.cfg
+        prompts = self.sampler.next(cfg.rl.prompts_per_step, lambda: f"training batch {b}")
+        self.batches[b] = {"submitted": time.perf_counter(), "done": 0, "tokens": [0] * len(self.roles.replicas),
+                           "count": [0] * len(self.roles.replicas), "rows": []}
+        for p in prompts:
+            for k in range(cfg.rl.group_size):
+                self.service.submit(trajectory_id(b, p.pid, k), p.pid)
+
+    def _on_traj(self, message: dict, source: int) -> None:
+        tid = message["tid"]
+        b, group = batch_of(tid), group_of(tid)
+        batch = self.batches[b]
+        dest = self.group_dest.get(group)
+        if dest is None:
+            dest = self.group_dest[group] = min(range(len(self.roles.replicas)), key=lambda d: batch["tokens"][d])
+        batch["tokens"][dest] += message["tokens"]
+        batch["count"][dest] += 1
+        batch["rows"].append(message)
+        batch["done"] += 1
+        self.service.drain_finished()
+        self._send(source, {"op": "route", "tid": tid, "dest": list(self.roles.replicas[dest])})
+        if batch["done"] == self.cfg.batch_size:
+            batch["complete"] = time.perf_counter()
+            self._maybe_train()
+
+    def _on_weights_taken(self, message: dict, source: int) -> None:
+        self.leader_version[source] = message["version"]
+        self.idle_rollout_s += message["idle_s"]
+        if self.phase == "rl" and self.version == self.cfg.rl.steps and self._leaders_current():
+            self._start_eval("final")
+
+    def _leaders_current(self) -> bool:
+        return all(self.leader_version.get(r, 0) >= self.version for r in self.roles.leaders.values())
+
+    # --- training
+
+    def _maybe_train(self) -> None:
+        b = self.version
+        if self.training or b >= self.cfg.rl.steps or "complete" not in self.batches.get(b, {}):
+            return
+        self.training = True
+        self.batches[b]["train_started"] = time.perf_counter()
+        expect = self.batches[b]["count"]
+        for rank in self.roles.trainers:
+            self._send(rank, {"op": "train", "batch": b, "expect": expect})
+
+    def _on_trained(self, message: dict, source: int) -> None:
+        b = message["batch"]
+        reports = self.trained.setdefault(b, [])
+        reports.append(message)
+        self.trained_tids += message.get("tids", [])
+        if len(reports) < len(self.roles.trainers):
+            return
+        self.training = False
+        self.version = b + 1
+        self._record_step(b, reports)
+        if self.version + self.cfg.rl.max_staleness < self.cfg.rl.steps:
+            self._submit(self.version + self.cfg.rl.max_staleness)
+        self._maybe_train()
+        if self.version == self.cfg.rl.steps and self._leaders_current():
+            self._start_eval("final")
+
+    def _record_step(self, b: int, reports: list[dict]) -> None:
+        batch = self.batches.pop(b)
+        rows = batch["rows"]
+        now = time.perf_counter()
+        step_s = now - (self.last_step_end or self.rl_started)
+        self.last_step_end = now
+        rollout_s = batch["complete"] - batch["submitted"]
+        gen = sum(r["gen_tokens"] for r in rows)
+        stats = self.service.stats()
+        lags = [b - r["min_version"] for r in rows]
+        train = self.layout.training
+        metrics = dict(
+            version=self.version, reward=round(statistics.fmean(r["reward"] for r in rows), 4),
+            trajectories=len(rows), gen_tokens=gen, tokens_per_s=round(gen / max(rollout_s, 1e-9), 1),
+            rollout_s=round(rollout_s, 3), train_s=round(max(r["train_s"] for r in reports), 3),
+            push_s=round(max(r["push_s"] for r in reports), 3), step_s=round(step_s, 3),
+            gpus={"training": len(train.slots), "rollout": len(self.layout.slots_of("rollout"))},
+            queue_depth=stats["queued"], migrations=sum(r["migrations"] for r in rows),
+            staleness_max=max(lags), staleness_mean=round(statistics.fmean(lags), 3),
+            tool_calls=sum(r["tool_calls"] for r in rows), tool_s=round(sum(r["tool_s"] for r in rows), 3),
+            turns=round(statistics.fmean(r["turns"] for r in rows), 3),
+            idle_s={"rollout": round(self.idle_rollout_s, 3), "training": round(max(r["wait_s"] for r in reports), 3)},
+            loss=reports[0]["loss"], grad_norm=reports[0]["grad_norm"],
+            groups=sum(r["groups"] for r in reports if "tids" in r),
+            groups_filtered=sum(r["filtered_groups"] for r in reports if "tids" in r),
+            dropped_stale=sum(sum(r["dropped_stale"].values()) for r in reports if "tids" in r),
+            scheduler_policy=self.cfg.scheduler.policy)
+        self.idle_rollout_s = 0.0
+        self.runlog.metric(b, **metrics)
+        line = (f"step {b + 1}/{self.cfg.rl.steps}: reward {metrics['reward']:.3f}, {metrics['tokens_per_s']:.0f} tok/s, "
+                f"rollout {rollout_s:.1f} s, train {metrics['train_s']:.1f} s, {metrics['migrations']} migrations, "
+                f"{metrics['tool_calls']} tool calls, staleness ≤ {metrics['staleness_max']}")
+        self.runlog.event("progress", line=line)
+        log.info(line)
+
+    # ------------------------------------------------------------------ helpers
+
+    def _send(self, rank: int, message: dict) -> None:
+        self.comm.send(message, dest=rank, tag=COMMAND)
+
+    def _progress(self) -> None:
+        if self.phase != "rl":
+            return
+        loads = self.leader_load.values()
+        stats = self.service.stats()
+        self.runlog.event("load", version=self.version, queue=stats["queued"],
+                          active=stats.get("active"), instances={i: {"tokens": m["tokens"], "busy_s": m["busy_s"],
+                                                                     "running": m["running"], "kv": m["kv_usage"]}
+                                                                 for i, m in self.leader_load.items()},
+                          tokens=sum(m["tokens"] for m in loads))
+
+    def _finish(self) -> dict:
+        s = self.summary
+        submitted = self.cfg.rl.steps * self.cfg.batch_size if self.phase == "done" and not self.cfg.job.eval_checkpoint else None
+        trained = self.trained_tids
+        s.update(steps=self.version, wall_s=round(time.perf_counter() - self.started, 1),
+                 trajectories_trained=len(trained), trajectories_duplicated=len(trained) - len(set(trained)),
+                 trajectories_lost=None if submitted is None else submitted - len(set(trained)),
+                 tool_calls=self.tools.calls if hasattr(self, "tools") else 0,
+                 tool_failures=self.tools.failures if hasattr(self, "tools") else 0,
+                 migrations=self.service.stats().get("migrations") if hasattr(self, "service") else 0,
+                 layouts_applied_by_planner=0, hybrid_switches=0, checkpoint=self.exported,
+                 completed=self.phase == "done")
+        metrics = [m for m in _read(self.runlog.folder / "metrics.jsonl") if m.get("kind") == "step"]
+        gen = sum(m["gen_tokens"] for m in metrics)
+        busy = sum(m["rollout_s"] for m in metrics)
+        s["tokens_per_s"] = round(gen / busy, 1) if busy else 0.0
+        s["peak_rss_mb_by_role"] = self._rss_by_role()
+        if s.get("eval_success_final") is not None and s.get("eval_success_warmstart") is not None:
+            s["eval_gain"] = round(s["eval_success_final"] - s["eval_success_warmstart"], 4)
+        self.runlog.event("trained_trajectories", tids=trained)
+        return s
+
+    def _rss_by_role(self) -> dict:
+        import resource
+
+        out = {"controller": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)}
+        for key, mb in self.rss.items():
+            role = key.split(":")[0]
+            out[role] = max(out.get(role, 0.0), mb)
+        return out
 
 
-def run_controller(world: World, cfg: ExperimentConfig, runlog: RunLog, stop: StopRequest) -> None:
-    runlog.event("world_started", **world.topology.describe(), backend=world.backend)
-    initial = layout = layout_from_config(cfg)
-    runlog.event("layout_planned", **layout.summary())
-    steps_done = 0
-    for step in range(cfg.rl.steps):
-        if stop:
-            runlog.event("stop_requested", step=step, signal=stop.signal, reason="Slurm's time-limit warning")
-            break
-        start = time.perf_counter()
-        new = layout if step == 0 else next_layout(cfg, step, layout, initial)
-        world.command({"op": "step", "step": step, "layout": new})
-        if new is not None:
-            world.apply(new)
-            layout = new
-        reports = world.reports()
-        if new is not None:
-            apply_s = max(r["apply_s"] for r in reports)
-            runlog.event("layout_applied", step=step, apply_s=apply_s, **new.summary())
-            log.info("step %d: layout v%d applied in %.3f s (%s)", step, new.version, apply_s, new.reason)
-        _check(reports, step, runlog)
-        runlog.metric(
-            step,
-            step_s=round(time.perf_counter() - start, 4),
-            layout_version=layout.version,
-            gpus_training=len(layout.slots_of("training")),
-            gpus_rollout=len(layout.slots_of("rollout")),
-            rollout_instances=len(layout.rollout_instances),
-            probe_ms_max=max(r.get("torch_ms", r["mpi_ms"]) for r in reports),
-        )
-        steps_done = step + 1
-    world.command({"op": "stop"})
-    runlog.event("shutdown", steps=steps_done, of=cfg.rl.steps, final_layout_version=layout.version)
+def _read(path: Path) -> list[dict]:
+    from libra_hpc.metrics.runlog import read_jsonl
 
-
-def _check(reports: list[dict], step: int, runlog: RunLog) -> None:
-    """Every rank's group all-reduce over MPI, and on training ranks over their torch
-    world, must equal its group's size."""
-    groups: dict[str, list[dict]] = {}
-    for report in reports:
-        groups.setdefault(report["group"], []).append(report)
-    bad = [r for r in reports
-           if r["mpi_sum"] != r["size"] or (r["role"] == "training" and r.get("torch_sum") != r["size"])]
-    runlog.event(
-        "group_check",
-        step=step,
-        ok=not bad,
-        groups={name: _group_summary(rs) for name, rs in sorted(groups.items())},
-    )
-    if bad:
-        raise GroupCheckError(f"step {step}: check collective failed on {bad}")
-
-
-def _group_summary(reports: list[dict]) -> dict:
-    summary = {"size": reports[0]["size"], "ranks": sorted(r["rank"] for r in reports),
-               "formed_at": reports[0]["formed_at"], "mpi_ms_max": max(r["mpi_ms"] for r in reports)}
-    if "torch_ms" in reports[0]:
-        summary.update(torch_ms_max=max(r["torch_ms"] for r in reports), torch_world=reports[0]["torch_world"])
-    return summary
+    return read_jsonl(path)

@@ -1,0 +1,284 @@
+"""A rollout instance leader: one vLLM engine serving the C-MLFQ queue's turns.
+
+The loop (:meth:`RolloutLeader.run`), one pass at a time, never waiting on one peer:
+
+1. commands from the controller: ``route`` (send a finished trajectory to the training
+   ranks named), ``eval`` (greedy held-out episodes), ``stop``;
+2. trajectory states other leaders ask for (a turn moved to their bucket) and those that
+   arrive here;
+3. tool results from the controller's shared pool (:mod:`.tools`);
+4. new weights (:mod:`.weights`): no new turn starts until the running ones end, then the
+   engine loads them and reports the version and the time it stood idle;
+5. turns whose tool calls are done: the observation is appended and the tool return is
+   reported (the C-MLFQ signal; the queue places the next turn, maybe elsewhere), or the
+   trajectory is finished and reported;
+6. one queue exchange: the reports, and an ``ask`` for more turns while there is room;
+7. one engine step (continuous batching: turns join and leave the running batch).
+
+A turn of batch ``b`` starts only on weights of version ≥ ``b - rl.max_staleness``
+(the controller submits batch ``b`` only once that version exists), so no trajectory is
+staler than the bound and none is dropped for it. A turn whose previous turn ran on
+another instance pulls the trajectory's state from there and recomputes its KV cache.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from libra_hpc.cluster.messages import COMMAND, EPISODE, EPISODE_ASK, REPORT, TRAJECTORY, Backoff
+from libra_hpc.runtime.episodes import MIN_TURN, LiveEpisode, batch_of
+from libra_hpc.runtime.tools import ToolProxy
+from libra_hpc.runtime.weights import WeightReceiver
+from libra_hpc.scheduler.mpi_service import QueueClient
+
+log = logging.getLogger(__name__)
+CONTROLLER = 0
+HEARTBEAT_S = 2.0
+LOAD_REPORT_S = 1.0
+
+
+class RolloutLeader:
+    """The leader of rollout instance ``instance``; ``engine`` is its vLLM engine."""
+
+    def __init__(self, job: Any, engine: Any, instance: int):
+        self.job, self.engine, self.instance = job, engine, instance
+        self.comm, self.data, self.rank = job.comm, job.data, job.rank
+        self.cfg, self.task, self.codec = job.cfg, job.task, job.codec
+        self.queue = QueueClient(self.comm, poll_s=1e-4)
+        self.tools = ToolProxy(self.comm, self.rank)
+        self.weights = WeightReceiver(self.data)
+        self.version = 0
+        self.limit = int(engine.max_model_len)
+        self.live: dict[str, LiveEpisode] = {}  # trajectories whose state is here
+        self.leases: dict[str, int] = {}  # tid → lease of its current turn
+        self.running: dict[str, LiveEpisode] = {}  # request id → episode generating
+        self.in_tools: dict[str, LiveEpisode] = {}  # tid → episode whose calls run
+        self.parked: list[dict] = []  # leased turns waiting (state on its way, weights too old, update pending)
+        self.asked: set[str] = set()  # tids whose state was asked for
+        self.outbox: dict[str, Any] = {}  # finished trajectories waiting for their route
+        self.reports: list[dict] = []
+        self.sends: list[Any] = []
+        self.update: tuple[int, list] | None = None
+        self.update_seen = 0.0
+        self.tokens = self.turns = self.migrations = 0
+        self.busy_s = self.idle_update_s = 0.0
+        self.last_contact = self.last_load = 0.0
+        self.stopped = False
+
+    # ------------------------------------------------------------------ the loop
+
+    def run(self) -> None:
+        backoff = Backoff(1e-4, 0.01)
+        while not self.stopped:
+            worked = self._commands()
+            if self.stopped:
+                break
+            worked |= self._episodes()
+            worked |= self.tools.pump()
+            worked |= self._weights()
+            worked |= self._tool_turns()
+            worked |= self._exchange()
+            worked |= self._engine_step()
+            self.sends = [r for r in self.sends if not r.Test()]
+            self._load_report()
+            if worked:
+                backoff.reset()
+            else:
+                backoff.sleep()
+
+    def _commands(self) -> bool:
+        worked = False
+        while (message := self.comm.improbe(source=CONTROLLER, tag=COMMAND)) is not None:
+            command = message.recv()
+            worked = True
+            op = command["op"]
+            if op == "route":
+                trajectory = self.outbox.pop(command["tid"])
+                payload = {"tid": command["tid"], "trajectory": trajectory.to_dict()}
+                self.sends += [self.data.isend(payload, dest=r, tag=TRAJECTORY) for r in command["dest"]]
+            elif op == "eval":
+                self.job.report(self._evaluate(command))
+            elif op == "stop":
+                self.stopped = True
+                return True
+            else:
+                raise ValueError(f"rank {self.rank} (rollout leader of instance {self.instance}): unknown command "
+                                 f"{op!r}")
+        return worked
+
+    # ------------------------------------------------------------------ trajectories between leaders
+
+    def _episodes(self) -> bool:
+        from mpi4py import MPI
+
+        worked = False
+        status = MPI.Status()
+        while (message := self.data.improbe(source=MPI.ANY_SOURCE, tag=EPISODE_ASK, status=status)) is not None:
+            tid = message.recv()
+            worked = True
+            episode = self.live.pop(tid, None)
+            if episode is None:
+                raise RuntimeError(f"rank {self.rank}: rank {status.Get_source()} asked for trajectory {tid}, "
+                                   "which is not held here")
+            self.sends.append(self.data.isend(episode.state(), dest=status.Get_source(), tag=EPISODE))
+        while (message := self.data.improbe(source=MPI.ANY_SOURCE, tag=EPISODE)) is not None:
+            state = message.recv()
+            worked = True
+            episode = LiveEpisode.from_state(self.task, state)
+            episode.migrations += 1
+            self.live[episode.tid] = episode
+            self.asked.discard(episode.tid)
+        return worked
+
+    # ------------------------------------------------------------------ weights
+
+    def _weights(self) -> bool:
+        arrived = self.weights.poll()
+        if arrived is not None:
+            if self.update is None:
+                self.update_seen = time.perf_counter()
+            self.update = arrived
+        if self.update is None or self.running:
+            return arrived is not None
+        version, tensors = self.update
+        started = time.perf_counter()
+        self.engine.update_weights(tensors)
+        load_s = time.perf_counter() - started
+        idle_s = time.perf_counter() - self.update_seen
+        self.idle_update_s += idle_s
+        self.version, self.update = version, None
+        self.job.report({"op": "weights_taken", "instance": self.instance, "version": version,
+                         "load_s": round(load_s, 4), "idle_s": round(idle_s, 4)})
+        return True
+
+    # ------------------------------------------------------------------ turns
+
+    def _start(self, turn: dict) -> bool:
+        """Start a leased turn now if it can start; False to keep it parked."""
+        tid = turn["tid"]
+        if self.update is not None or batch_of(tid) - self.cfg.rl.max_staleness > self.version:
+            return False
+        episode = self.live.get(tid)
+        if episode is None:
+            if turn["prev_instance"] is None:
+                prompt = self.job.prompts[turn["prompt_id"]]
+                episode = self.live[tid] = LiveEpisode.start(self.task, prompt, tid, self.codec)
+            else:
+                if tid not in self.asked:
+                    source = self.job.roles.leaders[turn["prev_instance"]]
+                    self.sends.append(self.data.isend(tid, dest=source, tag=EPISODE_ASK))
+                    self.asked.add(tid)
+                return False
+        self.leases[tid] = turn["lease"]
+        room = self.limit - len(episode.tokens)
+        if room < MIN_TURN:
+            episode.episode.abandon("context")
+            self._finished(episode)
+            return True
+        request = f"{tid}#{episode.turns}"
+        self.engine.submit(request, episode.tokens, max_tokens=min(self.cfg.rollout.max_new_tokens, room),
+                           temperature=self.cfg.rollout.temperature, stop_token_ids=[self.codec.im_end])
+        episode.extra["version"] = self.version
+        self.running[request] = episode
+        return True
+
+    def _engine_step(self) -> bool:
+        if not self.running:
+            return False
+        started = time.perf_counter()
+        finished = self.engine.step()
+        self.busy_s += time.perf_counter() - started
+        for request, generation in finished:
+            episode = self.running.pop(request)
+            episode.add_turn(list(generation.tokens), list(generation.logprobs), episode.extra["version"])
+            self.tokens += len(generation.tokens)
+            self.turns += 1
+            ids = generation.tokens
+            text = self.codec.decode(ids[:-1] if ids and ids[-1] == self.codec.im_end else ids)
+            calls_before = self.tools.calls
+            episode.pending = episode.episode.begin(text, self.tools)
+            episode.tool_calls += self.tools.calls - calls_before
+            episode.tool_started = time.perf_counter()
+            self.in_tools[episode.tid] = episode
+        return True
+
+    def _tool_turns(self) -> bool:
+        done = [e for e in self.in_tools.values() if e.pending.ready() or time.monotonic() >= e.pending.deadline]
+        for episode in done:
+            del self.in_tools[episode.tid]
+            result = episode.episode.finish(episode.pending)
+            episode.pending = None
+            episode.tool_s += time.perf_counter() - episode.tool_started
+            if result.done or not episode.add_observation(result.observation, self.codec, self.limit):
+                self._finished(episode)
+                continue
+            first = result.returns[0]
+            self.reports.append({"op": "tool_return", "lease": self.leases.pop(episode.tid), "tool": first.tool,
+                                 "output": first.output, "exit_code": None,
+                                 "timed_out": any(r.status == "timeout" for r in result.returns),
+                                 "tokens": episode.turn_tokens})
+        return bool(done)
+
+    def _finished(self, episode: LiveEpisode) -> None:
+        tid = episode.tid
+        self.reports.append({"op": "finish", "lease": self.leases.pop(tid), "tokens": episode.turn_tokens})
+        self.live.pop(tid, None)
+        self.tools.end_trajectory(episode.episode.trajectory)
+        trajectory = episode.trajectory()
+        self.outbox[tid] = trajectory
+        generated = [v for v, g in zip(trajectory.versions, trajectory.generated) if g]
+        self.job.report({"op": "traj", "tid": tid, "instance": self.instance, "reward": trajectory.reward,
+                         "tokens": len(trajectory.tokens), "gen_tokens": len(generated), "turns": episode.turns,
+                         "tool_calls": episode.tool_calls, "tool_s": round(episode.tool_s, 4),
+                         "migrations": episode.migrations, "finish_reason": trajectory.finish_reason,
+                         "min_version": min(generated, default=self.version),
+                         "max_version": max(generated, default=self.version)})
+
+    def _exchange(self) -> bool:
+        """Reports out and more turns in, in one queue request."""
+        now = time.perf_counter()
+        self.parked = [t for t in self.parked if not self._start(t)]
+        room = 0 if self.update is not None else max(0, self.cfg.scheduler.max_batch * 2 - len(self.running)
+                                                      - len(self.parked))
+        if not self.reports and not room and now - self.last_contact < HEARTBEAT_S:
+            return False
+        requests = self.reports + [{"op": "ask", "instance": self.instance, "max": min(room, self.cfg.scheduler.max_batch)}
+                                   if room else {"op": "heartbeat", "instance": self.instance}]
+        self.reports = []
+        self.last_contact = now
+        replies = self.queue.batch(requests)
+        for request, reply in zip(requests, replies):
+            if not reply.get("ok"):
+                log.warning("rank %d: queue refused %s: %s", self.rank, request["op"], reply.get("error"))
+        turns = replies[-1].get("turns", []) if requests[-1]["op"] == "ask" else []
+        for turn in turns:
+            if turn.get("migrated"):
+                self.migrations += 1
+            if not self._start(turn):
+                self.parked.append(turn)
+        return bool(turns) or len(requests) > 1
+
+    def _load_report(self) -> None:
+        now = time.perf_counter()
+        if now - self.last_load < LOAD_REPORT_S:
+            return
+        self.last_load = now
+        kv = self.engine.stats().kv_usage if hasattr(self.engine, "stats") else None
+        self.job.report({"op": "load", "instance": self.instance, "tokens": self.tokens, "busy_s": round(self.busy_s, 4),
+                         "running": len(self.running), "in_tools": len(self.in_tools), "kv_usage": kv,
+                         "idle_update_s": round(self.idle_update_s, 4), "version": self.version})
+
+    # ------------------------------------------------------------------ evaluation
+
+    def _evaluate(self, command: dict) -> dict:
+        from libra_hpc.rl.rollout import evaluate
+
+        prompts = [self.job.heldout[i] for i in command["indices"]]
+        started = time.perf_counter()
+        result = evaluate(self.engine, self.task, prompts, self.tools, self.codec, tag=f"eval-{command['phase']}",
+                          max_turn_tokens=self.cfg.rollout.max_new_tokens)
+        return {"op": "eval", "phase": command["phase"], "instance": self.instance, "version": self.version,
+                "rewards": [t.reward for t in result.trajectories], "pids": [p.pid for p in prompts],
+                "format_valid": result.format_valid, "wall_s": round(time.perf_counter() - started, 3)}

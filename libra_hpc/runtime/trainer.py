@@ -1,0 +1,165 @@
+"""A training rank: Megatron-Core in the training ranks' torch world, fed by the rollout
+leaders directly.
+
+The loop (:meth:`Trainer.run`): finished trajectories arrive from the leaders (tag
+``TRAJECTORY``, the DP replica the controller routed them to; every TP rank and stage of
+the replica gets its copy), and the controller says when a batch is complete and how many
+of its trajectories this replica holds (``train``). Then, on every training rank at once
+(the step is collective over the torch world): the replica's GRPO batch
+(:func:`~libra_hpc.rl.step.prepare_batch`: staleness bound, group advantages — whole
+groups are routed to one replica, so advantages need nothing from the others), the
+policy-gradient step (:func:`~libra_hpc.rl.step.grpo_step`), the new weights posted to
+every leader by the holders (:mod:`.weights`, point to point: the trainers go on without
+waiting for the leaders to take them) and one report to the controller.
+
+A replica whose every group has zero reward variance still takes part in the step with
+zero advantages (its gradient is zero), since the DP all-reduce needs every replica.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from libra_hpc.cluster.messages import COMMAND, TRAJECTORY, Backoff
+from libra_hpc.runtime.episodes import batch_of
+from libra_hpc.runtime.weights import WeightSender
+
+log = logging.getLogger(__name__)
+CONTROLLER = 0
+
+
+class Trainer:
+    def __init__(self, job: Any, engine: Any):
+        self.job, self.engine = job, engine
+        self.comm, self.data, self.rank, self.cfg = job.comm, job.data, job.rank, job.cfg
+        roles = job.roles
+        self.replica = roles.replica_of(self.rank)
+        self.first_of_replica = roles.replicas[self.replica][0] == self.rank
+        self.sender = None
+        if self.rank in roles.holders:
+            self.sender = WeightSender(self.data, sorted(roles.leaders.values()), roles.holders.index(self.rank),
+                                       len(roles.holders))
+        self.inbox: dict[int, list] = {}
+        self.wait_s = 0.0
+        self.stopped = False
+
+    def run(self) -> None:
+        from mpi4py import MPI
+
+        backoff = Backoff(1e-4, 0.01)
+        status = MPI.Status()
+        waiting_since = time.perf_counter()
+        while not self.stopped:
+            worked = False
+            while (message := self.data.improbe(source=MPI.ANY_SOURCE, tag=TRAJECTORY, status=status)) is not None:
+                self._receive(message.recv())
+                worked = True
+            if self.sender is not None:
+                self.sender.progress()
+            message = self.comm.improbe(source=CONTROLLER, tag=COMMAND)
+            if message is not None:
+                command = message.recv()
+                if command["op"] == "stop":
+                    self.stopped = True
+                    break
+                self.wait_s += time.perf_counter() - waiting_since
+                self._command(command)
+                waiting_since = time.perf_counter()
+                worked = True
+            if worked:
+                backoff.reset()
+            else:
+                backoff.sleep()
+
+    def _receive(self, payload: dict) -> None:
+        from libra_hpc.rl.trajectory import Trajectory
+
+        tid = payload["tid"]
+        self.inbox.setdefault(batch_of(tid), []).append((tid, Trajectory.from_dict(payload["trajectory"])))
+
+    def _command(self, command: dict) -> None:
+        op = command["op"]
+        if op == "train":
+            self.job.report(self._train(command["batch"], command["expect"][self.replica]))
+        elif op == "export":
+            self.job.report(self._export(command["path"]))
+        else:
+            raise ValueError(f"rank {self.rank} (trainer): unknown command {op!r}")
+
+    def _wait_for(self, batch: int, count: int) -> list:
+        """This replica's ``count`` trajectories of ``batch`` (the leaders may still be sending)."""
+        from mpi4py import MPI
+
+        backoff = Backoff(1e-4, 0.01)
+        deadline = time.monotonic() + self.cfg.scheduler.lease_s
+        while len(self.inbox.get(batch, [])) < count:
+            message = self.data.improbe(source=MPI.ANY_SOURCE, tag=TRAJECTORY)
+            if message is not None:
+                self._receive(message.recv())
+                continue
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"rank {self.rank} (trainer, DP replica {self.replica}): {len(self.inbox.get(batch, []))}"
+                                   f" of the {count} trajectories of batch {batch} arrived within {self.cfg.scheduler.lease_s} s")
+            backoff.sleep()
+        got = self.inbox.pop(batch)
+        if len(got) != count:
+            raise RuntimeError(f"rank {self.rank}: {len(got)} trajectories of batch {batch} arrived, {count} expected")
+        return got
+
+    def _train(self, batch: int, count: int) -> dict:
+        from libra_hpc.rl.grpo import build_batch
+        from libra_hpc.rl.step import grpo_step, prepare_batch
+
+        received = self._wait_for(batch, count)
+        trajectories = [t for _, t in received]
+        started = time.perf_counter()
+        mbs = self.cfg.training.micro_batch_size
+        train, report = prepare_batch(trajectories, self.cfg.rl, train_version=batch, pad_id=self.job.codec.pad_id,
+                                      rows_multiple=mbs)
+        if train is None:  # nothing to learn from here; the step is still collective
+            train = build_batch(trajectories, [0.0] * len(trajectories), pad_id=self.job.codec.pad_id,
+                                rows_multiple=mbs)
+        stats = grpo_step(self.engine, train)
+        train_s = time.perf_counter() - started
+        started = time.perf_counter()
+        weights = self.engine.iter_hf()
+        if self.sender is not None:
+            pack_s = self.sender.post(batch + 1, weights)
+        else:
+            for _ in weights:  # collective gathers over the TP group
+                pass
+            pack_s = 0.0
+        out = {"op": "trained", "batch": batch, "version": batch + 1, "replica": self.replica,
+               "train_s": round(train_s, 4), "push_s": round(time.perf_counter() - started, 4),
+               "pack_s": round(pack_s, 4), "wait_s": round(self.wait_s, 4), "loss": stats.loss,
+               "grad_norm": stats.grad_norm, "tokens": stats.tokens, "clipped": stats.clipped_fraction,
+               "dropped_stale": dict(report.dropped_stale), "max_lag": report.max_lag,
+               "groups": report.groups, "filtered_groups": report.filtered_groups}
+        if self.first_of_replica:
+            out["tids"] = [tid for tid, _ in received]
+        self.wait_s = 0.0
+        return out
+
+    def _export(self, path: str) -> dict:
+        """The current policy as a Hugging Face checkpoint in ``path`` (written by the
+        holder: the warm start's config and tokenizer, the trained weights)."""
+        import shutil
+        from pathlib import Path
+
+        from safetensors.torch import save_file
+
+        weights = dict(self.engine.iter_hf())
+        if self.rank != self.job.roles.holders[0]:
+            return {"op": "exported", "path": None}
+        if len(self.job.roles.holders) > 1:
+            raise NotImplementedError("exporting a pipeline-parallel policy (training.pipeline_parallel > 1)")
+        out = Path(path)
+        out.mkdir(parents=True, exist_ok=True)
+        for item in Path(self.job.warm).iterdir():
+            if item.is_file() and not item.name.endswith((".safetensors", ".bin")) and item.name != "build.json":
+                shutil.copy2(item, out / item.name)
+        save_file({k: v.contiguous() for k, v in weights.items()}, str(out / "model.safetensors"),
+                  metadata={"format": "pt"})
+        return {"op": "exported", "path": str(out), "tensors": len(weights)}
