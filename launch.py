@@ -5,6 +5,7 @@
     python launch.py --config configs/a800-6node.yaml --dry-run # what would be asked for
     python launch.py --nodes 4 --executor slurm --wait          # submit and follow
     python launch.py --config configs/a800-6node.yaml --plan    # what the planner would choose
+    python launch.py --eval logs/libra-local-.../checkpoint     # score a checkpoint on held-out prompts
 """
 
 import sys
@@ -27,11 +28,14 @@ DEFAULT_CONFIG = Path(__file__).resolve().parent / "configs" / "default.yaml"
 @click.option("--executor", type=click.Choice(["auto", "slurm", "local"]), help="Override cluster.executor.")
 @click.option("--dry-run", is_flag=True, help="Validate, print the Slurm request and the initial layout, exit.")
 @click.option("--plan", "show_plan", is_flag=True, help="Print the planner's plan for this config (per node, predicted times), exit.")
+@click.option("--eval", "eval_checkpoint", type=click.Path(file_okay=False, exists=True),
+              help="Evaluation only: score this Hugging Face checkpoint on the task's held-out prompts (greedy).")
 @click.option("--wait/--no-wait", default=None, help="Follow the job until it ends (default: yes locally, no on Slurm).")
-def main(config_path, nodes, gpus_per_node, overrides, executor, dry_run, show_plan, wait):
+def main(config_path, nodes, gpus_per_node, overrides, executor, dry_run, show_plan, eval_checkpoint, wait):
     try:
         cfg = load_config(config_path or DEFAULT_CONFIG, list(overrides), **{
-            "cluster.nodes": nodes, "cluster.gpus_per_node": gpus_per_node, "cluster.executor": executor})
+            "cluster.nodes": nodes, "cluster.gpus_per_node": gpus_per_node, "cluster.executor": executor,
+            "job.eval_checkpoint": str(Path(eval_checkpoint).resolve()) if eval_checkpoint else None})
         chosen, why = launcher.choose_executor(cfg.cluster.executor, strict=not (dry_run or show_plan))
     except (ConfigError, RuntimeError) as exc:
         raise click.ClickException(str(exc)) from None

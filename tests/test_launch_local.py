@@ -35,6 +35,11 @@ def launch(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
     return subprocess.CompletedProcess(argv, process.returncode, out, err)
 
 
+CHECK = ("--set", "job.mode=check", "--set", "rl.steps=6", "--set", "planner.borrow_at_step=2",
+         "--set", "planner.return_at_step=4")
+"""The cluster check (``job.mode: check``) with the scripted hybrid-pool steps, its test hook."""
+
+
 def only_log_folder(logs: Path) -> Path:
     folders = [p for p in logs.iterdir() if p.is_dir() and p.name != "submitit"]
     assert len(folders) == 1, folders
@@ -83,7 +88,7 @@ def test_misspelled_key_suggests_the_right_one(tmp_path):
 
 @pytest.mark.mpi
 def test_local_world_runs_two_layouts_to_completion(tmp_path):
-    done = launch("--nodes", "6", "--executor", "local", "--set", f"logging.dir={tmp_path}")
+    done = launch("--nodes", "6", "--executor", "local", "--set", f"logging.dir={tmp_path}", *CHECK)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "done: exit status 0" in done.stdout
     folder = only_log_folder(tmp_path)
@@ -109,7 +114,7 @@ def test_local_world_runs_two_layouts_to_completion(tmp_path):
 def _start_long_world(tmp_path: Path) -> subprocess.Popen:
     """A local world of 3 emulated nodes that runs until stopped, already past its start."""
     process = subprocess.Popen(
-        [sys.executable, str(ROOT / "launch.py"), "--nodes", "3", "--executor", "local", "--set", "rl.steps=100000",
+        [sys.executable, str(ROOT / "launch.py"), "--nodes", "3", "--executor", "local", "--set", "job.mode=check", "--set", "rl.steps=100000",
          "--set", "planner.hybrid_nodes=0", "--set", "planner.borrow_at_step=null",
          "--set", "planner.return_at_step=null", "--set", f"logging.dir={tmp_path}"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT, start_new_session=True)

@@ -15,6 +15,9 @@ from libra_hpc.metrics.runlog import read_jsonl
 
 pytestmark = pytest.mark.slurm
 ROOT = Path(__file__).resolve().parents[1]
+CHECK = ("--set", "job.mode=check", "--set", "rl.steps=6", "--set", "planner.borrow_at_step=2",
+         "--set", "planner.return_at_step=4")
+"""The cluster check (``job.mode: check``) with the scripted hybrid-pool steps, its test hook."""
 
 
 def _env(cluster) -> dict[str, str]:
@@ -43,7 +46,7 @@ def test_sbatch_script_runs_the_world(slurm_cluster, tmp_path):
     (tmp_path / "logs").mkdir()
     job_id = subprocess.run(
         ["sbatch", "--parsable", f"--chdir={tmp_path}", str(ROOT / "sbatch" / "libra.sh"),
-         str(ROOT / "configs" / "default.yaml")],
+         str(ROOT / "configs" / "default.yaml"), *[kv for kv in CHECK if kv != "--set"]],
         capture_output=True, text=True, check=True, env=_env(slurm_cluster)).stdout.strip()
     state = slurm_cluster.wait_job(job_id, timeout_s=240)
     folder = tmp_path / "logs" / f"libra-{job_id}"
@@ -57,7 +60,7 @@ def test_sbatch_script_runs_the_world(slurm_cluster, tmp_path):
 def test_launch_py_submits_and_follows(slurm_cluster, tmp_path):
     done = subprocess.run(
         [sys.executable, str(ROOT / "launch.py"), "--nodes", "4", "--executor", "slurm", "--wait",
-         "--set", f"logging.dir={tmp_path}"],
+         "--set", f"logging.dir={tmp_path}", *CHECK],
         capture_output=True, text=True, timeout=300, cwd=ROOT, env=_env(slurm_cluster))
     assert done.returncode == 0, done.stdout + done.stderr
     job_id = done.stdout.split("job ", 1)[1].split()[0]
@@ -78,3 +81,24 @@ def test_launch_py_reports_a_failed_job(slurm_cluster, tmp_path):
     assert done.returncode != 0
     assert "Traceback" not in done.stderr
     assert "sbatch refused 4 nodes × 8 GPUs" in done.stderr and "node configuration is not available" in done.stderr
+
+
+def test_sbatch_runs_the_rl_job_with_least_load_routing(slurm_cluster, tmp_path):
+    """The RL job itself under Slurm (the small config, the script's 4 × 2 header), with
+    the trivial routing policy C-MLFQ is compared with; the report says which ran."""
+    import json
+
+    (tmp_path / "logs").mkdir()
+    job_id = subprocess.run(
+        ["sbatch", "--parsable", f"--chdir={tmp_path}", str(ROOT / "sbatch" / "libra.sh"),
+         str(ROOT / "tests" / "data" / "job_small.yaml"), "scheduler.policy=least_load",
+         f"job.cache_dir={tmp_path / 'cache'}"],
+        capture_output=True, text=True, check=True, env=_env(slurm_cluster)).stdout.strip()
+    state = slurm_cluster.wait_job(job_id, timeout_s=600)
+    folder = tmp_path / "logs" / f"libra-{job_id}"
+    assert state == "COMPLETED", (folder / "slurm.out").read_text() if (folder / "slurm.out").exists() else state
+    summary = json.loads((folder / "summary.json").read_text())
+    assert summary["completed"] and summary["steps"] == 2 and summary["scheduler_policy"] == "least_load"
+    assert summary["trajectories_lost"] == 0 and summary["trajectories_duplicated"] == 0
+    assert "least_load" in (folder / "report.md").read_text()
+    assert (folder / "checkpoint" / "model.safetensors").is_file()

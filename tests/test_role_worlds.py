@@ -53,7 +53,10 @@ def test_a_group_keeps_its_members_only_with_the_same_slots_role_and_shape():
 @pytest.mark.parametrize("module, allowed", [("libra_hpc.cluster.rendezvous", set()),
                                              ("libra_hpc.cluster.world", {"mpi4py"}),
                                              ("libra_hpc.runtime.worker", {"mpi4py"}),
-                                             ("libra_hpc.runtime.controller", {"mpi4py"})])
+                                             ("libra_hpc.runtime.check", {"mpi4py"}),
+                                             ("libra_hpc.runtime.controller", {"mpi4py"}),
+                                             ("libra_hpc.runtime.rollout", {"mpi4py"}),
+                                             ("libra_hpc.runtime.job", {"mpi4py"})])
 def test_the_control_plane_does_not_import_torch(module, allowed):
     """The controller and the rollout ranks never load torch for the control plane."""
     code = (f"import sys, {module}; print(','.join(sorted({{m.split('.')[0] for m in sys.modules}} "

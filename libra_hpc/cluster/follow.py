@@ -24,6 +24,14 @@ def format_event(event: dict) -> str:
     if kind == "group_check":
         state = "ok" if event["ok"] else "FAILED"
         return f"{head}: step {event['step']} {state}, {len(event['groups'])} groups"
+    if kind == "progress":
+        return f"{head}: {event['line']}"
+    if kind == "eval":
+        return f"{head}: held-out success ({event['phase']}) {event['success']} on {event['prompts']} prompts"
+    if kind == "trained_trajectories":
+        return f"{head}: {len(event['tids'])} trajectories trained ({len(set(event['tids']))} distinct)"
+    if kind == "load":
+        return f"{head}: {event['tokens']} tokens generated, queues {event['queue']}, {event['active']} trajectories active"
     if kind == "failure":
         error = " | ".join(str(event.get("error")).splitlines())
         return f"{head}: rank {event.get('rank')}: {error}"

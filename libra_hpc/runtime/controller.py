@@ -158,7 +158,7 @@ class JobController:
         self.ready.add(source)
         if len(self.ready) == len(self.world.workers):
             self.runlog.event("ready", start_s=round(time.perf_counter() - self.started, 2))
-            self._start_eval("warmstart")
+            self._start_eval("checkpoint" if self.cfg.job.eval_checkpoint else "warmstart")
 
     def _on_load(self, message: dict, source: int) -> None:
         self.leader_load[message["instance"]] = message
@@ -194,12 +194,12 @@ class JobController:
         self.runlog.event("eval", phase=phase, success=success, prompts=len(rewards), version=self.version,
                           wall_s=max((p["wall_s"] for p in parts), default=0.0))
         log.info("held-out success (%s): %s on %d prompts", phase, success, len(rewards))
-        if phase == "warmstart" and not self.cfg.job.eval_checkpoint and self.cfg.rl.steps > 0:
+        if phase == "warmstart" and self.cfg.rl.steps > 0:
             self.phase = "rl"
             self.rl_started = time.perf_counter()
             for b in range(min(self.cfg.rl.max_staleness + 1, self.cfg.rl.steps)):
                 self._submit(b)
-        elif phase == "warmstart" or (phase == "final" and not self.cfg.job.export):
+        elif phase in ("warmstart", "checkpoint") or (phase == "final" and not self.cfg.job.export):
             self.phase = "done"
         elif phase == "final":
             self.phase = "export"

@@ -1,0 +1,139 @@
+"""The RL job end to end on emulated nodes (tests/data/job_small.yaml: 4 nodes × 2, real
+vLLM, real Megatron-Core, real sandboxed tools): what a user gets in the log folder, and
+the books of the trajectories recomputed from the logs. Then the exported checkpoint
+scored by ``launch.py --eval``, and the pure parts (roles, episode migration)."""
+
+from __future__ import annotations
+
+import json
+import pickle
+from collections import Counter
+from pathlib import Path
+
+import pytest
+from test_launch_local import launch, only_log_folder
+
+from libra_hpc.metrics.runlog import read_jsonl
+
+ROOT = Path(__file__).resolve().parents[1]
+SMALL = ROOT / "tests" / "data" / "job_small.yaml"
+
+
+@pytest.fixture(scope="module")
+def small_run(tmp_path_factory) -> tuple[Path, Path]:
+    """One run of the small job; its log folder and the cache its warm start went to."""
+    logs, cache = tmp_path_factory.mktemp("logs"), tmp_path_factory.mktemp("cache")
+    done = launch("--config", str(SMALL), "--executor", "local", "--set", f"logging.dir={logs}",
+                  "--set", f"job.cache_dir={cache}", timeout=600)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    assert "done: exit status 0" in done.stdout
+    return only_log_folder(logs), cache
+
+
+@pytest.mark.mpi
+def test_the_job_trains_and_leaves_what_a_user_looks_at(small_run):
+    folder, _ = small_run
+    summary = json.loads((folder / "summary.json").read_text())
+    assert summary["completed"] is True and summary["steps"] == 2
+    assert summary["eval_prompts"] == 8
+    assert 0.0 <= summary["eval_success_warmstart"] <= 1.0 and 0.0 <= summary["eval_success_final"] <= 1.0
+    assert summary["tool_calls"] > 0 and summary["tokens_per_s"] > 0
+    assert summary["warmstart_build_s"] > 0  # built into the fresh cache
+    assert set(summary["peak_rss_mb_by_role"]) >= {"controller", "leader", "trainer"}
+    for name in ("report.md", "metrics.jsonl", "events.jsonl", "config.yaml", "controller.log",
+                 "plots/gpu_allocation.png", "plots/reward.png", "plots/throughput.png"):
+        assert (folder / name).is_file(), name
+    assert "cmlfq" in (folder / "report.md").read_text()
+    checkpoint = folder / "checkpoint"
+    assert {p.name for p in checkpoint.iterdir()} >= {"config.json", "tokenizer.json", "model.safetensors"}
+    metrics = [m for m in read_jsonl(folder / "metrics.jsonl") if m["kind"] == "step"]
+    assert [m["step"] for m in metrics] == [0, 1] and [m["version"] for m in metrics] == [1, 2]
+    assert all(m["trajectories"] == 12 and m["staleness_max"] <= 1 for m in metrics)
+    assert all(m["gpus"] == {"training": 4, "rollout": 4} for m in metrics)
+
+
+@pytest.mark.mpi
+def test_no_trajectory_is_lost_or_trained_twice_by_the_logs(small_run):
+    """Recomputed from events.jsonl: every trajectory the controller submitted (batch ×
+    prompt × sample) was trained exactly once, by the trainers' own lists."""
+    folder, _ = small_run
+    summary = json.loads((folder / "summary.json").read_text())
+    trained = next(e for e in read_jsonl(folder / "events.jsonl") if e["kind"] == "trained_trajectories")["tids"]
+    counts = Counter(trained)
+    assert all(n == 1 for n in counts.values()), [t for t, n in counts.items() if n > 1]
+    by_batch = Counter(t.split("/", 1)[0] for t in trained)
+    assert by_batch == {"b0": 12, "b1": 12}
+    groups = Counter(t.rsplit("/", 1)[0] for t in trained)
+    assert len(groups) == 6 and set(groups.values()) == {4}  # 3 prompts × 4 samples per batch
+    assert summary["trajectories_lost"] == 0 and summary["trajectories_duplicated"] == 0
+    assert summary["trajectories_trained"] == len(trained) == 24
+
+
+@pytest.mark.mpi
+def test_eval_only_scores_the_exported_checkpoint(small_run, tmp_path):
+    folder, cache = small_run
+    done = launch("--config", str(SMALL), "--executor", "local", "--eval", str(folder / "checkpoint"),
+                  "--set", f"logging.dir={tmp_path}", "--set", f"job.cache_dir={cache}", timeout=400)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    summary = json.loads((only_log_folder(tmp_path) / "summary.json").read_text())
+    assert summary["eval_prompts"] == 8 and summary["steps"] == 0 and summary["trajectories_trained"] == 0
+    assert 0.0 <= summary["eval_success_checkpoint"] <= 1.0
+    assert "eval_success_final" not in summary
+
+
+def test_roles_follow_the_layout():
+    from libra_hpc.cluster.layout import initial_layout
+    from libra_hpc.runtime.roles import roles_from_layout
+
+    layout = initial_layout(4, 2, 2, 1, 2, [[1, 1], [2]], hybrid_nodes=1)
+    rank_of = lambda slot: 1 + slot.node * 2 + slot.gpu  # noqa: E731 - the controller is rank 0
+    roles = roles_from_layout(layout, rank_of)
+    assert roles.replicas == ((1, 2), (3, 4)) and roles.holders == (1,)
+    assert sorted(roles.leaders.values()) == [5, 6, 7] and roles.members[3] == (7, 8)
+    assert [roles.role_of(r) for r in range(9)] == ["controller"] + ["trainer"] * 4 + ["leader"] * 3 + ["member"]
+    buckets = roles.buckets({1: 32, 2: 4096})
+    assert [(b.name, b.instances) for b in buckets] == [("tp1", (1, 2)), ("tp2", (3,))]
+
+
+def test_a_trajectory_moves_between_leaders_with_its_tokens_and_episode(tiny):
+    """The state a leader sends when another instance takes the next turn rebuilds the
+    same record there, and the episode goes on from where it was."""
+    from libra_hpc.envs.search import SearchTask
+    from libra_hpc.rl.rollout import TextCodec
+    from libra_hpc.runtime.episodes import LiveEpisode, batch_of, group_of, trajectory_id
+
+    task = SearchTask(seed=1, entities=40, max_hops=1, train_prompts=10, heldout_prompts=4, max_turns=4)
+    codec = TextCodec(tiny)
+    prompt = task.splits.train[0]
+    tid = trajectory_id(3, prompt.pid, 5)
+    assert batch_of(tid) == 3 and group_of(tid) == f"b3/{prompt.pid}"
+    here = LiveEpisode.start(task, prompt, tid, codec)
+    call = '<tool_call>{"name": "search", "arguments": {"query": "x"}}</tool_call>'
+    ids = codec.encode(call)
+    here.add_turn(ids, [-0.5] * len(ids), version=2)
+    turn = here.episode.begin(call, _Inline(task))
+    result = here.episode.finish(turn)
+    assert not result.done and here.add_observation(result.observation, codec, limit=1024)
+    there = LiveEpisode.from_state(task, pickle.loads(pickle.dumps(here.state())))  # as MPI sends it
+    assert there.tokens == here.tokens and there.versions == here.versions and there.turns == 1
+    assert there.episode.turns == here.episode.turns and there.episode.prompt == prompt
+    assert there.episode.messages == here.episode.messages
+    answer = "<answer>nobody</answer>"
+    done = there.episode.finish(there.episode.begin(answer, _Inline(task)))
+    assert done.done and there.episode.finish_reason == "answer"
+    record = there.trajectory()
+    assert record.group_id == group_of(tid) and record.oldest_version == 2
+
+
+class _Inline:
+    """An executor that runs a call at once (the tool's own runner)."""
+
+    def __init__(self, task):
+        self.runners = task.runners()
+
+    def submit(self, trajectory, tool, resource, payload):
+        from concurrent.futures import Future
+
+        future = Future()
+        future.set_result(self.runners[resource].run(0, payload))
+        return future
