@@ -529,6 +529,31 @@ def test_a_silent_instance_alone_in_its_bucket_hands_its_queue_to_a_neighbour():
     service.audit()
 
 
+def test_a_retired_instance_gets_no_work_until_restored_and_its_leases_still_end_there():
+    """The hybrid pool lent to training: its instance finishes the turn it holds, its
+    queue goes elsewhere, asks and heartbeats do not bring it back; restore() does."""
+    buckets = (BucketSpec("tp1", 1, 1024, (0, 1)), BucketSpec("tp4", 4, 1 << 30, (2,)))
+    router = make_router("fifo", buckets, window=8, min_samples=1, rebuild_every=10)
+    service, _ = make_service(router)
+    for i in range(6):
+        service.submit(f"t{i}", "p")
+    [held] = ask(service, 2, now=0.0, max=1)
+    moved = service.retire(2, now=1.0)
+    assert moved == 1 and service.stats()["queued"]["tp4"] == 0
+    assert ask(service, 2, now=2.0) == []  # asking does not bring it back
+    assert service.handle({"op": "heartbeat", "instance": 2}, 2.0)["ok"] and 2 in service.stats()["silent"]
+    reply = service.handle({"op": "finish", "lease": held["lease"], "tokens": 5}, 3.0)
+    assert reply["ok"]  # the lease it held still ends there
+    service.submit("t9", "p")
+    assert "t9" in {t["tid"] for t in ask(service, 0, now=4.0) + ask(service, 1, now=4.0)}
+    service.restore(2)
+    assert service.stats()["silent"] == []
+    service.submit("t10", "p")
+    service.submit("t11", "p")
+    service.submit("t12", "p")
+    assert {t["tid"] for t in ask(service, 2, now=5.0)} & {"t10", "t11", "t12"}  # new work reaches it again
+    service.audit()
+
 @pytest.mark.parametrize("policy", ["cmlfq", "fifo", "least_load", "oracle"])
 def test_routers_skip_silent_instances_while_any_is_live(policy):
     buckets = (BucketSpec("tp1", 1, 1024, (0, 1)), BucketSpec("tp4", 4, 1 << 30, (2,)))

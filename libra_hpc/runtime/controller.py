@@ -62,6 +62,7 @@ class JobController:
         self.last_step_end = None
         self.exported: str | None = None
         self.rss: dict[str, float] = {}
+        self.migrations_seen = 0
 
     # ------------------------------------------------------------------ start
 
@@ -298,7 +299,8 @@ class JobController:
             rollout_s=round(rollout_s, 3), train_s=round(max(r["train_s"] for r in reports), 3),
             push_s=round(max(r["push_s"] for r in reports), 3), step_s=round(step_s, 3),
             gpus={"training": len(train.slots), "rollout": len(self.layout.slots_of("rollout"))},
-            queue_depth=stats["queued"], migrations=sum(r["migrations"] for r in rows),
+            queue_depth=stats["queued"], migrations=stats["migrations"] - self.migrations_seen,
+            moves=sum(r["migrations"] for r in rows),
             staleness_max=max(lags), staleness_mean=round(statistics.fmean(lags), 3),
             tool_calls=sum(r["tool_calls"] for r in rows), tool_s=round(sum(r["tool_s"] for r in rows), 3),
             turns=round(statistics.fmean(r["turns"] for r in rows), 3),
@@ -309,9 +311,11 @@ class JobController:
             dropped_stale=sum(sum(r["dropped_stale"].values()) for r in reports if "tids" in r),
             scheduler_policy=self.cfg.scheduler.policy)
         self.idle_rollout_s = 0.0
+        self.migrations_seen = stats["migrations"]
         self.runlog.metric(b, **metrics)
         line = (f"step {b + 1}/{self.cfg.rl.steps}: reward {metrics['reward']:.3f}, {metrics['tokens_per_s']:.0f} tok/s, "
-                f"rollout {rollout_s:.1f} s, train {metrics['train_s']:.1f} s, {metrics['migrations']} migrations, "
+                f"rollout {rollout_s:.1f} s, train {metrics['train_s']:.1f} s, {metrics['migrations']} migrations "
+                f"({metrics['moves']} turns moved instance), "
                 f"{metrics['tool_calls']} tool calls, staleness ≤ {metrics['staleness_max']}")
         self.runlog.event("progress", line=line)
         log.info(line)

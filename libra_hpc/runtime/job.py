@@ -88,7 +88,7 @@ def _run_role(job: Any, start: dict) -> None:
 
             instance = job.roles.instance_of(job.rank)
             engine = worker.own(VllmRolloutEngine.from_config(job.warm, job.cfg.model, job.cfg.rollout, job.cfg.training,
-                                                              instance=handle.group, device=device,
+                                                              instance=job.roles.groups[instance], device=device,
                                                               seed=job.cfg.rl.seed + instance))
             job.report({"op": "ready", "start_s": round(time.perf_counter() - started, 2)})
             RolloutLeader(job, engine, instance).run()

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from libra_hpc.cluster.layout import Layout, Slot
+from libra_hpc.cluster.layout import Group, Layout, Slot
 from libra_hpc.scheduler.types import BucketSpec
 
 
@@ -33,6 +33,8 @@ class Roles:
     """DP replica → its training ranks (every TP rank and stage)."""
     holders: tuple[int, ...]
     """The ranks that send each pipeline stage's weights to the leaders."""
+    groups: dict[int, Group]
+    """Rollout instance id → its group in the layout."""
 
     @property
     def trainers(self) -> tuple[int, ...]:
@@ -62,16 +64,21 @@ class Roles:
         return buckets_from_instances(sorted(self.tps.items()), token_limits)
 
 
-def roles_from_layout(layout: Layout, rank_of: dict[Slot, int] | callable) -> Roles:
-    """The roles of ``layout``; ``rank_of(slot)`` gives a slot's world rank."""
+def roles_from_layout(layout: Layout, rank_of: dict[Slot, int] | callable,
+                      ids: dict[tuple[Slot, ...], int] | None = None) -> Roles:
+    """The roles of ``layout``; ``rank_of(slot)`` gives a slot's world rank. ``ids``: the
+    instance id of each rollout group by its slots (default: its group id). The job keeps
+    the ids of its first layout, so that an instance keeps its id in the queue service when
+    a later layout renumbers the groups (the hybrid pool lent and given back)."""
     find = rank_of if callable(rank_of) else rank_of.__getitem__
-    leaders, members, tps = {}, {}, {}
+    leaders, members, tps, groups = {}, {}, {}, {}
     for group in layout.rollout_instances:
         ranks = tuple(find(s) for s in group.slots)
-        leaders[group.gid], members[group.gid], tps[group.gid] = ranks[0], ranks, group.tp
+        gid = group.gid if ids is None else ids[group.slots]
+        leaders[gid], members[gid], tps[gid], groups[gid] = ranks[0], ranks, group.tp, group
     train = layout.training
     if train is None:
         raise ValueError(f"layout v{layout.version} has no training group: the job needs one")
     replicas = tuple(tuple(find(s) for s in train.replica_slots(d)) for d in range(train.dp))
     holders = tuple(find(train.slots[p * train.tp * train.dp]) for p in range(train.pp))
-    return Roles(layout, leaders, members, tps, replicas, holders)
+    return Roles(layout, leaders, members, tps, replicas, holders, groups)

@@ -246,6 +246,7 @@ class QueueService:
         self._trajs: dict[str, _Trajectory] = {}
         self._leases: dict[int, _Trajectory] = {}  # lease id → the trajectory whose turn it holds
         self._down: set[int] = set()  # silent instances (see _silent)
+        self._retired: set[int] = set()  # instances out of rollout until restore() (the hybrid pool lent)
         self._first_seen: float | None = None  # time of the first maintenance
         self._next_liveness = float("-inf")
         self._expired: set[int] = set()  # lease ids that expired, within the remembered window
@@ -277,6 +278,26 @@ class QueueService:
         self._trajs[tid] = traj
         self._submitted += 1
         return self._place(traj, front=False)
+
+    def retire(self, instance: int, now: float) -> int:
+        """``instance`` leaves rollout (its GPUs are lent to training): nothing is placed
+        there any more and the turns queued on it are placed again; turns it holds leases
+        on still end there (their reports are taken). Returns the turns placed again. It
+        takes work again after :meth:`restore` (an ask alone does not bring it back)."""
+        if instance not in self._instances:
+            raise ValueError(f"retire: unknown rollout instance {instance}")
+        self._retired.add(instance)
+        if instance in self._down:
+            return 0
+        lost = self._silent(instance, now, "left rollout")
+        self._requeue(lost)
+        return len(lost)
+
+    def restore(self, instance: int) -> None:
+        """A retired instance serves rollout again (the hybrid pool came back)."""
+        self._retired.discard(instance)
+        if instance in self._down:
+            self._back(instance)
 
     def handle(self, message: Any, now: float) -> dict:
         """Answer one protocol request (module docstring). Never raises for a bad request;
@@ -460,6 +481,8 @@ class QueueService:
         at = self._instance(message, "ask")
         want = _int(message, "max", "ask", minimum=1)
         at.renewed = now
+        if at.id in self._retired:
+            return {"ok": True, "turns": [], "active": len(self._trajs)}
         if at.id in self._down:
             self._back(at.id)
         room = min(want, self._max_batch)
@@ -547,7 +570,7 @@ class QueueService:
     def _heartbeat(self, message: dict, now: float) -> dict:
         at = self._instance(message, "heartbeat")
         at.renewed = now
-        if at.id in self._down:
+        if at.id in self._down and at.id not in self._retired:
             self._back(at.id)
         return {"ok": True, "leases": at.held}
 
