@@ -24,7 +24,12 @@ SLURM_TIME = re.compile(r"^(?:(\d+)-)?(\d+)(?::(\d+))?(?::(\d+))?$")
 
 def check_common(cfg: ExperimentConfig) -> list[str]:
     """The checks every config of this schema passes, live experiment or simulator scenario."""
-    return [*_check_cluster(cfg), *_check_scheduler(cfg), *_check_tools(cfg), *_check_tasks(cfg)]
+    return [*_check_cluster(cfg), *_check_scheduler(cfg), *_check_tools(cfg), *_check_tasks(cfg), *_check_epochs(cfg)]
+
+
+def _check_epochs(cfg: ExperimentConfig) -> list[str]:
+    bad = {k: v for k, v in cfg.rl.update_epochs.items() if k < 0 or v < 1}
+    return [f"rl.update_epochs: {bad}: steps must be >= 0 and passes >= 1"] if bad else []
 
 
 def check_layout(cfg: ExperimentConfig) -> list[str]:

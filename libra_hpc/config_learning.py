@@ -46,6 +46,10 @@ class RLConfig(_Section):
     kl_coef: float = Field(0.0, ge=0)
     """β of the KL-to-reference penalty added to every trained token's loss (k3 estimator of
     KL(policy‖reference)); 0 (the default) turns it off and needs no reference policy."""
+    update_epochs: dict[int, int] = Field(default_factory=lambda: {0: 1})
+    """Optimizer passes over each batch (PPO epochs), from a step on: ``{0: 1, 14: 3}`` is one
+    pass per batch, three from step 14 on. More passes make training the bottleneck; the
+    default config uses that for a training-bound phase in which the hybrid pool pays."""
     seed: int = 0
     """Seed of every random choice of the run (the simulator's workload included)."""
     task: str = "arithmetic"
@@ -144,3 +148,9 @@ class WarmStartConfig(_Section):
     """Tokens the supervised pass trains on: `turns`, the solver's own turns (supervised fine-tuning);
     `transcript`, every token of the demonstration, questions and tool outputs included (a small
     model learns to copy names and numbers from them much sooner)."""
+
+
+def epochs_at(schedule: dict[int, int], step: int) -> int:
+    """The ``rl.update_epochs`` value in force at ``step`` (1 before the first key)."""
+    keys = [k for k in schedule if k <= step]
+    return schedule[max(keys)] if keys else 1

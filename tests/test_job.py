@@ -17,6 +17,7 @@ from libra_hpc.metrics.runlog import read_jsonl
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = ROOT / "tests" / "data" / "job_small.yaml"
+STEPS = 6
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +35,7 @@ def small_run(tmp_path_factory) -> tuple[Path, Path]:
 def test_the_job_trains_and_leaves_what_a_user_looks_at(small_run):
     folder, _ = small_run
     summary = json.loads((folder / "summary.json").read_text())
-    assert summary["completed"] is True and summary["steps"] == 2
+    assert summary["completed"] is True and summary["steps"] == STEPS
     assert summary["eval_prompts"] == 8
     assert 0.0 <= summary["eval_success_warmstart"] <= 1.0 and 0.0 <= summary["eval_success_final"] <= 1.0
     assert summary["tool_calls"] > 0 and summary["tokens_per_s"] > 0
@@ -47,9 +48,29 @@ def test_the_job_trains_and_leaves_what_a_user_looks_at(small_run):
     checkpoint = folder / "checkpoint"
     assert {p.name for p in checkpoint.iterdir()} >= {"config.json", "tokenizer.json", "model.safetensors"}
     metrics = [m for m in read_jsonl(folder / "metrics.jsonl") if m["kind"] == "step"]
-    assert [m["step"] for m in metrics] == [0, 1] and [m["version"] for m in metrics] == [1, 2]
+    assert [m["step"] for m in metrics] == list(range(STEPS)) and [m["version"] for m in metrics] == list(range(1, STEPS + 1))
     assert all(m["trajectories"] == 12 and m["staleness_max"] <= 1 for m in metrics)
-    assert all(m["gpus"] == {"training": 4, "rollout": 4} for m in metrics)
+    assert all(sum(m["gpus"].values()) == 8 and m["gpus"]["training"] == 4 for m in metrics)
+
+
+@pytest.mark.mpi
+def test_the_hybrid_pool_joins_training_and_comes_back_on_the_gate(small_run):
+    """The training-bound phase (8 passes per batch) makes the planner's gate lend the
+    hybrid replica; it goes through every joining phase, trains, and is released when
+    rollout is the bottleneck again; both layouts applied report the core's pause."""
+    folder, _ = small_run
+    events = read_jsonl(folder / "events.jsonl")
+    states = [e["state"] for e in events if e["kind"] == "hybrid" and not e.get("refused")]
+    assert states == ["requested", "fetching_state", "zero_grad_sync", "active", "releasing", "rollout"], states
+    borrow = next(e for e in events if e["kind"] == "hybrid" and e["state"] == "requested")
+    assert borrow["t_train"] > borrow["t_rollout"] and borrow["predicted_gain_s"] is not None
+    applied = [e for e in events if e["kind"] == "layout_applied" and e.get("by", "").startswith("planner")]
+    assert [e["direction"] for e in applied] == ["join", "leave"]
+    assert [e["gpus"]["training"] for e in applied] == [6, 4] and all(e["pause_s"] > 0 for e in applied)
+    metrics = [m for m in read_jsonl(folder / "metrics.jsonl") if m["kind"] == "step"]
+    assert any(m["gpus"]["hybrid_training"] == 2 for m in metrics)
+    summary = json.loads((folder / "summary.json").read_text())
+    assert summary["hybrid_switches"] == 2 and len(summary["hybrid_pauses_s"]) == 2
 
 
 @pytest.mark.mpi
@@ -62,11 +83,11 @@ def test_no_trajectory_is_lost_or_trained_twice_by_the_logs(small_run):
     counts = Counter(trained)
     assert all(n == 1 for n in counts.values()), [t for t, n in counts.items() if n > 1]
     by_batch = Counter(t.split("/", 1)[0] for t in trained)
-    assert by_batch == {"b0": 12, "b1": 12}
+    assert by_batch == {f"b{b}": 12 for b in range(STEPS)}
     groups = Counter(t.rsplit("/", 1)[0] for t in trained)
-    assert len(groups) == 6 and set(groups.values()) == {4}  # 3 prompts × 4 samples per batch
+    assert len(groups) == 3 * STEPS and set(groups.values()) == {4}  # 3 prompts × 4 samples per batch
     assert summary["trajectories_lost"] == 0 and summary["trajectories_duplicated"] == 0
-    assert summary["trajectories_trained"] == len(trained) == 24
+    assert summary["trajectories_trained"] == len(trained) == 12 * STEPS
 
 
 @pytest.mark.mpi

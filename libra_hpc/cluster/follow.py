@@ -24,6 +24,10 @@ def format_event(event: dict) -> str:
     if kind == "group_check":
         state = "ok" if event["ok"] else "FAILED"
         return f"{head}: step {event['step']} {state}, {len(event['groups'])} groups"
+    if kind == "hybrid":
+        gain = "" if event.get("predicted_gain_s") is None else f" (predicted gain {event['predicted_gain_s']} s/step)"
+        state = "refused" if event.get("refused") else f"{event.get('from_state')} → {event['state']}"
+        return f"{head}: hybrid replica {event.get('replica')} {state}: {event.get('reason')}{gain}"
     if kind == "progress":
         return f"{head}: {event['line']}"
     if kind == "eval":

@@ -32,6 +32,7 @@ from typing import Any
 from libra_hpc.cluster.layout import layout_from_config
 from libra_hpc.cluster.messages import COMMAND, REPORT
 from libra_hpc.runtime.episodes import batch_of, group_of, trajectory_id
+from libra_hpc.runtime.hybrid import HybridDriver
 from libra_hpc.runtime.roles import Roles, roles_from_layout
 
 log = logging.getLogger(__name__)
@@ -63,6 +64,8 @@ class JobController:
         self.exported: str | None = None
         self.rss: dict[str, float] = {}
         self.migrations_seen = 0
+        self.load_history: list[tuple[float, dict]] = []
+        self.last_rollout_s = self.last_step_s = 0.0
 
     # ------------------------------------------------------------------ start
 
@@ -81,8 +84,10 @@ class JobController:
         try:
             self.warm, build_s = self._warm_start()
             self.summary["warmstart_build_s"] = round(build_s, 1)
-            self.layout = layout_from_config(cfg)
-            self.roles: Roles = roles_from_layout(self.layout, self.world.topology.rank_of)
+            self.layout = self.initial = layout_from_config(cfg)
+            self.ids = {g.slots: g.gid for g in self.layout.rollout_instances}
+            self.roles: Roles = roles_from_layout(self.layout, self.world.topology.rank_of, self.ids)
+            self.hybrid = HybridDriver(self) if self.layout.hybrid and not cfg.job.eval_checkpoint else None
             self.runlog.event("layout_applied", step=0, by="config", **self.layout.summary())
             self.world.command({"op": "start", "roles": self.roles, "warm": str(self.warm)})
             self.sampler = PromptSampler(self.task.splits, seed=cfg.rl.seed)
@@ -163,6 +168,8 @@ class JobController:
 
     def _on_load(self, message: dict, source: int) -> None:
         self.leader_load[message["instance"]] = message
+        self.load_history.append((time.perf_counter(), {i: m["tokens"] for i, m in self.leader_load.items()}))
+        del self.load_history[:-500]
 
     # --- evaluation
 
@@ -222,8 +229,7 @@ class JobController:
     def _submit(self, b: int) -> None:
         cfg = self.cfg
         prompts = self.sampler.next(cfg.rl.prompts_per_step, lambda: f"training batch {b}")
-        self.batches[b] = {"submitted": time.perf_counter(), "done": 0, "tokens": [0] * len(self.roles.replicas),
-                           "count": [0] * len(self.roles.replicas), "rows": []}
+        self.batches[b] = {"submitted": time.perf_counter(), "done": 0, "tokens": {}, "count": {}, "rows": []}
         for p in prompts:
             for k in range(cfg.rl.group_size):
                 self.service.submit(trajectory_id(b, p.pid, k), p.pid)
@@ -234,13 +240,14 @@ class JobController:
         batch = self.batches[b]
         dest = self.group_dest.get(group)
         if dest is None:
-            dest = self.group_dest[group] = min(range(len(self.roles.replicas)), key=lambda d: batch["tokens"][d])
-        batch["tokens"][dest] += message["tokens"]
-        batch["count"][dest] += 1
+            open_ = [d for d in range(len(self.roles.replicas)) if self.hybrid is None or d not in self.hybrid.no_route]
+            dest = self.group_dest[group] = min(open_, key=lambda d: batch["tokens"].get(d, 0))
+        batch["tokens"][dest] = batch["tokens"].get(dest, 0) + message["tokens"]
+        batch["count"][dest] = batch["count"].get(dest, 0) + 1
         batch["rows"].append(message)
         batch["done"] += 1
         self.service.drain_finished()
-        self._send(source, {"op": "route", "tid": tid, "dest": list(self.roles.replicas[dest])})
+        self._send(source, {"op": "route", "tid": tid, "dest": list(self.roles.replicas[dest]), "replica": dest})
         if batch["done"] == self.cfg.batch_size:
             batch["complete"] = time.perf_counter()
             self._maybe_train()
@@ -258,13 +265,15 @@ class JobController:
 
     def _maybe_train(self) -> None:
         b = self.version
-        if self.training or b >= self.cfg.rl.steps or "complete" not in self.batches.get(b, {}):
+        if self.training or (self.hybrid and self.hybrid.busy()) or b >= self.cfg.rl.steps \
+                or "complete" not in self.batches.get(b, {}):
             return
         self.training = True
         self.batches[b]["train_started"] = time.perf_counter()
         expect = self.batches[b]["count"]
+        leaders = [r for i, r in self.roles.leaders.items() if self.hybrid is None or i not in self.hybrid.leaving]
         for rank in self.roles.trainers:
-            self._send(rank, {"op": "train", "batch": b, "expect": expect})
+            self._send(rank, {"op": "train", "batch": b, "expect": expect, "leaders": leaders})
 
     def _on_trained(self, message: dict, source: int) -> None:
         b = message["batch"]
@@ -276,6 +285,8 @@ class JobController:
         self.training = False
         self.version = b + 1
         self._record_step(b, reports)
+        if self.hybrid is not None:
+            self.hybrid.after_step(b, reports)
         if self.version + self.cfg.rl.max_staleness < self.cfg.rl.steps:
             self._submit(self.version + self.cfg.rl.max_staleness)
         self._maybe_train()
@@ -289,6 +300,7 @@ class JobController:
         step_s = now - (self.last_step_end or self.rl_started)
         self.last_step_end = now
         rollout_s = batch["complete"] - batch["submitted"]
+        self.last_rollout_s, self.last_step_s = rollout_s, step_s
         gen = sum(r["gen_tokens"] for r in rows)
         stats = self.service.stats()
         lags = [b - r["min_version"] for r in rows]
@@ -298,7 +310,7 @@ class JobController:
             trajectories=len(rows), gen_tokens=gen, tokens_per_s=round(gen / max(rollout_s, 1e-9), 1),
             rollout_s=round(rollout_s, 3), train_s=round(max(r["train_s"] for r in reports), 3),
             push_s=round(max(r["push_s"] for r in reports), 3), step_s=round(step_s, 3),
-            gpus={"training": len(train.slots), "rollout": len(self.layout.slots_of("rollout"))},
+            gpus=self._gpus(),
             queue_depth=stats["queued"], migrations=stats["migrations"] - self.migrations_seen,
             moves=sum(r["migrations"] for r in rows),
             staleness_max=max(lags), staleness_mean=round(statistics.fmean(lags), 3),
@@ -321,6 +333,22 @@ class JobController:
         log.info(line)
 
     # ------------------------------------------------------------------ helpers
+
+    def _gpus(self) -> dict:
+        """GPUs per role now; hybrid slots counted on the side they serve."""
+        hybrid = self.layout.hybrid
+        train = set(self.layout.training.slots)
+        roll = set(self.layout.slots_of("rollout"))
+        return {"training": len(train - hybrid), "rollout": len(roll - hybrid),
+                "hybrid_training": len(train & hybrid), "hybrid_rollout": len(roll & hybrid)}
+
+    # --- the hybrid pool (HybridDriver does the work)
+
+    def _on_left(self, message: dict, source: int) -> None:
+        self.hybrid.left(message, source)
+
+    def _on_relaid(self, message: dict, source: int) -> None:
+        self.hybrid.relaid(message, source)
 
     def _send(self, rank: int, message: dict) -> None:
         self.comm.send(message, dest=rank, tag=COMMAND)
@@ -346,7 +374,9 @@ class JobController:
                  tool_calls=self.tools.calls if hasattr(self, "tools") else 0,
                  tool_failures=self.tools.failures if hasattr(self, "tools") else 0,
                  migrations=self.service.stats().get("migrations") if hasattr(self, "service") else 0,
-                 layouts_applied_by_planner=0, hybrid_switches=0, checkpoint=self.exported,
+                 layouts_applied_by_planner=self.hybrid.applied if self.hybrid else 0,
+                 hybrid_switches=self.hybrid.applied if self.hybrid else 0,
+                 hybrid_pauses_s=self.hybrid.pauses if self.hybrid else [], checkpoint=self.exported,
                  completed=self.phase == "done")
         metrics = [m for m in _read(self.runlog.folder / "metrics.jsonl") if m.get("kind") == "step"]
         gen = sum(m["gen_tokens"] for m in metrics)

@@ -63,39 +63,83 @@ def run_job_worker(world: Any, data: Any, cfg: Any) -> None:
 
 
 def _run_role(job: Any, start: dict) -> None:
+    """Take this rank's role, run its loop; after a ``relayout`` (the hybrid pool lent to
+    training or given back), take the new role, until ``stop``."""
+    import os
+
     from libra_hpc.runtime.worker import Worker
 
     worker = Worker(job.world)
-    started = time.perf_counter()
-    handle = worker.apply(job.roles.layout)  # forms this rank's group; trainers start their torch world
-    place = job.world.topology.place_of(job.rank)
-    device = "cpu" if place.device_index is None else "cuda"
+    environ = dict(os.environ)  # an in-process vLLM engine writes into it; a trainer here must not see that
+    command: dict | None = None
+    inbox: dict = {}
     try:
-        if job.role == "trainer":
-            import torch
-
-            from libra_hpc.engines.train.engine import MegatronTrainEngine
-            from libra_hpc.runtime.trainer import Trainer
-
-            torch.set_num_threads(job.cfg.job.torch_threads)
-            engine = worker.own(MegatronTrainEngine.from_config(job.warm, job.cfg.model, job.cfg.training,
-                                                                seed=job.cfg.rl.seed))
-            job.report({"op": "ready", "start_s": round(time.perf_counter() - started, 2)})
-            Trainer(job, engine).run()
-        elif job.role == "leader":
-            from libra_hpc.engines.rollout.vllm_engine import VllmRolloutEngine
-            from libra_hpc.runtime.rollout import RolloutLeader
-
-            instance = job.roles.instance_of(job.rank)
-            engine = worker.own(VllmRolloutEngine.from_config(job.warm, job.cfg.model, job.cfg.rollout, job.cfg.training,
-                                                              instance=job.roles.groups[instance], device=device,
-                                                              seed=job.cfg.rl.seed + instance))
-            job.report({"op": "ready", "start_s": round(time.perf_counter() - started, 2)})
-            RolloutLeader(job, engine, instance).run()
-        else:
-            job.report({"op": "ready", "start_s": round(time.perf_counter() - started, 2)})
-            command = job.world.next_command()
-            if command["op"] != "stop":
-                raise ValueError(f"rank {job.rank} (rollout member): unexpected command {command['op']!r}")
+        while True:
+            started = time.perf_counter()
+            worker.apply(job.roles.layout)  # forms this rank's group; trainers start their torch world
+            if job.role == "trainer":
+                command = _train(job, worker, command, inbox, started)
+            elif job.role == "leader":
+                command = _roll_out(job, worker, command, started)
+                os.environ.clear()
+                os.environ.update(environ)
+            else:
+                job.report({"op": "relaid" if command else "ready", "start_s": round(time.perf_counter() - started, 2)})
+                command = _next(job)
+            if command is None:
+                return
+            job.roles, job.role = command["roles"], command["roles"].role_of(job.rank)
     finally:
         worker.close()
+
+
+def _next(job: Any) -> dict | None:
+    """The controller's next command: ``relayout`` (returned) or ``stop`` (None)."""
+    command = job.world.next_command()
+    if command["op"] not in ("stop", "relayout"):
+        raise ValueError(f"rank {job.rank} ({job.role}): unexpected command {command['op']!r} between roles")
+    return None if command["op"] == "stop" else command
+
+
+def _train(job: Any, worker: Any, relayout: dict | None, inbox: dict, started: float) -> dict | None:
+    import torch
+
+    from libra_hpc.engines.train.checkpoint import load_checkpoint
+    from libra_hpc.engines.train.engine import MegatronTrainEngine
+    from libra_hpc.runtime.trainer import Trainer
+
+    torch.set_num_threads(job.cfg.job.torch_threads)
+    engine = worker.own(MegatronTrainEngine.from_config(job.warm, job.cfg.model, job.cfg.training, seed=job.cfg.rl.seed))
+    trainer = Trainer(job, engine)
+    trainer.inbox = inbox
+    if relayout is not None:  # the state the previous training world saved, resharded to this one
+        load_checkpoint(engine, relayout["checkpoint"])
+        fresh = [r for r in job.roles.leaders.values() if r not in relayout["old_leaders"]]
+        weights = engine.iter_hf()  # collective over the TP group: every trainer iterates
+        if trainer.sender is not None and fresh:
+            trainer.sender.post(relayout["version"], weights, fresh)  # a leader back from training needs the policy
+        else:
+            for _ in weights:
+                pass
+    job.report({"op": "relaid" if relayout else "ready", "start_s": round(time.perf_counter() - started, 2)})
+    command = trainer.run()
+    if command is not None and trainer.sender is not None:
+        command = {**command}
+    return command
+
+
+def _roll_out(job: Any, worker: Any, relayout: dict | None, started: float) -> dict | None:
+    from libra_hpc.engines.rollout.vllm_engine import VllmRolloutEngine
+    from libra_hpc.runtime.rollout import RolloutLeader
+
+    place = job.world.topology.place_of(job.rank)
+    device = "cpu" if place.device_index is None else "cuda"
+    instance = job.roles.instance_of(job.rank)
+    engine = worker.own(VllmRolloutEngine.from_config(job.warm, job.cfg.model, job.cfg.rollout, job.cfg.training,
+                                                      instance=job.roles.groups[instance], device=device,
+                                                      seed=job.cfg.rl.seed + instance))
+    job.report({"op": "relaid" if relayout else "ready", "instance": instance,
+                "start_s": round(time.perf_counter() - started, 2)})
+    if RolloutLeader(job, engine, instance).run() == "stop":
+        return None
+    return _next(job)

@@ -31,7 +31,6 @@ from libra_hpc.cluster.messages import COMMAND, EPISODE, EPISODE_ASK, REPORT, TR
 from libra_hpc.runtime.episodes import MIN_TURN, LiveEpisode, batch_of
 from libra_hpc.runtime.tools import ToolProxy
 from libra_hpc.runtime.weights import WeightReceiver
-from libra_hpc.scheduler.mpi_service import QueueClient
 
 log = logging.getLogger(__name__)
 CONTROLLER = 0
@@ -46,7 +45,6 @@ class RolloutLeader:
         self.job, self.engine, self.instance = job, engine, instance
         self.comm, self.data, self.rank = job.comm, job.data, job.rank
         self.cfg, self.task, self.codec = job.cfg, job.task, job.codec
-        self.queue = QueueClient(self.comm, poll_s=1e-4)
         self.tools = ToolProxy(self.comm, self.rank)
         self.weights = WeightReceiver(self.data)
         self.version = 0
@@ -66,10 +64,16 @@ class RolloutLeader:
         self.busy_s = self.idle_update_s = 0.0
         self.last_contact = self.last_load = 0.0
         self.stopped = False
+        self.deferred: list[dict] = []  # commands that arrived while a queue request was out
+        self.leaving = False
+        self.until_version = 0
+        self.leave_asked = 0.0
 
     # ------------------------------------------------------------------ the loop
 
-    def run(self) -> None:
+    def run(self) -> str:
+        """Serve until ``stop`` (returns ``stop``) or, after ``leave``, until drained
+        (returns ``left``: the engine is shut down, every trajectory held here is gone)."""
         backoff = Backoff(1e-4, 0.01)
         while not self.stopped:
             worked = self._commands()
@@ -80,18 +84,36 @@ class RolloutLeader:
             worked |= self._weights()
             worked |= self._tool_turns()
             worked |= self._exchange()
+            if self.stopped:
+                break
             worked |= self._engine_step()
             self.sends = [r for r in self.sends if not r.Test()]
             self._load_report()
+            if self.leaving and self._drained():
+                return self._leave()
             if worked:
                 backoff.reset()
             else:
                 backoff.sleep()
+        return "stop"
+
+    def _drained(self) -> bool:
+        """Nothing of the rollout side is left here: no turn running, in tools or leased,
+        no trajectory held (the instances that took their next turns pulled them), nothing
+        to report or send, and the last policy posted to this leader taken."""
+        return not (self.running or self.in_tools or self.parked or self.live or self.outbox or self.reports
+                    or self.sends or self.update is not None or self.version < self.until_version)
+
+    def _leave(self) -> str:
+        self.engine.shutdown()
+        self.job.report({"op": "left", "instance": self.instance, "version": self.version,
+                         "drain_s": round(time.perf_counter() - self.leave_asked, 3)})
+        return "left"
 
     def _commands(self) -> bool:
         worked = False
-        while (message := self.comm.improbe(source=CONTROLLER, tag=COMMAND)) is not None:
-            command = message.recv()
+        while self.deferred or (message := self.comm.improbe(source=CONTROLLER, tag=COMMAND)) is not None:
+            command = self.deferred.pop(0) if self.deferred else message.recv()
             worked = True
             op = command["op"]
             if op == "route":
@@ -100,6 +122,11 @@ class RolloutLeader:
                 self.sends += [self.data.isend(payload, dest=r, tag=TRAJECTORY) for r in command["dest"]]
             elif op == "eval":
                 self.job.report(self._evaluate(command))
+            elif op == "roles":  # a relayout elsewhere: where each instance's leader is now
+                self.job.roles = command["roles"]
+            elif op == "leave":  # the hybrid pool is lent to training: drain, then hand over the GPUs
+                self.leaving, self.until_version = True, command["until_version"]
+                self.leave_asked = time.perf_counter()
             elif op == "stop":
                 self.stopped = True
                 return True
@@ -240,15 +267,19 @@ class RolloutLeader:
         """Reports out and more turns in, in one queue request."""
         now = time.perf_counter()
         self.parked = [t for t in self.parked if not self._start(t)]
-        room = 0 if self.update is not None else max(0, self.cfg.scheduler.max_batch * 2 - len(self.running)
-                                                      - len(self.parked))
-        if not self.reports and not room and now - self.last_contact < HEARTBEAT_S:
+        room = 0 if self.update is not None or self.leaving else max(
+            0, self.cfg.scheduler.max_batch * 2 - len(self.running) - len(self.parked))
+        if not self.reports and (self.leaving or (not room and now - self.last_contact < HEARTBEAT_S)):
             return False
-        requests = self.reports + [{"op": "ask", "instance": self.instance, "max": min(room, self.cfg.scheduler.max_batch)}
-                                   if room else {"op": "heartbeat", "instance": self.instance}]
+        requests = list(self.reports)
+        if not self.leaving:  # a leaving instance only reports (an ask or a heartbeat would be refused work)
+            requests.append({"op": "ask", "instance": self.instance, "max": min(room, self.cfg.scheduler.max_batch)}
+                            if room else {"op": "heartbeat", "instance": self.instance})
         self.reports = []
         self.last_contact = now
-        replies = self.queue.batch(requests)
+        replies = self._request({"op": "batch", "requests": requests})
+        if replies is None:
+            return True  # the controller said stop while the request was out
         for request, reply in zip(requests, replies):
             if not reply.get("ok"):
                 log.warning("rank %d: queue refused %s: %s", self.rank, request["op"], reply.get("error"))
@@ -259,6 +290,30 @@ class RolloutLeader:
             if not self._start(turn):
                 self.parked.append(turn)
         return bool(turns) or len(requests) > 1
+
+    def _request(self, message: dict) -> list[dict] | None:
+        """One queue round trip that still hears the controller: a ``stop`` sent while
+        the request is out (the controller's loop ended) stops this leader instead of
+        leaving it waiting for a reply that will not come. Other commands wait their turn."""
+        from libra_hpc.cluster.messages import QUEUE_REPLY, QUEUE_REQUEST
+
+        self.comm.send(message, dest=CONTROLLER, tag=QUEUE_REQUEST)
+        backoff = Backoff(2e-5, 0.005)
+        while True:
+            reply = self.comm.improbe(source=CONTROLLER, tag=QUEUE_REPLY)
+            if reply is not None:
+                answer = reply.recv()
+                if not answer.get("ok"):
+                    raise RuntimeError(f"rank {self.rank}: the queue refused a batch: {answer.get('error')}")
+                return answer["replies"]
+            command = self.comm.improbe(source=CONTROLLER, tag=COMMAND)
+            if command is not None:
+                payload = command.recv()
+                if payload["op"] == "stop":
+                    self.stopped = True
+                    return None
+                self.deferred.append(payload)
+            backoff.sleep()
 
     def _load_report(self) -> None:
         now = time.perf_counter()

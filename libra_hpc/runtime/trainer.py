@@ -45,7 +45,9 @@ class Trainer:
         self.wait_s = 0.0
         self.stopped = False
 
-    def run(self) -> None:
+    def run(self) -> dict | None:
+        """Serve until ``stop`` (returns None) or ``relayout`` (returns the command, after
+        saving this training world's checkpoint for the next one to load)."""
         from mpi4py import MPI
 
         backoff = Backoff(1e-4, 0.01)
@@ -64,6 +66,8 @@ class Trainer:
                 if command["op"] == "stop":
                     self.stopped = True
                     break
+                if command["op"] == "relayout":
+                    return self._leave_world(command)
                 self.wait_s += time.perf_counter() - waiting_since
                 self._command(command)
                 waiting_since = time.perf_counter()
@@ -72,6 +76,22 @@ class Trainer:
                 backoff.reset()
             else:
                 backoff.sleep()
+        return None
+
+    def _leave_world(self, command: dict) -> dict:
+        """Before the training group changes: the model and optimizer state to disk, where
+        the next training world loads it (resharded to its DP size), and the sends of
+        weights still going out completed."""
+        from libra_hpc.engines.train.checkpoint import save_checkpoint
+        from libra_hpc.cluster.messages import wait_sent
+
+        started = time.perf_counter()
+        save_checkpoint(self.engine, command["checkpoint"])
+        if self.sender is not None:
+            for _, requests in self.sender._out:
+                wait_sent(requests, timeout_s=self.cfg.scheduler.lease_s)
+        command["saved_s"] = time.perf_counter() - started
+        return command
 
     def _receive(self, payload: dict) -> None:
         from libra_hpc.rl.trajectory import Trajectory
@@ -82,7 +102,7 @@ class Trainer:
     def _command(self, command: dict) -> None:
         op = command["op"]
         if op == "train":
-            self.job.report(self._train(command["batch"], command["expect"][self.replica]))
+            self.job.report(self._train(command["batch"], command["expect"].get(self.replica, 0), command["leaders"]))
         elif op == "export":
             self.job.report(self._export(command["path"]))
         else:
@@ -108,25 +128,31 @@ class Trainer:
             raise RuntimeError(f"rank {self.rank}: {len(got)} trajectories of batch {batch} arrived, {count} expected")
         return got
 
-    def _train(self, batch: int, count: int) -> dict:
+    def _train(self, batch: int, count: int, leaders: list[int]) -> dict:
         from libra_hpc.rl.grpo import build_batch
         from libra_hpc.rl.step import grpo_step, prepare_batch
 
-        received = self._wait_for(batch, count)
+        from libra_hpc.config_learning import epochs_at
+        from libra_hpc.rl.step import BatchReport
+
+        received = self._wait_for(batch, count) if count else []
         trajectories = [t for _, t in received]
         started = time.perf_counter()
-        mbs = self.cfg.training.micro_batch_size
-        train, report = prepare_batch(trajectories, self.cfg.rl, train_version=batch, pad_id=self.job.codec.pad_id,
-                                      rows_multiple=mbs)
+        mbs, pad = self.cfg.training.micro_batch_size, self.job.codec.pad_id
+        if trajectories:
+            train, report = prepare_batch(trajectories, self.cfg.rl, train_version=batch, pad_id=pad, rows_multiple=mbs)
+        else:  # a replica that just joined: one step with zero gradients (the DP all-reduce needs it)
+            train, report = None, BatchReport(given=0)
         if train is None:  # nothing to learn from here; the step is still collective
-            train = build_batch(trajectories, [0.0] * len(trajectories), pad_id=self.job.codec.pad_id,
+            train = build_batch(trajectories or [_empty(pad)], [0.0] * max(len(trajectories), 1), pad_id=pad,
                                 rows_multiple=mbs)
-        stats = grpo_step(self.engine, train)
+        for _ in range(epochs_at(self.cfg.rl.update_epochs, batch)):
+            stats = grpo_step(self.engine, train)
         train_s = time.perf_counter() - started
         started = time.perf_counter()
         weights = self.engine.iter_hf()
         if self.sender is not None:
-            pack_s = self.sender.post(batch + 1, weights)
+            pack_s = self.sender.post(batch + 1, weights, leaders)
         else:
             for _ in weights:  # collective gathers over the TP group
                 pass
@@ -163,3 +189,10 @@ class Trainer:
         save_file({k: v.contiguous() for k, v in weights.items()}, str(out / "model.safetensors"),
                   metadata={"format": "pt"})
         return {"op": "exported", "path": str(out), "tensors": len(weights)}
+
+
+def _empty(pad: int):
+    """A record with nothing generated: all its tokens are masked out of the loss."""
+    from libra_hpc.rl.trajectory import NOT_GENERATED, Trajectory
+
+    return Trajectory("none", "none", [pad, pad], [False, False], [0.0, 0.0], [NOT_GENERATED] * 2, 0.0, "none")

@@ -32,8 +32,10 @@ class WeightSender:
         self._out: list[tuple[Any, list[Any]]] = []  # (buffer kept alive, its requests)
         self.bytes_sent = 0
 
-    def post(self, version: int, weights: Iterable[tuple[str, Any]]) -> float:
-        """Pack ``weights`` and start sending them; returns the packing seconds."""
+    def post(self, version: int, weights: Iterable[tuple[str, Any]], leaders: Iterable[int] | None = None) -> float:
+        """Pack ``weights`` and start sending them to ``leaders`` (default: all this sender
+        was made with; the controller names the leaders in rollout now); returns the packing
+        seconds."""
         import torch
 
         from libra_hpc.engines.sync import buckets
@@ -54,11 +56,12 @@ class WeightSender:
         manifest = {"version": version, "stage": self.stage, "stages": self.stages, "entries": entries,
                     "nbytes": offset}
         requests = []
-        for leader in self.leaders:
+        leaders = self.leaders if leaders is None else list(leaders)
+        for leader in leaders:
             requests.append(self.comm.isend(manifest, dest=leader, tag=WEIGHTS))
             requests.append(self.comm.Isend(array, dest=leader, tag=WEIGHTS_BYTES))
         self._out.append((array, requests))
-        self.bytes_sent += offset * len(self.leaders)
+        self.bytes_sent += offset * len(leaders)
         return time.perf_counter() - started
 
     def progress(self) -> int:
