@@ -357,6 +357,9 @@ class LoggingConfig(_Section):
     """Root of the log folders (relative paths are taken from the submit directory)."""
     level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
     """Python logging level of every rank."""
+    tensorboard: bool = False
+    """Also write each step's metrics as TensorBoard scalars (``tensorboard --logdir`` on the
+    log folder; written without the tensorboard package, libra_hpc/metrics/tensorboard.py)."""
 
 
 class JobConfig(_Section):

@@ -45,6 +45,8 @@ def test_the_job_trains_and_leaves_what_a_user_looks_at(small_run):
                  "plots/gpu_allocation.png", "plots/reward.png", "plots/throughput.png"):
         assert (folder / name).is_file(), name
     assert "cmlfq" in (folder / "report.md").read_text()
+    [tfevents] = folder.glob("events.out.tfevents.*")  # logging.tensorboard: true
+    assert tfevents.stat().st_size > 500 and b"reward" in tfevents.read_bytes()
     checkpoint = folder / "checkpoint"
     assert {p.name for p in checkpoint.iterdir()} >= {"config.json", "tokenizer.json", "model.safetensors"}
     metrics = [m for m in read_jsonl(folder / "metrics.jsonl") if m["kind"] == "step"]
@@ -158,3 +160,22 @@ class _Inline:
         future = Future()
         future.set_result(self.runners[resource].run(0, payload))
         return future
+
+
+@pytest.mark.mpi
+def test_a_rank_that_fails_ends_the_job_with_its_name_and_no_hang(small_run, tmp_path):
+    """A checkpoint whose weights are garbage: the ranks that load it fail, the first
+    failure reaches the controller with the rank, role and slot, and the job ends (never
+    waits for the ranks that failed)."""
+    import shutil
+
+    folder, cache = small_run
+    broken = tmp_path / "broken"
+    shutil.copytree(folder / "checkpoint", broken)
+    (broken / "model.safetensors").write_bytes(b"not a safetensors file")
+    done = launch("--config", str(SMALL), "--executor", "local", "--eval", str(broken),
+                  "--set", f"logging.dir={tmp_path / 'logs'}", "--set", f"job.cache_dir={cache}", timeout=400)
+    assert done.returncode != 0
+    failure = [e for e in read_jsonl(only_log_folder(tmp_path / "logs") / "events.jsonl") if e["kind"] == "failure"]
+    assert failure, done.stdout[-3000:]
+    assert "JobFailed: rank" in failure[0]["error"] and " on n" in failure[0]["error"]

@@ -65,6 +65,11 @@ class JobController:
         self.rss: dict[str, float] = {}
         self.migrations_seen = 0
         self.load_history: list[tuple[float, dict]] = []
+        self.tensorboard = None
+        if cfg.logging.tensorboard:
+            from libra_hpc.metrics.tensorboard import TensorBoardWriter
+
+            self.tensorboard = TensorBoardWriter(runlog.folder)
         self.last_rollout_s = self.last_step_s = 0.0
 
     # ------------------------------------------------------------------ start
@@ -325,6 +330,9 @@ class JobController:
         self.idle_rollout_s = 0.0
         self.migrations_seen = stats["migrations"]
         self.runlog.metric(b, **metrics)
+        if self.tensorboard is not None:
+            self.tensorboard.scalars(b, metrics)
+            self.tensorboard.flush()
         line = (f"step {b + 1}/{self.cfg.rl.steps}: reward {metrics['reward']:.3f}, {metrics['tokens_per_s']:.0f} tok/s, "
                 f"rollout {rollout_s:.1f} s, train {metrics['train_s']:.1f} s, {metrics['migrations']} migrations "
                 f"({metrics['moves']} turns moved instance), "
@@ -386,6 +394,8 @@ class JobController:
         if s.get("eval_success_final") is not None and s.get("eval_success_warmstart") is not None:
             s["eval_gain"] = round(s["eval_success_final"] - s["eval_success_warmstart"], 4)
         self.runlog.event("trained_trajectories", tids=trained)
+        if self.tensorboard is not None:
+            self.tensorboard.close()
         return s
 
     def _rss_by_role(self) -> dict:

@@ -64,6 +64,7 @@ class HybridDriver:
         self.pauses: list[dict] = []
         self.step_times: list[tuple[int, float]] = []
         self.gain_checks: list[tuple[int, dict]] = []
+        self.quiet_until = 0  # no decision on steps whose batches overlapped the last switch
 
     def now(self) -> float:
         return time.monotonic() - self.t0
@@ -82,9 +83,12 @@ class HybridDriver:
         self._check_gains(b)
         self._zero_grad_done()
         settled = not (self.pool.joining() or self.pool.in_state("releasing") or self.pending or self.relaying)
-        if settled and b + 2 < c.cfg.rl.steps:  # a switch in progress is not judged before it is measured
+        if settled and self.quiet_until <= b and b + 2 < c.cfg.rl.steps:  # a switch is judged once it is measured
             margin = c.cfg.planner.hybrid_margin
             direction = "borrow" if t_train > t_rollout * (1 + margin) else "release" if t_rollout > t_train * (1 + margin) else None
+            if (direction == "borrow" and not self.pool.in_state("rollout")) or \
+                    (direction == "release" and not self.pool.training_replicas()):
+                direction = None  # nothing to lend, or nothing lent
             gain = self._predicted(direction, t_train, t_rollout) if direction else None
             c.runlog.event("plan_considered", step=b, what=f"hybrid pool: {direction or 'hold'}", t_train=round(t_train, 3),
                            t_rollout=round(t_rollout, 3), predicted_gain_s=None if gain is None else round(gain, 3),
@@ -208,6 +212,9 @@ class HybridDriver:
         kind, rid = self.pending
         self.pending = None
         pause = time.perf_counter() - self.switch["started"]
+        import shutil
+
+        shutil.rmtree(c.runlog.folder / f"relayout-v{c.layout.version}", ignore_errors=True)  # loaded: not needed again
         others = self._tokens_mark("during")
         self.applied += 1
         record = {"direction": "join" if kind == "join" else "leave", "pause_s": round(pause, 3),
@@ -228,6 +235,8 @@ class HybridDriver:
             for event in self.pool.progress(rid, self.now()):
                 self._event(event)
         self.gain_checks.append((c.version, record))
+        # The batches in flight across the switch carry its pause: judge it on the ones after.
+        self.quiet_until = c.version + 1 + c.cfg.rl.max_staleness
         c._maybe_train()
 
     def _zero_grad_done(self) -> None:
