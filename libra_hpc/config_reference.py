@@ -61,46 +61,36 @@ The schema describes the whole system; the job `launch.py` submits does not read
 yet. Kept here, in one place, instead of in the field descriptions; update it with the code.
 
 - **Read by the running job** (`launch.py`, `libra_hpc/run.py`, `libra_hpc/runtime/`,
-  `libra_hpc/cluster/`): `cluster` (the Slurm request, the MPI world, `torch_backend`;
-  all but `hardware`), the initial layout (`training.tensor_parallel`,
+  `libra_hpc/cluster/`), `job.mode: rl`: `cluster` (the Slurm request, the MPI world,
+  `torch_backend`; all but `hardware`), the initial layout (`training.tensor_parallel`,
   `pipeline_parallel`, `data_parallel`, `rollout.tp_per_node`, `planner.hybrid_nodes`),
-  the scripted hybrid-pool moves `planner.borrow_at_step` / `return_at_step`, `rl.steps`
-  and `logging`.
+  `planner.min_rollout_gpus` and `hybrid_margin` (the hybrid pool's gate), `model`, the
+  engines' fields (`training.micro_batch_size`, `lr`, `grad_clip`, `ppo_clip`,
+  `distributed_optimizer`, `seq_len`, `rollout.max_new_tokens`, `temperature`,
+  `kv_cache_gib`), the C-MLFQ queue and router (`scheduler.policy`, `tree_window`,
+  `min_samples`, `rebuild_every`, `predictor_noise`, `affinity_tokens`,
+  `bucket_token_limits`, `lease_s`, `max_batch`, `size_thresholds`, `error_markers`),
+  `tools`, `rl` (task, steps, batch, staleness, GRPO options, `update_epochs`), `tasks`,
+  `warmstart`, `job` and `logging`. `job.mode: check` reads the cluster and layout fields,
+  `rl.steps` and the scripted hybrid-pool moves `planner.borrow_at_step` / `return_at_step`.
 - **Read by `launch.py --plan`** (the control loop's first decision, printed, not run):
   `model.name`, `cluster.hardware`, `planner.prior`, `planner.hybrid_nodes`,
   `planner.min_rollout_gpus`, `training.seq_len`, `rl.prompts_per_step × rl.group_size`,
   `rl.max_staleness`, `rl.seed`, and `scheduler.bucket_token_limits` (its keys are the
   rollout TP sizes the planner may use).
-- **Read by libraries the job does not drive yet**: the engines (`MegatronTrainEngine.from_config`,
-  `VllmRolloutEngine.from_config`: `model.path`, `model.dtype`, `training.micro_batch_size`,
-  `lr`, `grad_clip`, `ppo_clip`, `distributed_optimizer`, `seq_len`, `rollout.kv_cache_gib`);
-  the C-MLFQ router (`libra_hpc.scheduler.router_from_config`: `scheduler.policy`,
-  `tree_window`, `min_samples`, `rebuild_every`, `predictor_noise`, `affinity_tokens`,
-  `bucket_token_limits`); tool execution (`tools`, and `scheduler.size_thresholds` /
-  `error_markers` to classify tool output, through `python -m libra_hpc.tools` and
-  `libra_hpc.tools.orchestrator_from_config`).
-- **Acted on only by the simulator so far**: the replanning gate and the hybrid-pool
-  triggers (`planner.window`, `every_steps`, `margin_s`, `confirm_checks`,
-  `min_dwell_steps`, `hybrid_margin`; `launch.py --plan` builds the same control loop but
-  prints only its first decision), `scheduler.bucket_limits` and `saturation`, and the
+- **Acted on only by the simulator so far**: the replanning gate (`planner.window`,
+  `every_steps`, `margin_s`, `confirm_checks`, `min_dwell_steps`; the job does not replan
+  its instance shapes yet), `scheduler.bucket_limits` and `saturation`, and the
   simulator's own sections. The simulator also reads `cluster.nodes`, `gpus_per_node`,
   `hardware`, `model.name`, `training.seq_len`, `rl`, the rest of `planner` but
   `borrow_at_step` / `return_at_step`, and `scheduler`'s routing fields; it ignores the
   initial layout (its allocations come from the planner or the baselines' search), the
   rest of `cluster`, `tools` and `logging`.
-- **Read by the task library** (`libra_hpc.envs.task_from_config`, docs/tasks.md; the job does not
-  run tasks yet): `rl.task`, `rl.seed` and `tasks`.
-- **Read by the RL core** (`libra_hpc.rl.prepare_batch`; the job does not train yet):
-  `rl.max_staleness`, `advantage_norm`, `advantage_eps`, `filter_zero_variance`,
-  `loss_aggregation`, `kl_coef`.
 - **Read by the learning benchmark** (`benchmarks/bench_learning.py` with
-  `configs/learning.yaml`, docs/learning.md; the job does not train yet): `warmstart`,
-  `rl.steps`, `prompts_per_step`, `group_size`, `rollout.max_new_tokens`, `temperature`,
-  `kv_cache_gib`, `training.lr`, `grad_clip`, `ppo_clip`, `micro_batch_size`, `seq_len`,
-  `model.path`, `tools` (the orchestrator of the tool calls), with the task and RL-core
-  fields above.
-- **Read by nothing yet**: the queue service's `scheduler.lease_s`, `max_batch`, `tree_save_every_s` (its benchmark
-  and tests pass their own values).
+  `configs/learning.yaml`, docs/learning.md: the learning loop alone on two ranks): `warmstart`,
+  `rl`, `rollout`, `training`, `model`, `tools` and `tasks`.
+- **Read by nothing yet**: `scheduler.tree_save_every_s` (the queue service's benchmark and
+  tests pass their own value).
 """
 
 SIM_INTRO = """\
