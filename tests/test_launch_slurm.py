@@ -75,6 +75,7 @@ def test_launch_py_reports_a_failed_job(slurm_cluster, tmp_path):
     done = subprocess.run(
         [sys.executable, str(ROOT / "launch.py"), "--nodes", "4", "--gpus-per-node", "8", "--executor", "slurm",
          "--wait", "--set", "rollout.tp_per_node=[1,1,2,4]", "--set", "rl.prompts_per_step=15",
+         "--set", "rl.group_size=4", "--set", "training.micro_batch_size=1",
          "--set", f"logging.dir={tmp_path}"],
         capture_output=True, text=True, timeout=300, cwd=ROOT, env=_env(slurm_cluster))
     # The nodes have 4 GPUs: Slurm refuses 8 per node at submission, and launch.py says so.
