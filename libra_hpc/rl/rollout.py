@@ -40,7 +40,7 @@ from libra_hpc.rl.trajectory import NOT_GENERATED, Trajectory
 
 log = logging.getLogger(__name__)
 
-_MIN_TURN = 16
+MIN_TURN = 16
 """Tokens a model turn needs at least; an episode with less room left ends (``context``)."""
 
 
@@ -178,7 +178,7 @@ def rollout(engine: Any, task: Task, prompts: Sequence[Prompt], executor: Execut
             if s.tokens[-1] == codec.im_end and observation.startswith(IM_END):
                 observation = observation[len(IM_END):]
             ids = codec.encode(observation)
-            if len(s.tokens) + len(ids) + _MIN_TURN > limit:  # the tool output would not leave room for a turn
+            if len(s.tokens) + len(ids) + MIN_TURN > limit:  # the tool output would not leave room for a turn
                 s.episode.abandon("context")
                 continue
             s.tokens += ids
@@ -203,7 +203,7 @@ def rollout(engine: Any, task: Task, prompts: Sequence[Prompt], executor: Execut
 def _ends_for_context(sample: _Sample, limit: int) -> bool:
     """Whether the episode had to end (no answer; it is abandoned here) because not even a
     short turn fits the context any more."""
-    if len(sample.tokens) + _MIN_TURN <= limit:
+    if len(sample.tokens) + MIN_TURN <= limit:
         return False
     sample.episode.abandon("context")
     return True

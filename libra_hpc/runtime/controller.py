@@ -309,7 +309,6 @@ class JobController:
         gen = sum(r["gen_tokens"] for r in rows)
         stats = self.service.stats()
         lags = [b - r["min_version"] for r in rows]
-        train = self.layout.training
         metrics = dict(
             version=self.version, reward=round(statistics.fmean(r["reward"] for r in rows), 4),
             trajectories=len(rows), gen_tokens=gen, tokens_per_s=round(gen / max(rollout_s, 1e-9), 1),

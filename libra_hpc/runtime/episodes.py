@@ -19,10 +19,8 @@ from typing import Any
 
 from libra_hpc.envs.task import Episode, Prompt, Task
 from libra_hpc.envs.toolcall import IM_END, render_prompt
+from libra_hpc.rl.rollout import MIN_TURN
 from libra_hpc.rl.trajectory import NOT_GENERATED, Trajectory
-
-MIN_TURN = 16
-"""Tokens a model turn needs at least; an episode with less room left ends (``context``)."""
 
 
 def trajectory_id(batch: int, pid: str, sample: int) -> str:

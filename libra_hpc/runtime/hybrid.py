@@ -29,6 +29,7 @@ steps later the measured gain (``hybrid_gain``).
 from __future__ import annotations
 
 import logging
+import shutil
 import statistics
 import time
 from typing import Any
@@ -212,8 +213,6 @@ class HybridDriver:
         kind, rid = self.pending
         self.pending = None
         pause = time.perf_counter() - self.switch["started"]
-        import shutil
-
         shutil.rmtree(c.runlog.folder / f"relayout-v{c.layout.version}", ignore_errors=True)  # loaded: not needed again
         others = self._tokens_mark("during")
         self.applied += 1

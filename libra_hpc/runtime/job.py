@@ -122,10 +122,7 @@ def _train(job: Any, worker: Any, relayout: dict | None, inbox: dict, started: f
             for _ in weights:
                 pass
     job.report({"op": "relaid" if relayout else "ready", "start_s": round(time.perf_counter() - started, 2)})
-    command = trainer.run()
-    if command is not None and trainer.sender is not None:
-        command = {**command}
-    return command
+    return trainer.run()
 
 
 def _roll_out(job: Any, worker: Any, relayout: dict | None, started: float) -> dict | None:

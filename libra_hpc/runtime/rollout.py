@@ -60,7 +60,7 @@ class RolloutLeader:
         self.sends: list[Any] = []
         self.update: tuple[int, list] | None = None
         self.update_seen = 0.0
-        self.tokens = self.turns = self.migrations = 0
+        self.tokens = 0
         self.busy_s = self.idle_update_s = 0.0
         self.last_contact = self.last_load = 0.0
         self.stopped = False
@@ -221,7 +221,6 @@ class RolloutLeader:
             episode = self.running.pop(request)
             episode.add_turn(list(generation.tokens), list(generation.logprobs), episode.extra["version"])
             self.tokens += len(generation.tokens)
-            self.turns += 1
             ids = generation.tokens
             text = self.codec.decode(ids[:-1] if ids and ids[-1] == self.codec.im_end else ids)
             calls_before = self.tools.calls
@@ -285,8 +284,6 @@ class RolloutLeader:
                 log.warning("rank %d: queue refused %s: %s", self.rank, request["op"], reply.get("error"))
         turns = replies[-1].get("turns", []) if requests[-1]["op"] == "ask" else []
         for turn in turns:
-            if turn.get("migrated"):
-                self.migrations += 1
             if not self._start(turn):
                 self.parked.append(turn)
         return bool(turns) or len(requests) > 1

@@ -83,13 +83,11 @@ class Trainer:
         the next training world loads it (resharded to its DP size), and the sends of
         weights still going out completed."""
         from libra_hpc.engines.train.checkpoint import save_checkpoint
-        from libra_hpc.cluster.messages import wait_sent
 
         started = time.perf_counter()
         save_checkpoint(self.engine, command["checkpoint"])
         if self.sender is not None:
-            for _, requests in self.sender._out:
-                wait_sent(requests, timeout_s=self.cfg.scheduler.lease_s)
+            self.sender.finish(self.cfg.scheduler.lease_s)
         command["saved_s"] = time.perf_counter() - started
         return command
 

@@ -72,8 +72,13 @@ class WeightSender:
         self._out = [(buf, reqs) for buf, reqs in self._out if not MPI.Request.Testall(reqs)]
         return len(self._out)
 
-    def pending(self) -> int:
-        return len(self._out)
+    def finish(self, timeout_s: float) -> None:
+        """Wait (sleeping) until every posted version has left; TimeoutError after ``timeout_s``."""
+        from libra_hpc.cluster.messages import wait_sent
+
+        for _, requests in self._out:
+            wait_sent(requests, timeout_s=timeout_s)
+        self._out = []
 
 
 class WeightReceiver:
