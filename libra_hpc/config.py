@@ -218,6 +218,13 @@ class PlannerConfig(_Section):
     """Replanning gate: consecutive winning checks, for the same plan, before it is applied."""
     min_dwell_steps: int = Field(10, ge=0)
     """Replanning gate: RL steps after an applied change during which no other is applied."""
+    replan: bool = True
+    """The job re-plans the whole layout (training shape, rollout instances) when the plan
+    search, on the observed lengths and the calibration fitted to the job's timings, beats
+    the current plan through the gate. false: only the hybrid pool moves GPUs."""
+    reconfig_s: float = Field(30.0, ge=0)
+    """Seconds a re-plan is assumed to cost (the pipeline drains, ranks re-form): the gate
+    weighs a candidate's gain against it."""
     hybrid_margin: float = Field(0.1, ge=0)
     """Hybrid pool: lend it to training when the training step takes more than the rollout
     phase × (1 + margin); give it back when rollout takes more than training × (1 + margin)."""

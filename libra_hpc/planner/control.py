@@ -362,11 +362,35 @@ class ControlLoop:
 
     def _hybrid_decide(self, now: float, t_train: float, t_roll: float) -> list[PoolEvent] | None:
         """Borrow or release a hybrid replica; None (nothing considered) when training is
-        the bottleneck but one more replica would not fit its memory."""
+        the bottleneck but one more replica would not fit its memory. A move that
+        :meth:`hybrid_gain` predicts not to shorten the step holds (the margin alone
+        would lend a replica whose rollout GPUs are worth more than its training)."""
         margin = self.o.hybrid_margin
         if t_train > t_roll * (1 + margin) and not self._can_grow():
             return None
+        direction = "borrow" if t_train > t_roll * (1 + margin) else "release" if t_roll > t_train * (1 + margin) else None
+        if direction is not None and (self.hybrid_gain(direction, t_train, t_roll) or 0.0) <= 0:
+            return self.pool.tick(now)
         return self.pool.decide(now, t_train, t_roll, margin)
+
+    def hybrid_gain(self, direction: str, t_train: float, t_roll: float) -> float | None:
+        """Seconds per step that lending one more replica (``borrow``) or taking one back
+        (``release``) is predicted to save: training time scales with 1/DP, rollout time
+        with 1/rollout GPUs, the step is the slower of the two. None when there is no
+        replica to move that way."""
+        pool = self.pool
+        if pool is None:
+            return None
+        dp = self.training_shape().dp
+        lent = len(pool.training_replicas())
+        rollout = self.plan.rollout_gpus - lent * pool.replica_size
+        size = pool.replica_size
+        now_s = max(t_train, t_roll)
+        if direction == "borrow" and pool.in_state("rollout") and rollout > size:
+            return now_s - max(t_train * dp / (dp + 1), t_roll * rollout / (rollout - size))
+        if direction == "release" and lent and dp > 1:
+            return now_s - max(t_train * dp / (dp - 1), t_roll * rollout / (rollout + size))
+        return None
 
     def _can_grow(self) -> bool:
         return not TrainingCost(self.model, self.hw, grown(self.training_shape(), 1), self.cal).infeasible

@@ -30,9 +30,11 @@ from pathlib import Path
 from typing import Any
 
 from libra_hpc.cluster.layout import layout_from_config
-from libra_hpc.cluster.messages import COMMAND, REPORT
+from libra_hpc.config_learning import epochs_at
+from libra_hpc.cluster.messages import COMMAND, QUEUE_REQUEST, REPORT
 from libra_hpc.runtime.episodes import batch_of, group_of, trajectory_id
 from libra_hpc.runtime.hybrid import HybridDriver
+from libra_hpc.runtime.planning import PlannerDriver
 from libra_hpc.runtime.roles import Roles, roles_from_layout
 
 log = logging.getLogger(__name__)
@@ -63,7 +65,7 @@ class JobController:
         self.last_step_end = None
         self.exported: str | None = None
         self.rss: dict[str, float] = {}
-        self.migrations_seen = 0
+        self.migrations_seen = self.migrations_before = 0
         self.load_history: list[tuple[float, dict]] = []
         self.tensorboard = None
         if cfg.logging.tensorboard:
@@ -92,13 +94,16 @@ class JobController:
             self.layout = self.initial = layout_from_config(cfg)
             self.ids = {g.slots: g.gid for g in self.layout.rollout_instances}
             self.roles: Roles = roles_from_layout(self.layout, self.world.topology.rank_of, self.ids)
-            self.hybrid = HybridDriver(self) if self.layout.hybrid and not cfg.job.eval_checkpoint else None
+            self.planner = None if cfg.job.eval_checkpoint else PlannerDriver(self)
+            self.hybrid = None if self.planner is None else HybridDriver(self)
             self.runlog.event("layout_applied", step=0, by="config", **self.layout.summary())
             self.world.command({"op": "start", "roles": self.roles, "warm": str(self.warm)})
             self.sampler = PromptSampler(self.task.splits, seed=cfg.rl.seed)
             self.service = self._queue_service()
             loop = self.loop = EventLoop(self.comm)
-            QueueHandler(self.comm, self.service).attach(loop)
+            self.queue = QueueHandler(self.comm, self.service)
+            loop.on(QUEUE_REQUEST, self.queue.handle, malformed=self.queue.malformed, fatal=True, name="queue request")
+            loop.when_idle(lambda now: self.service.maintain(now))  # the service in use (a replan builds another)
             self.tools = ToolService(self.comm, self.orchestrator)
             self.tools.attach(loop)
             loop.on(REPORT, self._report, fatal=True, name="report")
@@ -149,6 +154,13 @@ class JobController:
         return QueueService(router, lease_s=s.lease_s, max_batch=s.max_batch, size_thresholds=s.size_thresholds,
                             error_markers=s.error_markers, buckets=buckets)
 
+    def rebuild_queue(self) -> None:
+        """A fresh queue service on the current layout's buckets (a replan applied; nothing
+        is in flight). Its migrations add to the ones counted before."""
+        self.migrations_before += self.service.stats()["migrations"]
+        self.migrations_seen = 0
+        self.service = self.queue.service = self._queue_service()
+
     # ------------------------------------------------------------------ reports
 
     def _report(self, message: Any, source: int) -> None:
@@ -173,6 +185,8 @@ class JobController:
 
     def _on_load(self, message: dict, source: int) -> None:
         self.leader_load[message["instance"]] = message
+        if self.planner is not None:
+            self.planner.load(message)
         self.load_history.append((time.perf_counter(), {i: m["tokens"] for i, m in self.leader_load.items()}))
         del self.load_history[:-500]
 
@@ -233,6 +247,9 @@ class JobController:
 
     def _submit(self, b: int) -> None:
         cfg = self.cfg
+        if self.planner is not None and self.planner.holding():  # a replan waits for the pipeline to drain
+            self.planner.held.append(b)
+            return
         prompts = self.sampler.next(cfg.rl.prompts_per_step, lambda: f"training batch {b}")
         self.batches[b] = {"submitted": time.perf_counter(), "done": 0, "tokens": {}, "count": {}, "rows": []}
         for p in prompts:
@@ -289,16 +306,19 @@ class JobController:
             return
         self.training = False
         self.version = b + 1
-        self._record_step(b, reports)
-        if self.hybrid is not None:
-            self.hybrid.after_step(b, reports)
+        rows = self._record_step(b, reports)
+        if self.planner is not None:
+            self.planner.observe(b, rows, reports, epochs_at(self.cfg.rl.update_epochs, b))
+            self.planner.after_step(b, reports)
         if self.version + self.cfg.rl.max_staleness < self.cfg.rl.steps:
             self._submit(self.version + self.cfg.rl.max_staleness)
         self._maybe_train()
+        if self.planner is not None:
+            self.planner.maybe_apply()
         if self.version == self.cfg.rl.steps and self._leaders_current():
             self._start_eval("final")
 
-    def _record_step(self, b: int, reports: list[dict]) -> None:
+    def _record_step(self, b: int, reports: list[dict]) -> list[dict]:
         batch = self.batches.pop(b)
         rows = batch["rows"]
         now = time.perf_counter()
@@ -338,6 +358,7 @@ class JobController:
                 f"{metrics['tool_calls']} tool calls, staleness ≤ {metrics['staleness_max']}")
         self.runlog.event("progress", line=line)
         log.info(line)
+        return rows
 
     # ------------------------------------------------------------------ helpers
 
@@ -380,8 +401,9 @@ class JobController:
                  trajectories_lost=None if submitted is None else submitted - len(set(trained)),
                  tool_calls=self.tools.calls if hasattr(self, "tools") else 0,
                  tool_failures=self.tools.failures if hasattr(self, "tools") else 0,
-                 migrations=self.service.stats().get("migrations") if hasattr(self, "service") else 0,
-                 layouts_applied_by_planner=self.hybrid.applied if self.hybrid else 0,
+                 migrations=self.migrations_before + self.service.stats()["migrations"] if hasattr(self, "service") else 0,
+                 layouts_applied_by_planner=(self.hybrid.applied + self.planner.replans) if self.hybrid else 0,
+                 replans_applied=self.planner.replans if self.planner else 0,
                  hybrid_switches=self.hybrid.applied if self.hybrid else 0,
                  hybrid_pauses_s=self.hybrid.pauses if self.hybrid else [], checkpoint=self.exported,
                  completed=self.phase == "done")

@@ -32,10 +32,10 @@ import logging
 import shutil
 import statistics
 import time
+from dataclasses import replace
 from typing import Any
 
 from libra_hpc.cluster.layout import lend_hybrid_to_training, return_hybrid_to_rollout
-from libra_hpc.planner.hybrid import HybridPool, PhaseTimeouts
 from libra_hpc.runtime.roles import roles_from_layout
 
 log = logging.getLogger(__name__)
@@ -44,21 +44,18 @@ GAIN_STEPS = 3
 
 
 class HybridDriver:
+    """Carries out the control loop's layout decisions (:class:`~.planning.PlannerDriver`
+    owns the loop): hybrid-pool transitions, and the relayouts of those and of a replan."""
+
     def __init__(self, controller: Any):
         self.c = controller
-        cfg = controller.cfg
-        layout = controller.layout
         self.t0 = time.monotonic()
-        self.pool = HybridPool.from_layout(layout, min_rollout_gpus=cfg.planner.min_rollout_gpus,
-                                           timeouts=PhaseTimeouts(requested=600, fetching_state=900,
-                                                                  zero_grad_sync=900, releasing=900))
-        members = {r.rid: set(r.slots) for r in self.pool.all_replicas()}
-        self.instances = {rid: [controller.ids[g.slots] for g in layout.rollout_instances
-                                if g.hybrid and set(g.slots) <= slots] for rid, slots in members.items()}
-        self.leaving: set[int] = set()  # instances out of rollout for a join (draining, then drained)
+        self.instances: dict[int, list[int]] = {}
+        self._map_pool()
+        self.leaving: set[int] = set()  # instances out of rollout for a relayout (draining, then drained)
         self.drained: set[int] = set()
         self.no_route: set[int] = set()  # DP replicas that get no new group (releasing)
-        self.pending: tuple[str, int] | None = None  # ("join" | "leave", replica) waiting for a step boundary
+        self.pending: tuple[str, Any] | None = None  # ("join" | "leave", replica) or ("replan", layout)
         self.relaying: set[int] = set()
         self.switch: dict = {}
         self.applied = 0
@@ -66,94 +63,103 @@ class HybridDriver:
         self.step_times: list[tuple[int, float]] = []
         self.gain_checks: list[tuple[int, dict]] = []
         self.quiet_until = 0  # no decision on steps whose batches overlapped the last switch
+        self.on_replaced = None
+
+    @property
+    def pool(self):
+        return self.c.planner.pool
+
+    def _map_pool(self) -> None:
+        """Hybrid replica → the rollout instances on its slots (in the current layout)."""
+        c, pool = self.c, self.pool
+        self.instances = {} if pool is None else {
+            r.rid: [c.ids[g.slots] for g in c.layout.rollout_instances if g.hybrid and set(g.slots) <= set(r.slots)]
+            for r in pool.all_replicas()}
 
     def now(self) -> float:
-        return time.monotonic() - self.t0
+        return self.c.planner.now()
 
     def busy(self) -> bool:
         """A relayout waits for the step boundary (no new training step starts) or runs."""
         return bool(self.relaying) or (self.pending is not None and self._ready())
 
+    def settled(self, b: int) -> bool:
+        """The control loop may decide after step ``b``: no switch under way, the last one's
+        batches are measured, and a switch now would be measured before the run ends."""
+        pool = self.pool
+        moving = pool is not None and bool(pool.joining() or pool.in_state("releasing"))
+        return not (moving or self.pending or self.relaying) and self.quiet_until <= b and b + 2 < self.c.cfg.rl.steps
+
     # ------------------------------------------------------------------ decisions
 
-    def after_step(self, b: int, reports: list[dict]) -> None:
+    def after_step(self, b: int) -> None:
         c = self.c
-        t_train = max(r["train_s"] for r in reports)
-        t_rollout = c.last_rollout_s
         self.step_times.append((b, c.last_step_s))
         self._check_gains(b)
         self._zero_grad_done()
-        settled = not (self.pool.joining() or self.pool.in_state("releasing") or self.pending or self.relaying)
-        if settled and self.quiet_until <= b and b + 2 < c.cfg.rl.steps:  # a switch is judged once it is measured
-            margin = c.cfg.planner.hybrid_margin
-            direction = "borrow" if t_train > t_rollout * (1 + margin) else "release" if t_rollout > t_train * (1 + margin) else None
-            if (direction == "borrow" and not self.pool.in_state("rollout")) or \
-                    (direction == "release" and not self.pool.training_replicas()):
-                direction = None  # nothing to lend, or nothing lent
-            gain = self._predicted(direction, t_train, t_rollout) if direction else None
-            c.runlog.event("plan_considered", step=b, what=f"hybrid pool: {direction or 'hold'}", t_train=round(t_train, 3),
-                           t_rollout=round(t_rollout, 3), predicted_gain_s=None if gain is None else round(gain, 3),
-                           decision="hold" if direction is None else "to the pool's gate" if gain > 0 else "kept",
-                           reason="within the margin" if direction is None else
-                           "predicted to shorten the step" if gain > 0 else "predicted not to shorten the step")
-            events = self.pool.decide(self.now(), t_train, t_rollout, margin=margin) if gain and gain > 0 else []
-            for event in events:
-                self._record(event, t_train, t_rollout)
-                if event.refused:
-                    continue
-                if event.to_state == "requested":
-                    self._borrow(event.replica)
-                elif event.to_state == "releasing":
-                    self._release(event.replica)
         self._maybe_relayout()
 
-    def _predicted(self, direction: str | None, t_train: float, t_rollout: float) -> float | None:
-        """Step time saved by lending one replica (``borrow``) or taking one back
-        (``release``): training time scales with 1/DP, rollout time with 1/rollout GPUs,
-        and the step is the slower of the two (the pipelined, asynchronous step)."""
-        d = len(self.c.roles.replicas)
-        rollout = len(self.c.layout.slots_of("rollout"))
-        size = self.pool.replica_size
-        now_s = max(t_train, t_rollout)
-        if direction == "borrow":
-            return now_s - max(t_train * d / (d + 1), t_rollout * rollout / max(rollout - size, 1))
-        if direction == "release":
-            return now_s - max(t_train * d / max(d - 1, 1), t_rollout * rollout / (rollout + size))
-        return None
+    def assess(self, t_train: float, t_rollout: float) -> dict:
+        """Which way the pool's gate points, and the step time a move is predicted to save
+        (taken before the control loop decides: its answer changes the pool)."""
+        margin = self.c.cfg.planner.hybrid_margin
+        direction = "borrow" if t_train > t_rollout * (1 + margin) else "release" if t_rollout > t_train * (1 + margin) else None
+        gain = self.c.planner.control.hybrid_gain(direction, t_train, t_rollout) if direction else None
+        return {"direction": direction, "t_train": round(t_train, 3), "t_rollout": round(t_rollout, 3),
+                "predicted_gain_s": None if gain is None else round(gain, 3)}
 
-    def _record(self, event: Any, t_train: float, t_rollout: float) -> None:
-        direction = {"requested": "borrow", "releasing": "release"}.get(event.to_state)
-        predicted = self._predicted(direction, t_train, t_rollout)
-        self.c.runlog.event("hybrid", replica=event.replica, state=event.to_state, from_state=event.from_state,
-                            reason=event.reason, refused=event.refused, t_train=round(t_train, 3),
-                            t_rollout=round(t_rollout, 3),
-                            predicted_gain_s=None if predicted is None else round(predicted, 3))
-        if predicted is not None:
-            self.switch = {"replica": event.replica, "predicted_gain_s": round(predicted, 3),
-                           "direction": "join" if event.to_state == "requested" else "leave",
-                           "decided": time.perf_counter(), "step": self.c.version}
+    def carry_out(self, events: list, assessment: dict) -> None:
+        """The pool's answer to one ``after_rollout``: borrow, release, or hold (logged)."""
+        c = self.c
+        direction, gain = assessment["direction"], assessment["predicted_gain_s"]
+        moved = [e for e in events if e.changed and e.to_state in ("requested", "releasing")]
+        c.runlog.event("plan_considered", step=c.version - 1, what=f"hybrid pool: {direction or 'hold'}", **assessment,
+                       decision="applied" if moved else "hold" if direction is None or gain is None else "kept",
+                       reason="within the margin" if direction is None else "nothing to move that way" if gain is None
+                       else "predicted to shorten the step" if gain > 0 else "predicted not to shorten the step")
+        for event in events:
+            c.runlog.event("hybrid", replica=event.replica, state=event.to_state, from_state=event.from_state,
+                           reason=event.reason, refused=event.refused, **assessment)
+            if event.refused or not event.changed:
+                continue
+            if event.to_state in ("requested", "releasing"):
+                self.switch = {"replica": event.replica, "predicted_gain_s": gain, "decided": time.perf_counter(),
+                               "direction": "join" if event.to_state == "requested" else "leave", "step": c.version}
+            if event.to_state == "requested":
+                self._borrow(event.replica)
+            elif event.to_state == "releasing":
+                self._release(event.replica)
 
     def _borrow(self, rid: int) -> None:
         c = self.c
         until = c.version + (1 if c.training else 0)
         for instance in self.instances[rid]:
-            c.service.retire(instance, time.monotonic())
-            self.leaving.add(instance)
-            c._send(c.roles.leaders[instance], {"op": "leave", "until_version": until})
+            self._leave(instance, until)
         self._tokens_mark("before")
+
+    def _leave(self, instance: int, until: int) -> None:
+        c = self.c
+        c.service.retire(instance, time.monotonic())
+        self.leaving.add(instance)
+        c._send(c.roles.leaders[instance], {"op": "leave", "until_version": until})
 
     def left(self, message: dict, source: int) -> None:
         instance = message["instance"]
         self.drained.add(instance)
-        self.c.runlog.event("hybrid_drained", instance=instance, rank=source, drain_s=message["drain_s"])
+        self.c.runlog.event("hybrid_drained" if self.pending is None or self.pending[0] != "replan" else "instance_drained",
+                            instance=instance, rank=source, drain_s=message["drain_s"])
+        if self.pending is not None and self.pending[0] == "replan":
+            self._maybe_relayout()
+            return
         rid = next(r for r, insts in self.instances.items() if instance in insts)
         if all(i in self.drained for i in self.instances[rid]):
-            events = self.pool.progress(rid, self.now())
+            events = self.c.planner.control.progress(rid, self.now())
             for event in events:
                 self._event(event)
             if self.pool.replica(rid).state != "fetching_state":  # rolled back (a timeout) after its engine stopped
                 raise RuntimeError(f"hybrid replica {rid} was rolled back to rollout while its instances drained "
-                                   f"({events[-1].reason}); restarting their engines is not supported")
+                                   f"({events[-1].reason if events else 'no event'}); restarting their engines is not "
+                                   "supported")
             self.pending = ("join", rid)
             self._maybe_relayout()
 
@@ -165,33 +171,62 @@ class HybridDriver:
         self.pending = ("leave", rid)
         self._tokens_mark("before")
 
+    def replace(self, change: Any, on_done: Any) -> None:
+        """Run ``change.layout`` (a replan) from now on; nothing is in flight. The instances
+        it drops drain and leave, then the ranks whose role changes re-form;
+        ``on_done(record)`` when every rank reported."""
+        c = self.c
+        layout = replace(change.layout, version=c.layout.version + 1)
+        ids = dict(c.ids)
+        for g in layout.rollout_instances:
+            ids.setdefault(g.slots, max(ids.values(), default=-1) + 1)
+        keep = {g.slots for g in layout.rollout_instances}
+        dropped = [i for i, rank in c.roles.leaders.items() if c.roles.groups[i].slots not in keep]
+        self.pending = ("replan", (layout, ids, dropped))
+        self.on_replaced = on_done
+        self.switch = {"direction": "replan", "decided": time.perf_counter(), "step": c.version}
+        self._tokens_mark("before")
+        for instance in dropped:
+            self._leave(instance, c.version)
+        self._maybe_relayout()
+
     # ------------------------------------------------------------------ relayout
 
     def _ready(self) -> bool:
         """The pending relayout may start: no training step runs, and (release) no
-        untrained batch has a group on a replica that leaves."""
+        untrained batch has a group on a replica that leaves, (replan) every instance it
+        drops has left."""
         c = self.c
         if c.training:
             return False
         if self.pending and self.pending[0] == "leave":
             return not any(batch["count"].get(d, 0) for b, batch in c.batches.items() if b >= c.version
                            for d in self.no_route)
+        if self.pending and self.pending[0] == "replan":
+            return all(i in self.drained for i in self.pending[1][2])
         return True
 
     def _maybe_relayout(self) -> None:
         if self.pending is None or self.relaying or not self._ready():
             return
         c = self.c
-        kind, rid = self.pending
+        kind, what = self.pending
         old = c.roles
         if kind == "join":
-            layout = lend_hybrid_to_training(c.layout, reason=f"hybrid replica {rid} joins training (planner's gate)")
+            layout = lend_hybrid_to_training(c.layout, reason=f"hybrid replica {what} joins training (planner's gate)")
+            changed = self.instances[what]
+        elif kind == "leave":
+            layout = return_hybrid_to_rollout(c.layout, c.initial, reason=f"hybrid replica {what} back to rollout "
+                                                                            "(planner's gate)")
+            changed = self.instances[what]
         else:
-            layout = return_hybrid_to_rollout(c.layout, c.initial, reason=f"hybrid replica {rid} back to rollout "
-                                                                           "(planner's gate)")
+            layout, ids, changed = what
+            c.ids = ids
         roles = roles_from_layout(layout, c.world.topology.rank_of, c.ids)
         moved = set(old.trainers) | set(roles.trainers)
-        for instance in self.instances[rid]:
+        if kind == "replan":
+            changed = list(changed) + [i for i in roles.leaders if i not in old.leaders]
+        for instance in changed:
             moved.update((old.members.get(instance) or ()) + (roles.members.get(instance) or ()))
         command = {"op": "relayout", "roles": roles, "checkpoint": str(c.runlog.folder / f"relayout-v{layout.version}"),
                    "version": c.version, "old_leaders": sorted(old.leaders.values()), "reason": layout.reason}
@@ -210,40 +245,60 @@ class HybridDriver:
         self.relaying.discard(source)
         if self.relaying:
             return
-        kind, rid = self.pending
+        kind, what = self.pending
         self.pending = None
         pause = time.perf_counter() - self.switch["started"]
         shutil.rmtree(c.runlog.folder / f"relayout-v{c.layout.version}", ignore_errors=True)  # loaded: not needed again
         others = self._tokens_mark("during")
-        self.applied += 1
-        record = {"direction": "join" if kind == "join" else "leave", "pause_s": round(pause, 3),
+        record = {"direction": self.switch["direction"], "pause_s": round(pause, 3),
                   "decided_to_applied_s": round(time.perf_counter() - self.switch["decided"], 3),
                   "predicted_gain_s": self.switch.get("predicted_gain_s"), **others}
+        if kind == "replan":
+            self._replaced(what, record)
+            return
+        self.applied += 1
         self.pauses.append(record)
         c.runlog.event("layout_applied", step=c.version, by="planner (hybrid pool)", **c.layout.summary(), **record)
         if kind == "join":
-            self.leaving.difference_update(self.instances[rid])
-            self.drained.difference_update(self.instances[rid])
-            for event in self.pool.progress(rid, self.now()):  # fetched: the zero-gradient step is next
+            self.leaving.difference_update(self.instances[what])
+            self.drained.difference_update(self.instances[what])
+            for event in c.planner.control.progress(what, self.now()):  # fetched: the zero-gradient step is next
                 self._event(event)
             self.zero_grad_at = c.version
         else:
             self.no_route.clear()
-            for instance in self.instances[rid]:
+            for instance in self.instances[what]:
                 c.service.restore(instance)
-            for event in self.pool.progress(rid, self.now()):
+            for event in c.planner.control.progress(what, self.now()):  # releasing -> rollout
                 self._event(event)
         self.gain_checks.append((c.version, record))
         # The batches in flight across the switch carry its pause: judge it on the ones after.
         self.quiet_until = c.version + 1 + c.cfg.rl.max_staleness
         c._maybe_train()
 
+    def _replaced(self, what: tuple, record: dict) -> None:
+        """A replan's ranks re-formed: the queue starts over on the new buckets (nothing is
+        in flight), the pool maps onto the new layout."""
+        c = self.c
+        layout, _, dropped = what
+        self.leaving.difference_update(dropped)
+        self.drained.difference_update(dropped)
+        for instance in dropped:
+            c.leader_load.pop(instance, None)
+        c.initial = layout
+        c.rebuild_queue()
+        done, self.on_replaced = self.on_replaced, None
+        done(record)  # the planner adopts the change: its pool is the new layout's
+        self._map_pool()
+        self.gain_checks.append((c.version, record))
+        self.quiet_until = c.version + 1 + c.cfg.rl.max_staleness
+
     def _zero_grad_done(self) -> None:
         """The first step after a join was the new replica's zero-gradient step."""
         at = getattr(self, "zero_grad_at", None)
         if at is not None and self.c.version > at:
             for r in self.pool.in_state("zero_grad_sync"):
-                for event in self.pool.progress(r.rid, self.now()):
+                for event in self.c.planner.control.progress(r.rid, self.now()):
                     self._event(event)
             self.zero_grad_at = None
 

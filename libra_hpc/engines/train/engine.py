@@ -85,7 +85,7 @@ class MegatronTrainEngine:
             seed_model_parallel(seed)
             self.config = transformer_config(self.shape, tp=tp, pp=pp, dtype=dtype, cpu_init=not cuda)
             model = build_gpt(self.shape, self.config, pre_process=self.placement.first_stage,
-                              post_process=self.placement.last_stage).to(self.device)
+                              post_process=self.placement.last_stage).to(self.device, dtype)  # the norms too
             self._load_hf(model)
             self.model, self.optimizer = _wrap(model, self.config, lr=lr, clip_grad=clip_grad,
                                                weight_decay=weight_decay, dtype=dtype,
