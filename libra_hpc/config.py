@@ -221,10 +221,12 @@ class PlannerConfig(_Section):
     replan: bool = True
     """The job re-plans the whole layout (training shape, rollout instances) when the plan
     search, on the observed lengths and the calibration fitted to the job's timings, beats
-    the current plan through the gate. false: only the hybrid pool moves GPUs."""
+    the current plan through the gate. false: only the hybrid pool moves GPUs. (The job's
+    switch: in a simulator scenario each policy says whether it re-plans.)"""
     reconfig_s: float = Field(30.0, ge=0)
     """Seconds a re-plan is assumed to cost (the pipeline drains, ranks re-form): the gate
-    weighs a candidate's gain against it."""
+    weighs a candidate's gain against it. (The job's: a simulator scenario charges
+    ``costs.reconfig_s``.)"""
     hybrid_margin: float = Field(0.1, ge=0)
     """Hybrid pool: lend it to training when the training step takes more than the rollout
     phase × (1 + margin); give it back when rollout takes more than training × (1 + margin)."""

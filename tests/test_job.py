@@ -104,6 +104,51 @@ def test_eval_only_scores_the_exported_checkpoint(small_run, tmp_path):
     assert "eval_success_final" not in summary
 
 
+REPLAN = ("--set", "planner.every_steps=1", "--set", "planner.confirm_checks=1", "--set", "planner.margin_s=0",
+          "--set", "planner.reconfig_s=0", "--set", "planner.min_dwell_steps=0", "--set", "planner.hybrid_nodes=0",
+          "--set", "rl.update_epochs={0: 1}", "--set", "rl.steps=5")
+
+
+@pytest.mark.mpi
+def test_the_planner_replans_the_layout_and_the_job_carries_it_out(small_run, tmp_path):
+    """A gate that applies any plan search win at once (no margin, no reconfiguration
+    cost): the control loop's first check picks a plan other than the config's hand-made
+    one, the pipeline drains, the ranks re-form in the new shape, and the run finishes
+    with every trajectory trained once, the steps after the replan on the new layout."""
+    _, cache = small_run
+    done = launch("--config", str(SMALL), "--executor", "local", "--set", f"logging.dir={tmp_path}",
+                  "--set", f"job.cache_dir={cache}", *REPLAN, timeout=500)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    folder = only_log_folder(tmp_path)
+    events = read_jsonl(folder / "events.jsonl")
+    summary = json.loads((folder / "summary.json").read_text())
+    assert summary["completed"] and summary["steps"] == 5 and summary["replans_applied"] >= 1
+    assert summary["trajectories_lost"] == 0 and summary["trajectories_duplicated"] == 0
+    assert summary["trajectories_trained"] == 12 * 5
+    decided = next(e for e in events if e["kind"] == "plan_considered" and e.get("apply"))
+    [applied, *_] = [e for e in events if e["kind"] == "layout_applied" and e.get("by") == "planner (replan)"]
+    assert applied["plan"] == decided["candidate"] and applied["pause_s"] > 0
+    assert applied["plan"] != "train TP2 PP1 DP2 mbs1 (4 GPUs) | rollout 2×TP1 1×TP2 (4 GPUs)"
+    metrics = [m for m in read_jsonl(folder / "metrics.jsonl") if m["kind"] == "step"]
+    after = [m for m in metrics if m["step"] >= applied["step"]]
+    assert after and all(m["gpus"]["training"] == applied["gpus"]["training"] for m in after)
+    buckets = [e for e in events if e["kind"] == "buckets"]
+    assert len(buckets) == 2  # the queue started over on the new layout's instances
+
+
+def test_a_report_the_controller_cannot_read_ends_the_job_naming_the_rank():
+    from libra_hpc.runtime.controller import JobController, JobFailed
+
+    controller = object.__new__(JobController)  # the report path needs no world
+    controller.rss = {}
+    with pytest.raises(JobFailed, match="rank 5 sent a report that could not be read"):
+        controller._malformed_report(5, pickle.UnpicklingError("truncated"))
+    with pytest.raises(JobFailed, match="rank 3 sent a malformed report"):
+        controller._report(["not", "a", "dict"], 3)
+    with pytest.raises(JobFailed, match="rank 4 sent a report with unknown op 'tarj'"):
+        controller._report({"op": "tarj"}, 4)
+
+
 def test_roles_follow_the_layout():
     from libra_hpc.cluster.layout import initial_layout
     from libra_hpc.runtime.roles import roles_from_layout

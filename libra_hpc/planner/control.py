@@ -369,7 +369,8 @@ class ControlLoop:
         if t_train > t_roll * (1 + margin) and not self._can_grow():
             return None
         direction = "borrow" if t_train > t_roll * (1 + margin) else "release" if t_roll > t_train * (1 + margin) else None
-        if direction is not None and (self.hybrid_gain(direction, t_train, t_roll) or 0.0) <= 0:
+        gain = None if direction is None else self.hybrid_gain(direction, t_train, t_roll)
+        if gain is not None and gain <= 0:  # None: nothing to move that way (the pool says so)
             return self.pool.tick(now)
         return self.pool.decide(now, t_train, t_roll, margin)
 

@@ -106,7 +106,7 @@ class JobController:
             loop.when_idle(lambda now: self.service.maintain(now))  # the service in use (a replan builds another)
             self.tools = ToolService(self.comm, self.orchestrator)
             self.tools.attach(loop)
-            loop.on(REPORT, self._report, fatal=True, name="report")
+            loop.on(REPORT, self._report, malformed=self._malformed_report, fatal=True, name="report")
             loop.every(5.0, self._progress, name="progress")
             loop.run(stop_when=lambda: self.phase == "done" or bool(self.stop))
             if self.stop and self.phase != "done":
@@ -173,6 +173,12 @@ class JobController:
         if handler is None:
             raise JobFailed(f"rank {source} sent a report with unknown op {message['op']!r}")
         handler(message, source)
+
+    def _malformed_report(self, source: int, exc: Exception) -> None:
+        """A report that does not unpickle: what it said is lost (a finished trajectory,
+        a trained step), so the job cannot go on as if it had come."""
+        raise JobFailed(f"rank {source} sent a report that could not be read ({exc!r}); "
+                        "the job stops rather than wait for what it said")
 
     def _on_error(self, message: dict, source: int) -> None:
         raise JobFailed(f"rank {source} ({message.get('role')} on {message.get('slot')}): {message.get('error')}")

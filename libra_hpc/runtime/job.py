@@ -109,7 +109,9 @@ def _train(job: Any, worker: Any, relayout: dict | None, inbox: dict, started: f
     from libra_hpc.runtime.trainer import Trainer
 
     torch.set_num_threads(job.cfg.job.torch_threads)
-    engine = worker.own(MegatronTrainEngine.from_config(job.warm, job.cfg.model, job.cfg.training, seed=job.cfg.rl.seed))
+    shape = job.roles.layout.training
+    engine = worker.own(MegatronTrainEngine.from_config(job.warm, job.cfg.model, job.cfg.training, seed=job.cfg.rl.seed,
+                                                        tp=shape.tp, pp=shape.pp))
     trainer = Trainer(job, engine)
     trainer.inbox = inbox
     if relayout is not None:  # the state the previous training world saved, resharded to this one

@@ -178,7 +178,7 @@ class PlannerDriver:
         record.update(predicted_gain_s=None if change.gain_s is None else round(change.gain_s, 3),
                       decided_to_applied_s=round(time.perf_counter() - self.decided, 3))
         c.runlog.event("layout_applied", step=c.version, by="planner (replan)", plan=change.plan.describe(),
-                       reason=change.reason, **c.layout.summary(), **record)
+                       **c.layout.summary(), **record)
         held, self.held = self.held, []
         for b in held:
             c._submit(b)

@@ -31,6 +31,7 @@ from libra_hpc.cluster.messages import TOOL_REQUEST, TOOL_RESULT
 
 log = logging.getLogger(__name__)
 CONTROLLER = 0
+RUN_FIELDS = ("id", "trajectory", "tool", "resource", "payload")
 
 
 class RemoteFuture(Future):
@@ -113,10 +114,13 @@ class ToolService:
         loop.every(0.005, self.flush, name="tool results", busy_after_s=0.005)
 
     def handle(self, request: Any, source: int) -> None:
-        if not isinstance(request, dict) or request.get("op") not in ("run", "end"):
-            log.error("rank %d sent a malformed tool request: %.200r", source, request)
+        op = request.get("op") if isinstance(request, dict) else None
+        missing = [k for k in RUN_FIELDS if k not in request] if op == "run" else [] if op == "end" else ["op"]
+        if missing:  # answered when it names its action (the episode reads the error), else logged
+            log.error("rank %d sent a malformed tool request (missing %s): %.200r", source, missing, request)
             if isinstance(request, dict) and "id" in request:
-                self._send(source, {"id": request["id"], "ok": False, "error": "malformed tool request"})
+                self._send(source, {"id": request["id"], "ok": False,
+                                    "error": f"malformed tool request from rank {source}: missing {', '.join(missing)}"})
             return
         if request["op"] == "end":
             self.orchestrator.end_trajectory(request["trajectory"])

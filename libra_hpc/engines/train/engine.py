@@ -94,11 +94,13 @@ class MegatronTrainEngine:
                  self.placement.dp, self.device)
 
     @classmethod
-    def from_config(cls, model_path: str | Path, model_cfg, training_cfg, *, seed: int = 0) -> MegatronTrainEngine:
+    def from_config(cls, model_path: str | Path, model_cfg, training_cfg, *, seed: int = 0, tp: int | None = None,
+                    pp: int | None = None) -> MegatronTrainEngine:
         """The engine the experiment YAML describes: ``model.dtype``; ``training.tensor_parallel``,
         ``pipeline_parallel``, ``micro_batch_size``, ``lr``, ``grad_clip``, ``ppo_clip``,
-        ``distributed_optimizer``."""
-        return cls(model_path, tp=training_cfg.tensor_parallel, pp=training_cfg.pipeline_parallel,
+        ``distributed_optimizer``. ``tp``/``pp``: the shape the layout gives instead (a
+        planner's layout may differ from the config's)."""
+        return cls(model_path, tp=tp or training_cfg.tensor_parallel, pp=pp or training_cfg.pipeline_parallel,
                    lr=training_cfg.lr, clip_grad=training_cfg.grad_clip, clip_eps=training_cfg.ppo_clip,
                    micro_batch_size=training_cfg.micro_batch_size, seed=seed, dtype=getattr(torch, model_cfg.dtype),
                    distributed_optimizer=training_cfg.distributed_optimizer)
