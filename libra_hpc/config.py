@@ -259,7 +259,8 @@ class SchedulerConfig(_Section):
     length at which the tokens they decode (plus every first turn, which starts on the top
     level) reach the cumulative GPU share of buckets ``0..i`` in the recent window, so a plan
     with no TP-1 instances has no idle large-TP bucket waiting for trajectories the fixed
-    limits would never send there."""
+    limits would never send there. The job uses the fixed limits today (``share`` is the
+    simulator's)."""
     saturation: float = Field(1.0, gt=0)
     """An instance counts as saturated for routing (the router sends the turn to a
     neighbouring bucket) when its leased turns reach this multiple of its *decode knee*:

@@ -17,7 +17,7 @@ from libra_hpc.metrics.runlog import read_jsonl
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = ROOT / "tests" / "data" / "job_small.yaml"
-STEPS = 8
+STEPS = 10
 
 
 @pytest.fixture(scope="module")

@@ -99,7 +99,7 @@ def test_sbatch_runs_the_rl_job_with_least_load_routing(slurm_cluster, tmp_path)
     folder = tmp_path / "logs" / f"libra-{job_id}"
     assert state == "COMPLETED", (folder / "slurm.out").read_text() if (folder / "slurm.out").exists() else state
     summary = json.loads((folder / "summary.json").read_text())
-    assert summary["completed"] and summary["steps"] == 8 and summary["scheduler_policy"] == "least_load"
+    assert summary["completed"] and summary["steps"] == 10 and summary["scheduler_policy"] == "least_load"
     assert summary["trajectories_lost"] == 0 and summary["trajectories_duplicated"] == 0
     assert "least_load" in (folder / "report.md").read_text()
     assert (folder / "checkpoint" / "model.safetensors").is_file()

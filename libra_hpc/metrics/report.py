@@ -41,7 +41,7 @@ PLOT_NEEDS = {  # plot -> the step fields (or events) it is drawn from
     "queues.png": "`queue_depth` or `migrations`",
 }
 
-PLANNER_KINDS = ("layout_applied", "plan_considered", "hybrid")
+PLANNER_KINDS = ("layout_applied", "plan_considered", "replan", "hybrid")
 DASH = "–"
 
 
@@ -369,6 +369,8 @@ def _describe(e: dict) -> str:
         return f"layout v{e.get('version', '?')} applied ({split}): {e.get('reason', 'no reason given')}"
     if kind == "plan_considered":
         return f"plan considered, {e.get('decision', 'no decision recorded')}: {e.get('reason', 'no reason given')}"
+    if kind == "replan":
+        return f"replan decided: {e.get('plan', '?')} (the pipeline drains first)"
     direction = f" ({e['direction']})" if e.get("direction") else ""
     return f"hybrid replica {e.get('replica', '?')}: {e.get('state', '?')}{direction}"
 

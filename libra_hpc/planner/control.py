@@ -363,14 +363,15 @@ class ControlLoop:
     def _hybrid_decide(self, now: float, t_train: float, t_roll: float) -> list[PoolEvent] | None:
         """Borrow or release a hybrid replica; None (nothing considered) when training is
         the bottleneck but one more replica would not fit its memory. A move that
-        :meth:`hybrid_gain` predicts not to shorten the step holds (the margin alone
-        would lend a replica whose rollout GPUs are worth more than its training)."""
+        :meth:`hybrid_gain` predicts to shorten the step by less than the margin's share of
+        it holds (the margin alone would lend a replica whose rollout GPUs are worth more
+        than its training, or switch, with the pause that costs, for a sliver)."""
         margin = self.o.hybrid_margin
         if t_train > t_roll * (1 + margin) and not self._can_grow():
             return None
         direction = "borrow" if t_train > t_roll * (1 + margin) else "release" if t_roll > t_train * (1 + margin) else None
         gain = None if direction is None else self.hybrid_gain(direction, t_train, t_roll)
-        if gain is not None and gain <= 0:  # None: nothing to move that way (the pool says so)
+        if gain is not None and gain <= margin * max(t_train, t_roll):  # None: nothing to move (the pool says so)
             return self.pool.tick(now)
         return self.pool.decide(now, t_train, t_roll, margin)
 

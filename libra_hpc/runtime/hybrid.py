@@ -41,6 +41,10 @@ from libra_hpc.runtime.roles import roles_from_layout
 log = logging.getLogger(__name__)
 GAIN_STEPS = 3
 """Steps before and after a switch whose mean step time gives its measured gain."""
+MEASURED_STEPS = 2
+"""Steps measured on the current layout (batches that did not overlap a switch) before
+the control loop decides again; it decides on their mean times (up to GAIN_STEPS of them),
+since one batch's rollout time on two shared cores varies by 2-3×."""
 
 
 class HybridDriver:
@@ -62,7 +66,7 @@ class HybridDriver:
         self.pauses: list[dict] = []
         self.step_times: list[tuple[int, float]] = []
         self.gain_checks: list[tuple[int, dict]] = []
-        self.quiet_until = 0  # no decision on steps whose batches overlapped the last switch
+        self.measure_from = 0  # the first step whose batch did not overlap the last switch
         self.on_replaced = None
 
     @property
@@ -80,15 +84,20 @@ class HybridDriver:
         return self.c.planner.now()
 
     def busy(self) -> bool:
-        """A relayout waits for the step boundary (no new training step starts) or runs."""
-        return bool(self.relaying) or (self.pending is not None and self._ready())
+        """No new training step starts: a relayout waits for the step boundary, or its
+        training ranks have not all re-formed yet (a rollout instance coming back may
+        still be starting its engine: training does not wait for it)."""
+        if self.relaying:
+            return bool(self.relaying & set(self.c.roles.trainers))
+        return self.pending is not None and self._ready()
 
     def settled(self, b: int) -> bool:
         """The control loop may decide after step ``b``: no switch under way, the last one's
         batches are measured, and a switch now would be measured before the run ends."""
         pool = self.pool
         moving = pool is not None and bool(pool.joining() or pool.in_state("releasing"))
-        return not (moving or self.pending or self.relaying) and self.quiet_until <= b and b + 2 < self.c.cfg.rl.steps
+        measured = b - self.measure_from + 1 >= MEASURED_STEPS
+        return not (moving or self.pending or self.relaying) and measured and b + 2 < self.c.cfg.rl.steps
 
     # ------------------------------------------------------------------ decisions
 
@@ -116,7 +125,8 @@ class HybridDriver:
         c.runlog.event("plan_considered", step=c.version - 1, what=f"hybrid pool: {direction or 'hold'}", **assessment,
                        decision="applied" if moved else "hold" if direction is None or gain is None else "kept",
                        reason="within the margin" if direction is None else "nothing to move that way" if gain is None
-                       else "predicted to shorten the step" if gain > 0 else "predicted not to shorten the step")
+                       else "predicted to shorten the step by more than the margin" if moved
+                       else "predicted to shorten the step by less than the margin")
         for event in events:
             c.runlog.event("hybrid", replica=event.replica, state=event.to_state, from_state=event.from_state,
                            reason=event.reason, refused=event.refused, **assessment)
@@ -243,14 +253,19 @@ class HybridDriver:
     def relaid(self, message: dict, source: int) -> None:
         c = self.c
         self.relaying.discard(source)
+        if "trainers_back" not in self.switch and not self.relaying & set(c.roles.trainers):
+            self.switch["trainers_back"] = time.perf_counter()  # the core training group's pause ends
+            if self.relaying:
+                c._maybe_train()
         if self.relaying:
             return
         kind, what = self.pending
         self.pending = None
-        pause = time.perf_counter() - self.switch["started"]
+        pause = self.switch.pop("trainers_back") - self.switch["started"]
         shutil.rmtree(c.runlog.folder / f"relayout-v{c.layout.version}", ignore_errors=True)  # loaded: not needed again
         others = self._tokens_mark("during")
         record = {"direction": self.switch["direction"], "pause_s": round(pause, 3),
+                  "all_ranks_back_s": round(time.perf_counter() - self.switch["started"], 3),
                   "decided_to_applied_s": round(time.perf_counter() - self.switch["decided"], 3),
                   "predicted_gain_s": self.switch.get("predicted_gain_s"), **others}
         if kind == "replan":
@@ -273,7 +288,7 @@ class HybridDriver:
                 self._event(event)
         self.gain_checks.append((c.version, record))
         # The batches in flight across the switch carry its pause: judge it on the ones after.
-        self.quiet_until = c.version + 1 + c.cfg.rl.max_staleness
+        self.measure_from = c.version + 1 + c.cfg.rl.max_staleness
         c._maybe_train()
 
     def _replaced(self, what: tuple, record: dict) -> None:
@@ -291,7 +306,7 @@ class HybridDriver:
         done(record)  # the planner adopts the change: its pool is the new layout's
         self._map_pool()
         self.gain_checks.append((c.version, record))
-        self.quiet_until = c.version + 1 + c.cfg.rl.max_staleness
+        self.measure_from = c.version + 1 + c.cfg.rl.max_staleness
 
     def _zero_grad_done(self) -> None:
         """The first step after a join was the new replica's zero-gradient step."""

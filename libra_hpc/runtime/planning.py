@@ -11,7 +11,9 @@ What the loop is given after each RL step ``b``:
   model's components for the shape that ran, and each rollout instance's decode step
   (busy seconds × mean running batch / tokens generated) against the rollout cost
   model's components at that batch and context;
-- batch ``b``'s rollout makespan and the training step time (``after_rollout``).
+- the rollout makespan and the training step time (``after_rollout``): their means over
+  the last steps measured on the current layout (up to three; batches that overlapped a
+  switch are left out), since one batch's time varies 2-3× on shared cores.
 
 What it decides, and who carries it out:
 
@@ -43,6 +45,7 @@ from libra_hpc.planner.costs import Calibration, LengthSample, RolloutCost, Timi
 from libra_hpc.planner.hybrid import PhaseTimeouts
 from libra_hpc.planner.search import Plan, RLBatch, reprice
 from libra_hpc.planner.search import RolloutInstance as PlanInstance
+from libra_hpc.runtime.hybrid import GAIN_STEPS
 
 log = logging.getLogger(__name__)
 RECORDS = 256
@@ -82,6 +85,7 @@ class PlannerDriver:
         self.pending = None  # a LayoutChange waiting for the pipeline to drain
         self.held: list[int] = []  # batches not submitted while a replan waits
         self.replans = 0
+        self.times: list[tuple[int, float, float]] = []  # (step, batch rollout s, training s)
         self.t0 = time.monotonic()
 
     def now(self) -> float:
@@ -131,17 +135,23 @@ class PlannerDriver:
     def after_step(self, b: int, reports: list[dict]) -> None:
         """Step ``b`` ended: the loop decides on batch ``b``'s makespan and the step's time."""
         c, hybrid = self.c, self.c.hybrid
-        t_train = max(r["train_s"] for r in reports)
+        self.times.append((b, c.last_rollout_s, max(r["train_s"] for r in reports)))
         if hybrid is not None:
             hybrid.after_step(b)
         if self.pending is not None or (hybrid is not None and not hybrid.settled(b)):
             return
+        window = [t for t in self.times if hybrid is None or t[0] >= hybrid.measure_from][-GAIN_STEPS:]
+        rollout_s, t_train = statistics.fmean(t[1] for t in window), statistics.fmean(t[2] for t in window)
         before = len(self.control.considered)
-        assessment = None if hybrid is None else hybrid.assess(t_train, self.control.rollout_side_s(c.last_rollout_s))
-        out = self.control.after_rollout(b, self.now(), c.last_rollout_s, t_train)
+        assessment = None if hybrid is None else hybrid.assess(t_train, self.control.rollout_side_s(rollout_s))
+        if assessment is not None:
+            assessment["steps"] = [t[0] for t in window]
+        out = self.control.after_rollout(b, self.now(), rollout_s, t_train)
         for considered in self.control.considered[before:]:
             details = {k: v for k, v in considered.items() if k not in ("step", "kind")}
-            c.runlog.event("plan_considered", step=b, what="replan", check=considered.get("kind"), **details)
+            decision = "applied" if details.get("apply") else "kept"
+            c.runlog.event("plan_considered", step=b, what="replan", check=considered.get("kind"), decision=decision,
+                           **details)
         if out.change is not None:
             self._hold(out.change)
         elif hybrid is not None and out.pool_decided:
