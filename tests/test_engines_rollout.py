@@ -97,7 +97,8 @@ def test_cpu_workers_get_disjoint_cores_and_the_env_says_so():
     with pytest.raises(ValueError, match="tp=4 on cpu needs one core per TP rank"):
         default_cpus(4, [0, 1])
     env = engine_env(device="cpu", tp=2, cpus=[[0, 1], [2]], devices=None)
-    assert env == {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_OMP_THREADS_BIND": "0,1|2"}
+    assert env == {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_OMP_THREADS_BIND": "0,1|2",
+                   "VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS": os.environ.get("VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS", "1800")}
     assert engine_env(device="cuda", tp=2, cpus=None, devices=[4, 5])["CUDA_VISIBLE_DEVICES"] == "4,5"
     assert "VLLM_CPU_OMP_THREADS_BIND" not in engine_env(device="cpu", tp=1, cpus=None, devices=None)
 

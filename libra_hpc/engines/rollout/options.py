@@ -83,12 +83,17 @@ def engine_env(*, device: str, tp: int, cpus: Sequence[Sequence[int]] | None,
     - ``VLLM_CPU_OMP_THREADS_BIND`` (cpu, TP > 1): the cores of each TP worker,
       ``"0,1|2,3"``; vLLM's automatic binding wants one NUMA node per worker and refuses
       TP > 1 on a one-socket machine.
+    - ``VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS`` (cpu, TP > 1, unless set): 1800. On emulated
+      nodes every rank shares the host's cores, and one step of a TP worker pair can take
+      minutes under load (seen: a 200-prompt evaluation step on 2 cores with 13 ranks);
+      vLLM's default of 300 s then kills a slow but healthy engine.
     - ``CUDA_VISIBLE_DEVICES`` (cuda, when ``devices`` is given): the GPU slots lent to
       this instance; it must be set before CUDA is first used in the process."""
     env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     if device == "cpu" and tp > 1:
         groups = cpus if cpus is not None else default_cpus(tp, sorted(os.sched_getaffinity(0)))
         env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(",".join(str(c) for c in group) for group in groups)
+        env["VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS"] = os.environ.get("VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS", "1800")
     if device == "cuda" and devices is not None:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(str(d) for d in devices)
     return env
