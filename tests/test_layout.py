@@ -131,6 +131,25 @@ def test_lend_adds_dp_by_hybrid_slots_over_tp_pp():
     assert lent.training.dp == 2 + 8 // 2
 
 
+def test_one_replica_of_several_is_lent_and_returned_alone():
+    """A pool of two TP-1 replicas (TP-1 training, a hybrid node of two TP-1 instances):
+    the control loop lends one replica at a time, and only its instance leaves rollout."""
+    from libra_hpc.cluster.layout import Slot
+
+    base = initial_layout(4, 2, 1, 1, 2, [[1, 1]], hybrid_nodes=1)
+    one = frozenset({Slot(3, 0)})
+    lent = lend_hybrid_to_training(base, "borrow one", only=one)
+    assert_invariants(lent)
+    assert lent.training.dp == 3 and Slot(3, 0) in lent.training.slots
+    assert [g.slots for g in lent.rollout_instances if g.hybrid] == [(Slot(3, 1),)]
+    both = lend_hybrid_to_training(lent, "borrow the other", only=frozenset({Slot(3, 1)}))
+    assert both.training.dp == 4
+    back = return_hybrid_to_rollout(both, base, "return one", only=one)
+    assert_invariants(back)
+    assert back.training.dp == 3 and Slot(3, 1) in back.training.slots and Slot(3, 0) not in back.training.slots
+    assert [g.slots for g in back.rollout_instances if g.hybrid] == [(Slot(3, 0),)]
+
+
 def test_lending_twice_raises(a800):
     lent = lend_hybrid_to_training(a800, "borrow")
     with pytest.raises(LayoutError, match="already lent"):

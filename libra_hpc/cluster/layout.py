@@ -177,12 +177,14 @@ def layout_from_config(cfg: ExperimentConfig) -> Layout:
     )
 
 
-def lend_hybrid_to_training(layout: Layout, reason: str) -> Layout:
-    """The hybrid pool's rollout instances become extra training DP replicas (borrow)."""
+def lend_hybrid_to_training(layout: Layout, reason: str, only: frozenset[Slot] | None = None) -> Layout:
+    """The hybrid pool's rollout instances become extra training DP replicas (borrow);
+    ``only``: just the instances on these slots (one replica of several)."""
     train = layout.training
     if train is None or not layout.hybrid:
         raise LayoutError("nothing to lend: the layout has no training group or no hybrid pool")
-    lent = sorted(s for g in layout.rollout_instances if g.hybrid for s in g.slots)
+    lent = sorted(s for g in layout.rollout_instances if g.hybrid and (only is None or set(g.slots) <= only)
+                  for s in g.slots)
     if not lent:
         raise LayoutError(f"the hybrid pool is already lent to training (layout v{layout.version})")
     replica = train.tp * train.pp
@@ -196,19 +198,20 @@ def lend_hybrid_to_training(layout: Layout, reason: str) -> Layout:
     new_stages = _stage_blocks(tuple(lent), train.tp * extra_dp)
     slots = tuple(s for core, new in zip(core_stages, new_stages) for s in core + new)
     new_train = replace(train, slots=slots, dp=train.dp + extra_dp)
-    keep = [g for g in layout.rollout_instances if not g.hybrid]
+    keep = [g for g in layout.rollout_instances if not (g.hybrid and set(g.slots) <= set(lent))]
     return _renumbered(layout, [new_train, *keep], reason)
 
 
-def return_hybrid_to_rollout(layout: Layout, base: Layout, reason: str) -> Layout:
-    """Give the hybrid slots back to rollout, with the instance shapes they had in ``base``."""
+def return_hybrid_to_rollout(layout: Layout, base: Layout, reason: str, only: frozenset[Slot] | None = None) -> Layout:
+    """Give the hybrid slots back to rollout, with the instance shapes they had in ``base``;
+    ``only``: just these slots (one replica of several)."""
     train = layout.training
-    lent = [s for s in layout.hybrid if train is not None and s in train.slots]
+    lent = [s for s in layout.hybrid if train is not None and s in train.slots and (only is None or s in only)]
     if not lent:
         raise LayoutError(f"the hybrid pool is not lent to training in layout v{layout.version}")
-    core = tuple(s for s in train.slots if s not in layout.hybrid)  # stage-major order survives filtering
+    core = tuple(s for s in train.slots if s not in lent)  # stage-major order survives filtering
     new_train = replace(train, slots=core, dp=len(core) // (train.tp * train.pp))
-    back = [g for g in base.rollout_instances if g.hybrid]
+    back = [g for g in base.rollout_instances if g.hybrid and set(g.slots) <= set(lent)]
     return _renumbered(layout, [new_train, *layout.rollout_instances, *back], reason)
 
 

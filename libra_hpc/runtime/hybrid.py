@@ -223,11 +223,13 @@ class HybridDriver:
         kind, what = self.pending
         old = c.roles
         if kind == "join":
-            layout = lend_hybrid_to_training(c.layout, reason=f"hybrid replica {what} joins training (planner's gate)")
+            layout = lend_hybrid_to_training(c.layout, reason=f"hybrid replica {what} joins training (planner's gate)",
+                                             only=frozenset(self.pool.replica(what).slots))
             changed = self.instances[what]
         elif kind == "leave":
             layout = return_hybrid_to_rollout(c.layout, c.initial, reason=f"hybrid replica {what} back to rollout "
-                                                                            "(planner's gate)")
+                                                                            "(planner's gate)",
+                                              only=frozenset(self.pool.replica(what).slots))
             changed = self.instances[what]
         else:
             layout, ids, changed = what
@@ -238,8 +240,11 @@ class HybridDriver:
             changed = list(changed) + [i for i in roles.leaders if i not in old.leaders]
         for instance in changed:
             moved.update((old.members.get(instance) or ()) + (roles.members.get(instance) or ()))
+        fresh = sorted(r for r in roles.leaders.values() if r in moved)  # a new engine here: it needs the policy
+        for rank in fresh:
+            c.leader_version.pop(rank, None)
         command = {"op": "relayout", "roles": roles, "checkpoint": str(c.runlog.folder / f"relayout-v{layout.version}"),
-                   "version": c.version, "old_leaders": sorted(old.leaders.values()), "reason": layout.reason}
+                   "version": c.version, "fresh_leaders": fresh, "reason": layout.reason}
         self.switch.update(started=time.perf_counter(), version=layout.version, kind=kind)
         for rank in sorted(moved):
             c._send(rank, command)

@@ -116,10 +116,10 @@ def _train(job: Any, worker: Any, relayout: dict | None, inbox: dict, started: f
     trainer.inbox = inbox
     if relayout is not None:  # the state the previous training world saved, resharded to this one
         load_checkpoint(engine, relayout["checkpoint"])
-        fresh = [r for r in job.roles.leaders.values() if r not in relayout["old_leaders"]]
+        fresh = relayout["fresh_leaders"]  # every leader whose engine (re)started in this relayout
         weights = engine.iter_hf()  # collective over the TP group: every trainer iterates
         if trainer.sender is not None and fresh:
-            trainer.sender.post(relayout["version"], weights, fresh)  # a leader back from training needs the policy
+            trainer.sender.post(relayout["version"], weights, fresh)  # a new engine holds the warm start: send the policy
         else:
             for _ in weights:
                 pass
