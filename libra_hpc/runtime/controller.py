@@ -292,6 +292,8 @@ class JobController:
     # --- training
 
     def _maybe_train(self) -> None:
+        if self.hybrid is not None:
+            self.hybrid._maybe_relayout()  # a waiting relayout goes first once its moment came
         b = self.version
         if self.training or (self.hybrid and self.hybrid.busy()) or b >= self.cfg.rl.steps \
                 or "complete" not in self.batches.get(b, {}):

@@ -180,6 +180,7 @@ class HybridDriver:
         self.no_route.update(range(core, train.dp))
         self.pending = ("leave", rid)
         self._tokens_mark("before")
+        self._maybe_relayout()  # ready at once when no untrained batch has a group there
 
     def replace(self, change: Any, on_done: Any) -> None:
         """Run ``change.layout`` (a replan) from now on; nothing is in flight. The instances
