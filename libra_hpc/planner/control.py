@@ -367,13 +367,19 @@ class ControlLoop:
         it holds (the margin alone would lend a replica whose rollout GPUs are worth more
         than its training, or switch, with the pause that costs, for a sliver)."""
         margin = self.o.hybrid_margin
-        if t_train > t_roll * (1 + margin) and not self._can_grow():
+        direction = self.hybrid_direction(t_train, t_roll)
+        if direction == "borrow" and not self._can_grow():
             return None
-        direction = "borrow" if t_train > t_roll * (1 + margin) else "release" if t_roll > t_train * (1 + margin) else None
         gain = None if direction is None else self.hybrid_gain(direction, t_train, t_roll)
         if gain is not None and gain <= margin * max(t_train, t_roll):  # None: nothing to move (the pool says so)
             return self.pool.tick(now)
         return self.pool.decide(now, t_train, t_roll, margin)
+
+    def hybrid_direction(self, t_train: float, t_roll: float) -> str | None:
+        """Which way the pool's gate points: ``borrow`` (training slower than rollout by
+        more than ``hybrid_margin``), ``release`` (the reverse) or None."""
+        margin = self.o.hybrid_margin
+        return "borrow" if t_train > t_roll * (1 + margin) else "release" if t_roll > t_train * (1 + margin) else None
 
     def hybrid_gain(self, direction: str, t_train: float, t_roll: float) -> float | None:
         """Seconds per step that lending one more replica (``borrow``) or taking one back

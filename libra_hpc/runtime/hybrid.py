@@ -111,9 +111,9 @@ class HybridDriver:
     def assess(self, t_train: float, t_rollout: float) -> dict:
         """Which way the pool's gate points, and the step time a move is predicted to save
         (taken before the control loop decides: its answer changes the pool)."""
-        margin = self.c.cfg.planner.hybrid_margin
-        direction = "borrow" if t_train > t_rollout * (1 + margin) else "release" if t_rollout > t_train * (1 + margin) else None
-        gain = self.c.planner.control.hybrid_gain(direction, t_train, t_rollout) if direction else None
+        control = self.c.planner.control
+        direction = control.hybrid_direction(t_train, t_rollout)
+        gain = control.hybrid_gain(direction, t_train, t_rollout) if direction else None
         return {"direction": direction, "t_train": round(t_train, 3), "t_rollout": round(t_rollout, 3),
                 "predicted_gain_s": None if gain is None else round(gain, 3)}
 
@@ -192,7 +192,7 @@ class HybridDriver:
         for g in layout.rollout_instances:
             ids.setdefault(g.slots, max(ids.values(), default=-1) + 1)
         keep = {g.slots for g in layout.rollout_instances}
-        dropped = [i for i, rank in c.roles.leaders.items() if c.roles.groups[i].slots not in keep]
+        dropped = [i for i in c.roles.leaders if c.roles.groups[i].slots not in keep]
         self.pending = ("replan", (layout, ids, dropped))
         self.on_replaced = on_done
         self.switch = {"direction": "replan", "decided": time.perf_counter(), "step": c.version}
