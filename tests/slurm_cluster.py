@@ -121,6 +121,10 @@ class _Daemon:
             self.proc.wait(5)
 
 
+# Slurm clients that only ask, so running one again is harmless.
+_READ_ONLY = {"squeue", "sinfo", "sacct", ("scontrol", "show")}
+
+
 class LocalSlurmCluster:
     """``nodes`` emulated nodes, each declaring ``gpus_per_node`` GPUs (GRES backed by
     /dev/null links, so Slurm sets CUDA_VISIBLE_DEVICES) and ``cpus_per_node`` CPUs
@@ -219,14 +223,21 @@ class LocalSlurmCluster:
 
     def run(self, *argv: str, timeout_s: float = 30, check: bool = True) -> str:
         """Run a Slurm client (sinfo, sbatch, ...) against this cluster; return stdout
-        ("" on failure or timeout when not ``check``)."""
-        try:
-            res = subprocess.run(list(argv), env={**os.environ, **self.env}, text=True,
-                                 capture_output=True, timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            if check:
-                raise RuntimeError(f"{' '.join(argv)} timed out after {timeout_s} s") from None
-            return ""
+        ("" on failure or timeout when not ``check``). A query (``_READ_ONLY``) killed by a
+        signal is asked again, up to three times: on a loaded machine slurmctld can drop
+        the connection mid-answer and the client dies of SIGPIPE (seen in CI, rc -13)."""
+        tries = 3 if (argv[0], *argv[1:2]) in _READ_ONLY or argv[0] in _READ_ONLY else 1
+        for attempt in range(tries):
+            try:
+                res = subprocess.run(list(argv), env={**os.environ, **self.env}, text=True,
+                                     capture_output=True, timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                if check:
+                    raise RuntimeError(f"{' '.join(argv)} timed out after {timeout_s} s") from None
+                return ""
+            if res.returncode >= 0:
+                break
+            time.sleep(0.5 * (attempt + 1))
         if check and res.returncode != 0:
             raise RuntimeError(f"{' '.join(argv)} failed ({res.returncode}): "
                                f"{res.stderr.strip() or res.stdout.strip()}")

@@ -46,3 +46,23 @@ def test_accounting_reports_final_states(slurm_cluster, tmp_path):
                                         "State").strip()) != want:
             assert time.monotonic() < deadline, f"sacct says {got!r} for job {job_id}"
             time.sleep(0.2)
+
+
+def test_a_query_killed_by_sigpipe_is_asked_again_and_a_submission_is_not(tmp_path, monkeypatch):
+    """CI saw ``scontrol show job`` die of SIGPIPE (rc -13) while the job it polled ran on;
+    a query is asked again, a submission (not idempotent) is never sent twice."""
+    from slurm_cluster import LocalSlurmCluster
+
+    calls = tmp_path / "calls"
+    for name in ("scontrol", "sbatch"):  # die of SIGPIPE on the first call, answer after
+        script = tmp_path / name
+        script.write_text(f"#!/bin/sh\necho {name} >> {calls}\n"
+                          f"[ $(grep -c {name} {calls}) -gt 1 ] && {{ echo JobState=COMPLETED; exit 0; }}\n"
+                          "kill -PIPE $$\n")
+        script.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{__import__('os').environ['PATH']}")
+    cluster = LocalSlurmCluster(tmp_path / "root")
+    assert cluster.wait_job("1", timeout_s=10) == "COMPLETED"
+    with pytest.raises(RuntimeError, match=r"sbatch .*failed \(-13\)"):
+        cluster.run("sbatch", "--wrap", "true")
+    assert calls.read_text().split() == ["scontrol", "scontrol", "sbatch"]
