@@ -8,8 +8,10 @@ every policy of the scenario file, prints the comparison table and the critical-
 of the batches (the serial time of the longest trajectory alone on the fastest instance
 shape: no policy's rollout can beat it), and writes the report folder. The last line is one
 JSON object: libra_vs_colocated, libra_vs_async_static, libra_vs_oracle (throughput
-ratios; the oracle is the better of ``oracle`` and ``oracle_best``, named by oracle_used), sim_wall_s (wall time of the whole comparison), and per policy tokens/s and
-sim wall seconds.
+ratios; the oracle is the better of ``oracle`` and ``oracle_best``, named by oracle_used),
+libra_vs_bound (the physical bound's time over Libra's: libra_hpc/sim/bound.py),
+bound_step_s and the floor that binds, sim_wall_s (wall time of the whole comparison), and
+per policy tokens/s, distance to the bound and sim wall seconds.
 """
 
 from __future__ import annotations
@@ -93,7 +95,9 @@ def main() -> None:
     r = ratios(result)
     print(json.dumps({**{k: (round(v, 3) if isinstance(v, float) else v) for k, v in r.items()},
                       "sim_wall_s": round(wall, 1), "steps": cfg.rl.steps, "critical_path_s": floor,
+                      "bound_step_s": round(result.bound["bound_step_s"], 1), "bound_binding": result.bound["binding"],
                       "policies": {n: {"tokens_per_s": round(rec.summary["tokens_per_s"], 1),
+                                       "vs_bound": round(result.vs_bound(n), 3),
                                        "wall_s": round(rec.summary["wall_s"], 1)} for n, rec in result.runs.items()}}))
 
 

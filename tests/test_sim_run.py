@@ -52,7 +52,9 @@ def test_outputs(small, tmp_path):
     text = report.read_text()
     assert "| libra |" in text and "## Assumptions" in text and "libra_vs_colocated" in text
     summary = json.loads((tmp_path / "summary.json").read_text())
-    assert set(summary["ratios"]) == {"libra_vs_colocated", "libra_vs_async_static", "libra_vs_oracle", "oracle_used"}
+    assert set(summary["ratios"]) == {"libra_vs_colocated", "libra_vs_async_static", "libra_vs_oracle", "oracle_used",
+                                      "libra_vs_bound"}
+    assert "## Physical bound" in text and "| *bound* |" in text
     assert len((tmp_path / "metrics-libra.jsonl").read_text().splitlines()) == 6
     for png in ("allocation.png", "throughput.png", "step_cdf.png"):
         assert (tmp_path / png).stat().st_size > 1000
@@ -65,3 +67,18 @@ def test_the_simulator_imports_neither_mpi_nor_torch():
             "print(sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'mpi4py', 'matplotlib'}))")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert done.stdout.strip() == "[]"
+
+
+def test_no_policy_beats_the_physical_bound(small):
+    """The bound is a floor: every policy's simulated time is at least the bound's, and the
+    bound is the larger of its two floors, each the sum of its per-step parts."""
+    cfg, result = small
+    b = result.bound
+    assert len(b["steps"]) == cfg.rl.steps
+    assert b["work_s"] == pytest.approx(sum(r["work_s"] for r in b["steps"]))
+    assert b["chain_s"] == pytest.approx(sum(r["critical_path_s"] for r in b["steps"]) / (cfg.rl.max_staleness + 1))
+    assert b["bound_s"] == max(b["work_s"], b["chain_s"]) > 0
+    for r in b["steps"]:
+        assert r["work_s"] == pytest.approx((r["rollout_gpu_s"] + r["train_gpu_s"]) / cfg.cluster.total_gpus)
+    for name, rec in result.runs.items():
+        assert 0 < result.vs_bound(name) <= 1.0, name

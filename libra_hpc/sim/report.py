@@ -71,6 +71,7 @@ def write_outputs(result: ScenarioResult, out: str | Path, plots: bool = True) -
         _jsonl(out / f"queue-{name}.jsonl", [{"t": t, "queued": q, "running": r} for t, q, r in rec.queue_samples])
     summary = {"scenario": result.cfg.name, "seed": result.cfg.rl.seed, "wall_s": result.wall_s,
                "ratios": ratios(result), "workload": result.workload, "initial": result.initial,
+               "bound": result.bound, "vs_bound": {n: result.vs_bound(n) for n in result.runs},
                "policies": {n: r.summary for n, r in result.runs.items()}, "searches": result.searches}
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     images = make_plots(result, out) if plots else []
@@ -87,7 +88,8 @@ def ratios(result: ScenarioResult) -> dict:
     best = max(oracles, key=lambda n: result.runs[n].summary["tokens_per_s"]) if oracles else None
     return {"libra_vs_colocated": result.ratio("libra", "colocated"),
             "libra_vs_async_static": result.ratio("libra", "async_static"),
-            "libra_vs_oracle": result.ratio("libra", best) if best else None, "oracle_used": best}
+            "libra_vs_oracle": result.ratio("libra", best) if best else None, "oracle_used": best,
+            "libra_vs_bound": result.vs_bound("libra")}
 
 
 def _jsonl(path: Path, rows: list[dict]) -> None:
@@ -98,7 +100,7 @@ def _jsonl(path: Path, rows: list[dict]) -> None:
 def table(result: ScenarioResult) -> list[str]:
     """The comparison table as markdown lines."""
     head = ("| policy | tokens/s | traj/s | step s (mean) | step s (median) | step s (p90) | rollout s | train s | "
-            "rollout busy | prefill share | prefix hits | migrations | replans | hybrid moves | sim wall s |")
+            "rollout busy | prefill share | prefix hits | migrations | replans | hybrid moves | vs bound | sim wall s |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for name, rec in result.runs.items():
         s = rec.summary
@@ -106,8 +108,49 @@ def table(result: ScenarioResult) -> list[str]:
                      f"{s['step_s_median']:.0f} | {s['step_s_p90']:.0f} | {s['rollout_s_mean']:.0f} | "
                      f"{s['train_s_mean']:.0f} | {s['rollout_busy_mean']:.2f} | {s['prefill_share']:.2f} | "
                      f"{s['prefix_hit_rate']:.2f} | {s['migrations']} | {s['replans']} | {s['hybrid_transitions']} | "
-                     f"{s['wall_s']:.1f} |")
+                     f"{_fmt(result.vs_bound(name))} | {s['wall_s']:.1f} |")
+    if result.bound:
+        b = result.bound
+        lines.append(f"| *bound* | {_tokens(result) / b['bound_s']:.0f} | | {b['bound_step_s']:.0f} | | | | | | | | | | | "
+                     f"1.00 | |")
     return lines
+
+
+def _fmt(x: float | None) -> str:
+    return "" if x is None else f"{x:.2f}"
+
+
+def _tokens(result: ScenarioResult) -> float:
+    """Tokens every policy generates (the same batches): from any run."""
+    rec = next(iter(result.runs.values()))
+    return rec.summary["tokens_per_s"] * rec.summary["sim_time_s"]
+
+
+def bound_section(result: ScenarioResult) -> list[str]:
+    """The physical bound (libra_hpc/sim/bound.py): what it is, its two floors, and the
+    steps where each binds."""
+    b = result.bound
+    if not b:
+        return []
+    rows = b["steps"]
+    pick = sorted({0, len(rows) // 2, len(rows) - 1})
+    k = result.cfg.rl.max_staleness
+    lines = ["## Physical bound", "",
+             (f"No policy runs these {len(rows)} batches in less than **{b['bound_s']:.0f} s** "
+              f"({b['bound_step_s']:.0f} s per step; the {b['binding']} floor binds). Work floor: every step's "
+              f"rollout and training GPU-seconds packed perfectly on all {result.cfg.cluster.total_gpus} GPUs "
+              f"(decode at the cheapest TP per token with full instances, each prompt and tool-output token "
+              f"prefilled once, training on the cheapest shape): {b['work_s']:.0f} s. Chain floor: each batch's "
+              f"critical path (its longest trajectory alone on the fastest instance) over the k + 1 = {k + 1} "
+              f"batches in flight: {b['chain_s']:.0f} s. The table's *vs bound* is the bound's time over the "
+              f"policy's (a throughput ratio)."), "",
+             "| step | rollout GPU-s | training GPU-s | work floor s | critical path s | chain floor s | cheapest decode TP |",
+             "|---|---|---|---|---|---|---|"]
+    for j in pick:
+        r = rows[j]
+        lines.append(f"| {r['step']} | {r['rollout_gpu_s']:.0f} | {r['train_gpu_s']:.0f} | {r['work_s']:.1f} | "
+                     f"{r['critical_path_s']:.0f} | {r['chain_s']:.0f} | {r['best_decode_tp']} |")
+    return lines + [""]
 
 
 def render(result: ScenarioResult, images: list[str]) -> str:
@@ -123,6 +166,7 @@ def render(result: ScenarioResult, images: list[str]) -> str:
     lines += [("Throughput ratios (generated tokens/s): "
                + ", ".join(f"{k} = {v:.2f}" for k, v in r.items() if isinstance(v, float))
                + (f" (oracle: {r['oracle_used']})" if r.get("oracle_used") else "")), ""]
+    lines += bound_section(result)
     gap = [(n, rec.summary) for n, rec in result.runs.items() if rec.summary.get("planned_step_s")]
     if gap:
         lines += [("Planner against simulator (planned policies): the step time the planner predicted for its "

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from libra_hpc.sim.config import SimConfig
 from libra_hpc.planner.control import length_profile
+from libra_hpc.sim.bound import run_bound
 from libra_hpc.sim.context import Context, critical_path_s, describe, samples_of
 from libra_hpc.sim.controller import PolicyRun
 from libra_hpc.sim.policies import SETUPS, control_loop
@@ -25,6 +26,8 @@ class ScenarioResult:
     searches: dict[str, list[dict]] = field(default_factory=dict)
     initial: dict[str, str] = field(default_factory=dict)
     workload: dict = field(default_factory=dict)
+    bound: dict = field(default_factory=dict)
+    """The physical bound of the run (libra_hpc/sim/bound.py run_bound)."""
     wall_s: float = 0.0
 
     def ratio(self, a: str, b: str) -> float | None:
@@ -32,6 +35,12 @@ class ScenarioResult:
         if a not in self.runs or b not in self.runs:
             return None
         return self.runs[a].summary["tokens_per_s"] / self.runs[b].summary["tokens_per_s"]
+
+    def vs_bound(self, name: str) -> float | None:
+        """The bound's time over policy ``name``'s simulated time (1.0: at the bound)."""
+        if name not in self.runs or not self.bound:
+            return None
+        return self.bound["bound_s"] / self.runs[name].summary["sim_time_s"]
 
 
 def run_policy(ctx: Context, name: str, steps: int | None = None,
@@ -70,6 +79,7 @@ def run_scenario(cfg: SimConfig, policies: list[str] | None = None) -> ScenarioR
     for name, step in (("first_step", 0), ("last_step", cfg.rl.steps - 1)):
         batch = ctx.batch(step)
         result.workload[name] = {**summary(batch), "critical_path_s": critical_path_s(ctx, batch)}
+    result.bound = run_bound(ctx)
     searched: dict = {}
     for name in policies or cfg.policies:
         rec, table, initial = run_policy(ctx, name, searched=searched)
