@@ -27,6 +27,17 @@ class RLConfig(_Section):
     and training alternate even on separate GPUs). Measured per trajectory from the oldest
     policy version among its generated tokens (partial rollout mixes versions); older
     trajectories are dropped and counted (libra_hpc/rl/staleness.py)."""
+    partial_rollout: bool = False
+    """Tail-decoupled rollout (libra_hpc/rl/partial.py): a step trains on the first
+    ``prompts_per_step × group_size`` trajectories to finish that the staleness bound
+    allows, instead of waiting for its batch's slowest one; unfinished ones generate on into
+    later steps, and one that would outlive the bound is regenerated from its prompt (its
+    tokens counted as wasted, within `partial_waste_budget`). Simulator only for now: the
+    live job refuses it."""
+    partial_waste_budget: float = Field(0.05, ge=0, lt=1)
+    """Partial rollout: the share of all generated tokens that regenerated trajectories may
+    have wasted; past it a step waits for its expiring trajectories as whole-trajectory
+    rollout would."""
     advantage_norm: Literal["group_std", "none"] = "group_std"
     """GRPO advantage of a sample: its reward minus its group's mean, divided by the group's
     (sample) standard deviation plus `advantage_eps` (`group_std`, DeepSeekMath's GRPO) or

@@ -39,6 +39,7 @@ from libra_hpc.sim.engine import Event, EventLoop
 from libra_hpc.sim.policies import PolicySetup
 from libra_hpc.sim.recorder import Recorder
 from libra_hpc.sim.rollout import RolloutSide
+from libra_hpc.rl.partial import TailDecoupler, p90
 from libra_hpc.sim.training import step_s
 
 log = logging.getLogger(__name__)
@@ -73,6 +74,12 @@ class Sample(_Call):
     KIND = 90
 
 
+class Restart(_Call):
+    """Partial rollout: a regenerated trajectory starts again from its prompt."""
+
+    KIND = 11
+
+
 class PolicyRun:
     """One policy over ``steps`` RL steps on ``layout`` with the core training shape
     ``train`` (``colocated``: training time-shares the rollout slots). A planned policy
@@ -81,19 +88,25 @@ class PolicyRun:
 
     def __init__(self, ctx: Context, setup: PolicySetup, layout: Layout, train: TrainShape, steps: int,
                  control: ControlLoop | None = None, train_time: Callable[[TrainShape, float], float] | None = None,
-                 colocated: bool = False):
+                 colocated: bool = False, partial: bool | None = None):
         """``train_time(shape, mean_tokens)``: seconds of a training step (default: the
-        planner's training cost model; tests inject fixed times)."""
+        planner's training cost model; tests inject fixed times). ``partial``: tail-decoupled
+        rollout on or off (default: ``rl.partial_rollout``; never for a synchronous policy)."""
         self.ctx, self.setup, self.steps, self.control = ctx, setup, steps, control
         self.layout, self.train, self.colocated = layout, train, colocated
         self.train_time = train_time or (lambda shape, tokens: step_s(ctx.model, ctx.hw, shape, tokens, ctx.cal))
         self.cfg = ctx.cfg
         self.loop = EventLoop()
-        self.rollout = RolloutSide(ctx.step_models, self.cfg.scheduler, self.cfg.costs, setup.router, self.cfg.rl.seed,
-                                   self._batch_done, self._drained)
-        self.rec = Recorder(setup.name)
         self.sync = setup.mode == "sync"
         self.k = self.cfg.rl.max_staleness
+        self.partial = self.cfg.rl.partial_rollout and not self.sync if partial is None else partial and not self.sync
+        self.tail = (TailDecoupler(self.cfg.batch_size, self.k, self.cfg.rl.partial_waste_budget)
+                     if self.partial else None)
+        self.rollout = RolloutSide(ctx.step_models, self.cfg.scheduler, self.cfg.costs, setup.router, self.cfg.rl.seed,
+                                   self._batch_done, self._drained,
+                                   on_finished=self._finished if self.partial else None,
+                                   on_aborted=self._aborted if self.partial else None)
+        self.rec = Recorder(setup.name + ("+partial" if self.partial else ""))
         self.next_submit = 0
         self.in_flight: set[int] = set()
         self.ready: set[int] = set()
@@ -106,6 +119,8 @@ class PolicyRun:
         self.pending: LayoutChange | None = None  # a layout waiting for rollout to drain
         self.last = {"rollout_s": None, "train_s": None}
         self.fetching: set[int] = set()
+        self.finished_traj: dict[str, object] = {}  # partial rollout: finished, not trained yet
+        self.trained: list[str] = []  # partial rollout: trajectory ids in the order trained
         self.sample_period = 5.0
         self.recent: deque[tuple[int, ...]] = deque(maxlen=self.cfg.planner.window)  # per-turn tokens of finished ones
 
@@ -124,7 +139,21 @@ class PolicyRun:
                   "prefill_gpu_s": self.rollout.prefill_gpu_s()}
         self.rec.finish(max(self.train_done.values()), wallclock.perf_counter() - t0, self.loop.fired, counts,
                         self.control.considered if self.control else [])
+        self.rec.summary.update(self._tail_summary())
         return self.rec
+
+    def _tail_summary(self) -> dict:
+        """Partial rollout's guards: trained against generated length p90 (generated: every
+        trajectory of the run's batches), wasted token share, regenerations, largest lag."""
+        if self.tail is None:
+            return {"partial_rollout": False, "trained_p90_over_generated_p90": 1.0, "dropped_token_share": 0.0,
+                    "regenerated": 0, "max_lag": self.k}
+        generated = [t.gen_tokens for j in range(self.steps) for t in self.ctx.batch(j)]
+        st = self.tail.stats
+        return {"partial_rollout": True,
+                "trained_p90_over_generated_p90": p90(st.trained_lengths) / max(1.0, p90(generated)),
+                "dropped_token_share": st.wasted_share, "regenerated": st.regenerated,
+                "max_lag": max((r["max_lag"] for r in self.rec.rows), default=0), "tail_waits": st.waits}
 
     @property
     def pool(self):
@@ -177,7 +206,26 @@ class PolicyRun:
         self.batch_info[step] = {"start": now, "rollout_gpus": self.rollout.serving_gpus(),
                                  "migrations0": self.rollout.counts["migrations"], "queue_max": 0,
                                  "busy0": self.rollout.busy_gpu_s()}
+        if self.tail is not None:
+            for t in self.ctx.batch(step):
+                self.tail.started(t.tid, self.synced)
         return events + self.rollout.submit(step, self.ctx.batch(step), now)
+
+    # ------------------------------------------------------------------ partial rollout
+    def _finished(self, traj, batch: int, now: float) -> list[Event]:
+        """Partial rollout: one trajectory is done; it may complete the next step's batch."""
+        self.tail.finish(traj.tid, traj.gen_tokens, now)
+        self.finished_traj[traj.tid] = traj
+        return self._start_training(now)
+
+    def _aborted(self, traj, batch: int, wasted: int, now: float) -> list[Event]:
+        """Partial rollout: an expiring trajectory stopped; it starts again from its prompt."""
+        self.tail.aborted(traj.tid, wasted)
+        return [Restart(now, self._restart, traj, batch)]
+
+    def _restart(self, now: float, traj, batch: int) -> list[Event]:
+        self.tail.started(traj.tid, len(self.train_done))
+        return self.rollout.submit(batch, [traj], now)
 
     def _sample(self, now: float):
         if len(self.train_done) == self.steps:
@@ -191,6 +239,10 @@ class PolicyRun:
         return [Sample(now + self.sample_period, self._sample)]
 
     def _batch_done(self, step: int, now: float):
+        if self.partial:  # steps do not wait for batches; only the trees' upkeep and a drain
+            self.rollout.maintain(now)
+            self.in_flight.discard(step)
+            return self._apply_pending(now) + self._try_submit(now) if self.pending is not None else []
         info = self.batch_info[step]
         info["end"] = now
         info["busy_gpu_s"] = self.rollout.busy_gpu_s() - info["busy0"]
@@ -220,11 +272,48 @@ class PolicyRun:
         return self.control.training_shape() if self.control is not None else self.train
 
     def _start_training(self, now: float):
+        if self.partial:
+            return self._start_partial(now)
         j = self.train_next
         if self.training or j not in self.ready:
             return []
+        return self._train(j, self.ctx.batch(j), now)
+
+    def _start_partial(self, now: float) -> list[Event]:
+        """Partial rollout: train step ``j`` as soon as the tail decoupler lets it (enough
+        finished trajectories the staleness bound allows; expiring ones regenerated within
+        the waste budget, else waited for)."""
+        j = self.train_next
+        if self.training or j >= self.steps or j in self.train_done:
+            return []
+        self.tail.stats.generated_tokens = self.rollout.gen_tokens
+        decision = self.tail.decide(j, self.rollout.tokens_by_turn_end)
+        if decision is None:
+            return []
+        events: list[Event] = []
+        for tid in decision.regenerate:
+            self.rollout.abort(tid)
+        for tid in decision.resubmit:
+            traj = self.finished_traj.pop(tid)
+            events.append(Restart(now, self._restart, traj, int(traj.step)))
+        self.trained.extend(decision.train)
+        batch = [self.finished_traj.pop(tid) for tid in decision.train]
+        info = self.batch_info.setdefault(j, {"start": now, "rollout_gpus": self.rollout.serving_gpus(),
+                                              "migrations0": self.rollout.counts["migrations"], "queue_max": 0,
+                                              "busy0": self.rollout.busy_gpu_s()})
+        info.update(end=now, busy_gpu_s=self.rollout.busy_gpu_s() - info["busy0"], max_lag=decision.max_lag,
+                    migrations=self.rollout.counts["migrations"] - info["migrations0"])
+        self.rollout.maintain(now)
+        self.last["rollout_s"] = now - info["start"]
+        self.sample_period = max(0.5, self.last["rollout_s"] / 40)
+        self.recent.extend(t.turns for t in batch)
+        if self.control is not None:
+            self.control.observe(samples_of(batch))
+            events += self._adapt(j, now)
+        return events + self._train(j, batch, now)
+
+    def _train(self, j: int, batch, now: float) -> list[Event]:
         start = max(now, self.blocked_until)
-        batch = self.ctx.batch(j)
         mean_tokens = sum(t.total_tokens for t in batch) / len(batch)
         shape = self._shape()
         seconds = self.train_time(shape, mean_tokens)

@@ -60,7 +60,7 @@ class Recorder:
                           "rollout_gpus": gpus, "train_gpus": info["train_gpus"], "rollout_busy": busy,
                           "train_busy": min(1.0, info["train_s"] / step_s) if step_s > 0 else 1.0,
                           "colocated": colocated_gpus is not None, "migrations": info["migrations"],
-                          "queue_max": info["queue_max"]})
+                          "queue_max": info["queue_max"], "max_lag": info.get("max_lag")})
 
     def finish(self, end: float, wall_s: float, fired: int, counts: dict, considered: list[dict]) -> None:
         rows = self.rows

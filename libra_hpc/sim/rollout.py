@@ -110,10 +110,17 @@ class RolloutSide:
 
     def __init__(self, step_models: dict[int, StepModel], sched: SchedulerConfig, costs: CostSpec, policy: str,
                  seed: int, on_batch_done: Callable[[int, float], list[Event] | None],
-                 on_drained: Callable[[int, float], list[Event] | None] | None = None):
+                 on_drained: Callable[[int, float], list[Event] | None] | None = None,
+                 on_finished: Callable[[Trajectory, int, float], list[Event] | None] | None = None,
+                 on_aborted: Callable[[Trajectory, int, int, float], list[Event] | None] | None = None):
+        """``on_finished(trajectory, batch, now)``: one trajectory finished (before its
+        batch's ``on_batch_done``); ``on_aborted(trajectory, batch, wasted_tokens, now)``:
+        one that :meth:`abort` named stopped at a turn boundary (partial rollout)."""
         self.models, self.sched, self.costs, self.policy, self.seed = step_models, sched, costs, policy, seed
         self.on_batch_done = on_batch_done
         self.on_drained = on_drained
+        self.on_finished, self.on_aborted = on_finished, on_aborted
+        self.aborting: set[str] = set()
         self.mode: dict[int, str] = {}  # instance → "serve" | "drain" | "lent"
         self.instances: dict[int, RolloutInstance] = {}
         self.bucket_of: dict[int, tuple[int, ...]] = {}  # instance → its bucket's instances
@@ -271,7 +278,7 @@ class RolloutSide:
         """Start a batch at ``now``: every trajectory's first turn is placed and queued."""
         if not trajectories:
             raise ValueError(f"batch {batch_id} is empty")
-        self.left[batch_id] = len(trajectories)
+        self.left[batch_id] = self.left.get(batch_id, 0) + len(trajectories)  # a restart joins its batch
         events: list[Event] = []
         for t in trajectories:
             a = _Active(t, batch_id)
@@ -280,6 +287,18 @@ class RolloutSide:
             self.queued[placement.bucket] += 1
             self._poke(placement.instance, now, events)
         return events
+
+    def abort(self, tid: str) -> None:
+        """Stop trajectory ``tid`` at the end of its current turn (or of the next one, when
+        it is in a tool call or queued); ``on_aborted`` then reports it."""
+        if tid not in self.active:
+            raise KeyError(f"trajectory {tid} is not in flight")
+        self.aborting.add(tid)
+
+    def tokens_by_turn_end(self, tid: str) -> int:
+        """Tokens trajectory ``tid`` will have generated when its current turn ends."""
+        a = self.active[tid]
+        return sum(a.traj.turns[: a.turn + 1])
 
     def maintain(self, now: float) -> None:
         """Between batches: C-MLFQ rebuilds its trees when due."""
@@ -348,7 +367,8 @@ class RolloutSide:
         self.counts["turns"] += 1
         self.gen_tokens += run.tokens
         self.turn_tokens_mean += (run.tokens - self.turn_tokens_mean) / min(self.counts["turns"], 4096)
-        if a.turn < len(a.traj.calls):
+        aborted = a.traj.tid in self.aborting
+        if a.turn < len(a.traj.calls) and not aborted:
             call = a.traj.calls[a.turn]
             self.counts["tool_calls"] += 1
             start = self._tool_acquire(call, a, now)
@@ -360,6 +380,11 @@ class RolloutSide:
             raise RuntimeError(f"queue service refused the finish of {a.traj.tid}: {reply}")
         del self.active[a.traj.tid]
         self.left[a.batch] -= 1
+        if aborted:
+            self.aborting.discard(a.traj.tid)
+            events.extend(self.on_aborted(a.traj, a.batch, sum(a.traj.turns[: a.turn + 1]), now) or ())
+        elif self.on_finished is not None:
+            events.extend(self.on_finished(a.traj, a.batch, now) or ())
         if not self.left[a.batch]:
             del self.left[a.batch]
             events.extend(self.on_batch_done(a.batch, now) or ())
