@@ -115,8 +115,14 @@ def test_identical_trajectories_run_side_by_side_at_their_batch():
     # 4 lanes (KV room for 4 × 200 tokens), batch 4: every trajectory takes 100 steps at batch 4,
     # context per step 3 × mean context 150 + its own 150 = 600 tokens
     step = cost.decode_step_s(4, 600)
-    assert est.makespan_s == pytest.approx(cost.prefill_s(100) + 100 * step)
-    assert est.pools == ((1, 1, est.pools[0][2], cost.decode_step_s(4, 600), 4),)
+    assert est.pools == ((1, 1, est.pools[0][2], step, 4),)
+    fixed = rollout_makespan([(cost, 1)], lengths, tail_aware=False)
+    assert fixed.makespan_s == pytest.approx(cost.prefill_s(100) + 100 * step)
+    # under load: a little less than batch 4 all along (a sequence decodes nothing while it
+    # prefills), plus the others' prefills stalling it; far from four in series
+    alone = cost.prefill_s(100) + 100 * cost.decode_step_s(1, 150)
+    assert alone < est.makespan_s < 2 * alone
+    assert est.makespan_s == pytest.approx(fixed.makespan_s, rel=0.1)
 
 
 def test_long_tail_prefers_fast_instances():

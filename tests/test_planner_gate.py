@@ -144,3 +144,16 @@ def test_alternating_workload_does_not_flap():
         decisions.append(gate.consider(step, now.objective, candidates[step % 2], 10.0, current=current))
     assert not any(d.apply for d in decisions)
     assert any("1/2 consecutive checks" in d.reason for d in decisions)
+
+
+def test_a_gain_within_the_cost_models_error_is_kept_out():
+    """min_gain: a candidate predicted 5% faster is noise at 10%; 20% faster wins."""
+    from dataclasses import replace
+
+    gate = ReplanGate(replace(OPT, confirm_checks=1, min_gain=0.1))
+    d = gate.consider(0, 100.0, candidate(95.0), reconfig_cost_s=0.0)  # 5 s/step × 10 = 50 s > margin
+    assert not d.apply and "min_gain 0.1" in d.reason
+    d = gate.consider(10, 100.0, candidate(80.0), reconfig_cost_s=0.0)
+    assert d.apply
+    with pytest.raises(ValueError, match="min_gain"):
+        GateOptions(min_gain=1.0)

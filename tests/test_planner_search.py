@@ -160,8 +160,8 @@ def test_reprice_prices_the_current_plan_on_the_candidates_batch():
     expected = TrainingCost(Q14, A800, replace(longer_shape, recompute=True)).step_s
     assert same_plan_longer.t_train == pytest.approx(expected) and current.t_train < expected < math.inf
     assert reprice(current, Q14, A800, 8, LP).t_train == pytest.approx(current.t_train)  # no batch: its own
-    far = reprice(current, Q14, A800, 8, LP, batch=RLBatch(BATCH.global_batch, 8 * BATCH.seq_len))
-    assert far.t_train == math.inf  # ...eight times does not fit even then
+    far = reprice(current, Q14, A800, 8, LP, batch=RLBatch(BATCH.global_batch, 64 * BATCH.seq_len))
+    assert far.t_train == math.inf  # ...64 times does not fit even then
 
 
 def test_reprice_drops_recomputation_the_shorter_batch_does_not_need():

@@ -113,7 +113,7 @@ def test_gate_fields_are_in_the_experiment_planner_and_reach_the_control_loop():
     from libra_hpc.sim.context import Context
     from libra_hpc.sim.policies import SETUPS, control_options
 
-    gate = {"every_steps": 3, "margin_s": 2.5, "confirm_checks": 4, "min_dwell_steps": 7}
+    gate = {"every_steps": 3, "margin_s": 2.5, "confirm_checks": 4, "min_dwell_steps": 7, "min_gain": 0.05}
     more = {"window": 64, "hybrid_margin": 0.25, "min_rollout_gpus": 9}
     live = load_config(None, [f"planner.{k}={v}" for k, v in {**gate, **more}.items()])
     assert {k: getattr(live.planner, k) for k in {**gate, **more}} == {**gate, **more}

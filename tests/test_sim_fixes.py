@@ -190,7 +190,7 @@ def test_hybrid_node_rollout_is_resplit_when_training_may_bind(swe):
     ctx, control = swe
     plan = control.best_plan(control.prior()).plan
     c = ctx.cfg.cluster
-    tp2 = replace(plan, train=replace(plan.train, tp=2, pp=1, dp=10))
+    tp2 = replace(plan, train=replace(plan.train, tp=2, pp=1, dp=plan.train_gpus // 2))
     assert control._allocation(replace(tp2, t_train=1.0, t_rollout=1e4), "test")[2] is None  # rollout-bound: kept
     resplit, layout, pool = control._allocation(replace(tp2, t_train=1e4, t_rollout=1.0), "test")
     assert pool is not None and len(pool.all_replicas()) == 4

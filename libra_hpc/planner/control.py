@@ -99,7 +99,7 @@ class ControlOptions:
             prior=p.prior,
             seed=cfg.rl.seed, hybrid_nodes=p.hybrid_nodes, min_rollout_gpus=p.min_rollout_gpus, window=p.window,
             gate=GateOptions(every_steps=p.every_steps, margin_s=p.margin_s, confirm_checks=p.confirm_checks,
-                             min_dwell_steps=p.min_dwell_steps),
+                             min_dwell_steps=p.min_dwell_steps, min_gain=p.min_gain),
             hybrid_margin=p.hybrid_margin, **setup)
 
 
@@ -189,7 +189,7 @@ class ControlLoop:
                                if options.clairvoyant else options.gate)
         tps = (self._best_single_tp(),) if options.single_tp else options.rollout_tps
         self.search = PlannerOptions(rollout_tps=tps, min_rollout_gpus=options.min_rollout_gpus,
-                                     refine_top=options.refine_top)
+                                     refine_top=options.refine_top, in_flight=options.max_staleness + 1)
         self.min_gap = 1 if options.clairvoyant else max(1, self.gate.opt.every_steps // 5)
         self.last_check = -(10 ** 9)
         self.layout: Layout | None = None
@@ -240,7 +240,8 @@ class ControlLoop:
         best = None
         for tp in self.o.rollout_tps:
             try:
-                r = self.best_plan(self.prior(), PlannerOptions(rollout_tps=(tp,), min_rollout_gpus=self.o.min_rollout_gpus))
+                r = self.best_plan(self.prior(), PlannerOptions(rollout_tps=(tp,), min_rollout_gpus=self.o.min_rollout_gpus,
+                                                                in_flight=self.o.max_staleness + 1))
             except PlanError:
                 continue
             if best is None or r.plan.objective < best[0]:
@@ -349,7 +350,8 @@ class ControlLoop:
             return None
         o = self.o
         now_plan = reprice(self.plan, self.model, self.hw, o.gpus_per_node, lengths, self.cal,
-                           RLBatch(o.global_batch, math.ceil(lengths.mean_seq_tokens)))  # as best_plan's
+                           RLBatch(o.global_batch, math.ceil(lengths.mean_seq_tokens)),  # as best_plan's
+                           in_flight=o.max_staleness + 1)
         now_plan = replace(now_plan, objective=self.step_objective(now_plan.t_train, now_plan.t_rollout))
         decision = self.gate.consider(step, now_plan.objective, candidate, o.reconfig_s, pressure, current=self.plan)
         self.considered.append({"step": step, "kind": "replan_check", "trigger": decision.trigger,

@@ -365,7 +365,8 @@ class RolloutEstimate:
         return self.reason is None
 
 
-def rollout_makespan(pools: Sequence[tuple[RolloutCost, int]], lengths: LengthProfile) -> RolloutEstimate:
+def rollout_makespan(pools: Sequence[tuple[RolloutCost, int]], lengths: LengthProfile,
+                     tail_aware: bool = True, in_flight: int = 1) -> RolloutEstimate:
     """Makespan of the batch over pools of identical instances ``(cost, instances)``.
 
     Each instance runs a fixed batch of ``b`` sequences: its share of the RL batch in
@@ -406,17 +407,62 @@ def rollout_makespan(pools: Sequence[tuple[RolloutCost, int]], lengths: LengthPr
         durations = [cost.prefill_s(p) + g * cost.decode_step_s(batch, base + p + g / 2) + t
                      for p, g, t in zip(lengths.prompt, lengths.gen, lengths.tool_s)]
         per_pool.append((cost, n, conc, batch, durations))
-    makespan, assigned = _assign(lengths.count, [(n * batch, d) for _, n, _, batch, d in per_pool])
+    makespan, assigned, per_bucket = _assign(lengths.count, [(n * batch, d) for _, n, _, batch, d in per_pool])
     info = tuple((c.tp, n, conc, c.decode_step_s(b, b * lengths.mean_context), a)
                  for (c, n, conc, b, _), a in zip(per_pool, assigned))
+    if tail_aware:
+        loaded = [(c, *_loaded_s(c, n, conc, shares, lengths, in_flight))
+                  for (c, n, conc, _, _), shares in zip(per_pool, per_bucket)]
+        # the extreme trajectories (longest generation, longest tools) on their best pool, loaded
+        chain = max(min(c.prefill_s(x.prompt_len) + x.gen_len * sigma + x.tool_time_s for c, _, sigma in loaded)
+                    for x in lengths.extremes)
+        makespan = max(chain, *(m for _, m, _ in loaded))
     return RolloutEstimate(max(makespan, bound), bound, None, info)
 
 
-def _assign(counts: Sequence[int], pools: Sequence[tuple[int, Sequence[float]]]) -> tuple[float, list[int]]:
+def _loaded_s(cost: RolloutCost, instances: int, conc: int, counts: Sequence[int], lengths: LengthProfile,
+              in_flight: int) -> tuple[float, float]:
+    """Seconds until one pool's trajectories (``counts`` per bucket of ``lengths``, spread
+    evenly over ``instances``) are all done, each at the decode step time of the load it
+    actually runs beside. The load follows Little's law: ``in_flight`` batches share the
+    instances (a pipeline with staleness k keeps k + 1 in flight, so the next batch's work
+    runs beside this one's tail), so an instance holds on average in_flight × (its
+    trajectory-seconds per batch) / makespan trajectories, of which the ones not in a
+    tool call decode, with their time-weighted KV context; above its concurrency they
+    queue for seats; decoding stalls while the instance prefills joining sequences (the
+    share of its time the batches' prefills take). The longest chain (prefill + decode steps + tool time) at that step
+    time, or the seats' throughput, sets the makespan. Fixed point, a few passes; O(buckets).
+    Returns the makespan and the loaded decode step time."""
+    n = [c / instances for c in counts]
+    live = [k for k, x in enumerate(n) if x > 0]
+    if not live:
+        return 0.0, math.inf
+    gen, tool = lengths.gen, lengths.tool_s
+    ctx = [lengths.prompt[k] + gen[k] / 2 for k in range(len(n))]
+    pre = {k: cost.prefill_s(lengths.prompt[k]) for k in live}
+    longest = max(live, key=lambda k: gen[k])
+    sigma = cost.decode_step_s(1, ctx[longest])
+    makespan = 0.0
+    for _ in range(6):
+        dur = {k: pre[k] + gen[k] * sigma + tool[k] for k in live}
+        work = sum(n[k] * dur[k] for k in live)  # trajectory-seconds per batch per instance
+        makespan = max(max(dur.values()), in_flight * work / conc)
+        load = in_flight * work / makespan  # trajectories held at once, on average
+        seated = min(load, conc)
+        decoding = seated * sum(n[k] * gen[k] * sigma for k in live) / work
+        kv = seated * sum(n[k] * dur[k] * ctx[k] for k in live) / work
+        others = max(0.0, 1.0 - 1.0 / (in_flight * sum(n[k] for k in live)))  # a lone sequence waits for no one
+        stall = min(0.9, others * in_flight * sum(n[k] * pre[k] for k in live) / makespan)  # time spent prefilling
+        sigma = cost.decode_step_s(max(1.0, decoding), kv) / (1.0 - stall)
+    return makespan, sigma
+
+
+def _assign(counts: Sequence[int], pools: Sequence[tuple[int, Sequence[float]]]) -> tuple[float, list[int], list[list[int]]]:
     """Greedy earliest-finish placement of bucketed trajectories (longest bucket first) on
-    pools of lanes; returns the makespan and trajectories per pool."""
+    pools of lanes; returns the makespan, trajectories per pool and per pool per bucket."""
     heaps = [[(0.0, lanes)] for lanes, _ in pools]
     assigned = [0] * len(pools)
+    per_bucket = [[0] * len(counts) for _ in pools]
     makespan = 0.0
     for k, m in enumerate(counts):
         while m > 0:
@@ -431,9 +477,10 @@ def _assign(counts: Sequence[int], pools: Sequence[tuple[int, Sequence[float]]])
                 heapq.heappush(heaps[best], (free_at, lanes - take))
             heapq.heappush(heaps[best], (finish, take))
             assigned[best] += take
+            per_bucket[best][k] += take
             makespan = max(makespan, finish)
             m -= take
-    return makespan, assigned
+    return makespan, assigned, per_bucket
 
 
 # --------------------------------------------------------------------------- training

@@ -45,11 +45,16 @@ class GateOptions:
     """Consecutive checks the same candidate must win before it is applied (1: at once)."""
     min_dwell_steps: int = 20
     """Steps after an applied change during which no other change is applied."""
+    min_gain: float = 0.0
+    """Share of the current plan's predicted step a change must save per step: a smaller
+    predicted gain is within the cost model's error and is kept out."""
 
     def __post_init__(self) -> None:
         lo, hi = self.ratio_band
-        if self.every_steps < 1 or self.confirm_checks < 1 or self.min_dwell_steps < 0 or self.margin_s < 0:
-            raise ValueError(f"GateOptions: every_steps, confirm_checks >= 1, min_dwell_steps, margin_s >= 0: {self}")
+        if (self.every_steps < 1 or self.confirm_checks < 1 or self.min_dwell_steps < 0 or self.margin_s < 0
+                or not 0 <= self.min_gain < 1):
+            raise ValueError(f"GateOptions: every_steps, confirm_checks >= 1, min_dwell_steps, margin_s >= 0, "
+                             f"0 <= min_gain < 1: {self}")
         if not 0 < lo <= 1 <= hi:
             raise ValueError(f"GateOptions.ratio_band must satisfy 0 < low <= 1 <= high, got {self.ratio_band}")
         if self.queue_depth_threshold < 1:
@@ -129,6 +134,11 @@ class ReplanGate:
             self.pending, self.streak = None, 0
             return self._say(step, Decision(False, f"{trigger}; keep: {money} <= margin {o.margin_s:g} s",
                                             True, trigger, net))
+        if gain < o.min_gain * current_objective_s:
+            self.pending, self.streak = None, 0
+            return self._say(step, Decision(False, f"{trigger}; keep: gain {gain:.3g} s/step < min_gain {o.min_gain:g} "
+                                                   f"× current step {current_objective_s:.3g} s (within the cost "
+                                                   f"model's error)", True, trigger, net))
         sig = direction(new, current) if current is not None else signature(new)
         self.streak = self.streak + 1 if sig == self.pending else 1
         self.pending = sig

@@ -95,14 +95,20 @@ class PlannerOptions:
     """Most training GPU counts that get the full rollout search (the rest are screened only)."""
     runners_up: int = 8
     """Losing candidates reported with the plan."""
+    in_flight: int = 1
+    """Batches whose trajectories share the rollout instances at once: ``rl.max_staleness
+    + 1`` in the asynchronous pipeline (the next batch runs beside this one's tail), 1
+    synchronously. The rollout makespan prices the decode step at that load
+    (``rollout_makespan``)."""
 
     def __post_init__(self) -> None:
         bad = [t for t in (*self.rollout_tps, *self.train_tps) if t < 1 or t & (t - 1)]
         if bad or not self.rollout_tps or not self.train_tps:
             raise ValueError(f"PlannerOptions: TP sizes must be powers of two, got {bad or 'an empty list'}")
         if min(self.min_train_gpus, self.min_rollout_gpus, self.max_pp, self.refine_top, self.exact_rollout_limit,
-               self.climb_starts) < 1:
-            raise ValueError(f"PlannerOptions: minimums, max_pp, refine_top, exact_rollout_limit, climb_starts must be >= 1: {self}")
+               self.climb_starts, self.in_flight) < 1:
+            raise ValueError(f"PlannerOptions: minimums, max_pp, refine_top, exact_rollout_limit, climb_starts, "
+                             f"in_flight must be >= 1: {self}")
         object.__setattr__(self, "rollout_tps", tuple(sorted(set(self.rollout_tps), reverse=True)))
 
 
@@ -256,7 +262,8 @@ class _Search:
     def rollout_time(self, counts: Counts) -> float:
         if counts not in self.memo:
             pools = [(self.costs[tp], n) for tp, n in zip(self.tps, counts) if n]
-            self.memo[counts] = rollout_makespan(pools, self.lengths).makespan_s if pools else math.inf
+            self.memo[counts] = (rollout_makespan(pools, self.lengths, in_flight=self.opt.in_flight).makespan_s
+                                 if pools else math.inf)
             self.evaluated += 1
         return self.memo[counts]
 
@@ -472,7 +479,7 @@ def fitting_training_cost(model: ModelProfile, hw: HardwareProfile, shape: Train
 
 
 def reprice(p: Plan, model: ModelProfile, hardware: HardwareProfile, gpus_per_node: int, lengths: LengthProfile,
-            calibration: Calibration = DEFAULT, batch: RLBatch | None = None) -> Plan:
+            calibration: Calibration = DEFAULT, batch: RLBatch | None = None, in_flight: int = 1) -> Plan:
     """``p`` with its times predicted again on new observations (``lengths``), for the
     replanning gate to compare the current plan with a fresh candidate. ``batch``: the
     RL batch the candidate was searched for (its sequence length follows the
@@ -481,7 +488,7 @@ def reprice(p: Plan, model: ModelProfile, hardware: HardwareProfile, gpus_per_no
     shape = p.train if batch is None else replace(p.train, global_batch=batch.global_batch, seq_len=batch.seq_len)
     tt = fitting_training_cost(model, hw, replace(shape, recompute=False), calibration).step_s
     pools = [(RolloutCost(model, hw, tp, calibration), n) for tp, n in p.rollout_counts.items()]
-    tr = rollout_makespan(pools, lengths).makespan_s
+    tr = rollout_makespan(pools, lengths, in_flight=in_flight).makespan_s
     return replace(p, t_train=tt, t_rollout=tr, objective=objective(tt, tr, p.mode))
 
 
@@ -522,7 +529,7 @@ def exhaustive(model: ModelProfile, hardware: HardwareProfile, nodes: int, gpus_
                 continue
             if flat not in seen:  # the makespan depends on the multiset only; memo, not pruning
                 pools = [(s.costs[tp], flat.count(tp)) for tp in s.tps if tp in flat]
-                seen[flat] = rollout_makespan(pools, lengths).makespan_s
+                seen[flat] = rollout_makespan(pools, lengths, in_flight=options.in_flight).makespan_s
             tr = seen[flat]
             o = objective(cost.step_s, tr, mode)
             if o < best[0]:
