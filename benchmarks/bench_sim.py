@@ -1,6 +1,6 @@
 """Cluster simulator: every policy on the paper scenario, and the event loop's speed.
 
-    python benchmarks/bench_sim.py [--config configs/sim/a800-swe.yaml] [--steps N] [--out DIR]
+    python benchmarks/bench_sim.py [--config configs/sim/a800-swe.yaml] [--steps N] [--out DIR] [--partial]
     python benchmarks/bench_sim.py --engine     # heapq loop vs the alternatives considered
 
 Runs the scenario (48 A800-80G, Qwen3-14B, SWE-style agent, 100 RL steps by default) for
@@ -10,6 +10,9 @@ shape: no policy's rollout can beat it), and writes the report folder. The last 
 JSON object: libra_vs_colocated, libra_vs_async_static, libra_vs_oracle (throughput
 ratios; the oracle is the better of ``oracle`` and ``oracle_best``, named by oracle_used),
 libra_vs_bound (the physical bound's time over Libra's: libra_hpc/sim/bound.py),
+Libra's trained_p90_over_generated_p90 and dropped_token_share (partial rollout's guards:
+1.0 and 0.0 without it), libra_predicted_over_simulated (the planner's predicted step on
+observed lengths over the simulated one),
 bound_step_s and the floor that binds, sim_wall_s (wall time of the whole comparison), and
 per policy tokens/s, distance to the bound and sim wall seconds.
 """
@@ -71,6 +74,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, help="override rl.steps")
     parser.add_argument("--out", default="logs/bench-sim", help="report folder")
     parser.add_argument("--engine", action="store_true", help="only the event-queue micro-benchmark")
+    parser.add_argument("--partial", action="store_true",
+                        help="rl.partial_rollout=true (asynchronous policies; the static split keeps the better of on/off)")
     args = parser.parse_args()
     if args.engine:
         print(f"{'live events':>12} {'heapq':>12} {'bisect list':>12} {'PriorityQueue':>14}  (push+pop pairs/s)")
@@ -81,7 +86,8 @@ def main() -> None:
             print(f"{live:>12} {r['heapq']:>12.0f} {r['bisect_sorted_list']:>12.0f} {r['queue_PriorityQueue']:>14.0f}")
         print(json.dumps({"engine_pairs_per_s": rows}))
         return
-    cfg = load_sim_config(args.config, {"rl.steps": args.steps} if args.steps else None)
+    overrides = {**({"rl.steps": args.steps} if args.steps else {}), **({"rl.partial_rollout": True} if args.partial else {})}
+    cfg = load_sim_config(args.config, overrides or None)
     t0 = time.perf_counter()
     result = run_scenario(cfg)
     wall = time.perf_counter() - t0
@@ -93,9 +99,13 @@ def main() -> None:
     print(f"critical-path floor of one batch's rollout (s) at steps {list(floor)}: {list(floor.values())}")
     print(f"report: {args.out}/report.md")
     r = ratios(result)
+    libra = result.runs["libra"].summary if "libra" in result.runs else {}
     print(json.dumps({**{k: (round(v, 3) if isinstance(v, float) else v) for k, v in r.items()},
                       "sim_wall_s": round(wall, 1), "steps": cfg.rl.steps, "critical_path_s": floor,
                       "bound_step_s": round(result.bound["bound_step_s"], 1), "bound_binding": result.bound["binding"],
+                      **{k: round(libra[k], 3) for k in ("trained_p90_over_generated_p90", "dropped_token_share")
+                         if k in libra},
+                      "partial_rollout": cfg.rl.partial_rollout,
                       "policies": {n: {"tokens_per_s": round(rec.summary["tokens_per_s"], 1),
                                        "vs_bound": round(result.vs_bound(n), 3),
                                        "wall_s": round(rec.summary["wall_s"], 1)} for n, rec in result.runs.items()}}))

@@ -53,7 +53,7 @@ def test_outputs(small, tmp_path):
     assert "| libra |" in text and "## Assumptions" in text and "libra_vs_colocated" in text
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert set(summary["ratios"]) == {"libra_vs_colocated", "libra_vs_async_static", "libra_vs_oracle", "oracle_used",
-                                      "libra_vs_bound"}
+                                      "libra_vs_bound", "libra_predicted_over_simulated"}
     assert "## Physical bound" in text and "| *bound* |" in text
     assert len((tmp_path / "metrics-libra.jsonl").read_text().splitlines()) == 6
     for png in ("allocation.png", "throughput.png", "step_cdf.png"):

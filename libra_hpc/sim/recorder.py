@@ -15,7 +15,9 @@ alternate, so the median alone misleads), ``prefill_share`` (prefill GPU-seconds
 rollout GPU-seconds), ``prefix_hit_rate`` (turns after a tool return that ran where the
 trajectory's KV prefix was, so only the tool output was prefilled), ``steals`` (turns an
 idle instance took from a neighbouring bucket), ``planned_step_s`` (planned policies: the
-step time the planner predicted for its initial plan, to set against ``step_s_mean``).
+step time the planner predicted for its initial plan, to set against ``step_s_mean``),
+``predicted_step_s`` (planned policies: the mean, over the replanning checks, of the step
+time the planner predicted for the running plan on the lengths observed by then).
 """
 
 from __future__ import annotations
@@ -86,8 +88,14 @@ class Recorder:
             "prefix_hit_rate": counts["cache_hits"] / counts["later_turns"] if counts.get("later_turns") else 0.0,
             "steals": counts.get("steals", 0),
             "planned_step_s": next((c["objective_s"] for c in considered if c.get("kind") == "initial_plan"), None),
+            "predicted_step_s": _mean([c["current_objective_s"] for c in considered
+                                       if c.get("current_objective_s") not in (None, math.inf)]),
             "events": fired, "wall_s": wall_s,
         }
+
+
+def _mean(values: list[float]) -> float | None:
+    return statistics.fmean(values) if values else None
 
 
 def _rank(values: list[float], q: float) -> float:

@@ -89,7 +89,14 @@ def ratios(result: ScenarioResult) -> dict:
     return {"libra_vs_colocated": result.ratio("libra", "colocated"),
             "libra_vs_async_static": result.ratio("libra", "async_static"),
             "libra_vs_oracle": result.ratio("libra", best) if best else None, "oracle_used": best,
-            "libra_vs_bound": result.vs_bound("libra")}
+            "libra_vs_bound": result.vs_bound("libra"),
+            "libra_predicted_over_simulated": _predicted_ratio(result, "libra")}
+
+
+def _predicted_ratio(result: ScenarioResult, name: str) -> float | None:
+    """The planner's mean predicted step on observed lengths over the simulated mean step."""
+    s = result.runs[name].summary if name in result.runs else {}
+    return s["predicted_step_s"] / s["step_s_mean"] if s.get("predicted_step_s") else None
 
 
 def _jsonl(path: Path, rows: list[dict]) -> None:
@@ -170,13 +177,20 @@ def render(result: ScenarioResult, images: list[str]) -> str:
     gap = [(n, rec.summary) for n, rec in result.runs.items() if rec.summary.get("planned_step_s")]
     if gap:
         lines += [("Planner against simulator (planned policies): the step time the planner predicted for its "
-                   "initial plan, the simulated mean step, and what its cost model leaves out most: the prefill "
-                   "share of busy rollout GPU-seconds (re-prefill of the whole context when a turn runs where its "
-                   "prefix is not cached) and the prefix-cache hit rate of turns after a tool return."), "",
-                  "| policy | planned step s | simulated mean step s | prefill share | prefix hits |",
-                  "|---|---|---|---|---|"]
-        lines += [f"| {n} | {s['planned_step_s']:.0f} | {s['step_s_mean']:.0f} | {s['prefill_share']:.2f} | "
-                  f"{s['prefix_hit_rate']:.2f} |" for n, s in gap] + [""]
+                   "initial plan (on the prior), the mean of its predictions for the running plan at the replanning "
+                   "checks (on the lengths observed by then), the simulated mean step, and what its cost model "
+                   "leaves out most: the prefill share of busy rollout GPU-seconds (re-prefill of the whole context "
+                   "when a turn runs where its prefix is not cached) and the prefix-cache hit rate of turns after a "
+                   "tool return."), "",
+                  "| policy | planned step s (prior) | predicted step s (observed) | simulated mean step s | "
+                  "predicted / simulated | prefill share | prefix hits |",
+                  "|---|---|---|---|---|---|---|"]
+        for n, s in gap:
+            pred = s.get("predicted_step_s")
+            lines.append(f"| {n} | {s['planned_step_s']:.0f} | {_fmt(pred) if pred is None else f'{pred:.0f}'} | "
+                         f"{s['step_s_mean']:.0f} | {_fmt(pred / s['step_s_mean'] if pred else None)} | "
+                         f"{s['prefill_share']:.2f} | {s['prefix_hit_rate']:.2f} |")
+        lines.append("")
     lines += ["Starting allocation of each policy:", ""]
     lines += [f"- {name}: {desc}" for name, desc in result.initial.items()] + [""]
     w = result.workload

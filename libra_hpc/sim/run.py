@@ -18,6 +18,11 @@ from libra_hpc.envs.synthetic import summary
 
 log = logging.getLogger(__name__)
 
+FAIR_BOTH_WAYS = ("async_static", "oracle_best")
+"""Searched static splits: with ``rl.partial_rollout`` each runs with partial rollout on and
+off and keeps the better (the baseline Libra is measured against is the best static
+policy, not a handicapped one)."""
+
 
 @dataclass
 class ScenarioResult:
@@ -65,6 +70,14 @@ def run_policy(ctx: Context, name: str, steps: int | None = None,
     start = describe(layout, train, control.pool if control else None, colocated)
     log.info("%s starts with %s", name, start)
     rec = PolicyRun(ctx, setup, layout, train, steps, control, colocated=colocated).run()
+    if name in FAIR_BOTH_WAYS and ctx.cfg.rl.partial_rollout:
+        # a fair baseline: the static split gets the better of partial rollout on and off
+        other = PolicyRun(ctx, setup, layout, train, steps, None, colocated=colocated, partial=False).run()
+        tried = {"partial_on_tokens_per_s": rec.summary["tokens_per_s"],
+                 "partial_off_tokens_per_s": other.summary["tokens_per_s"]}
+        if other.summary["tokens_per_s"] > rec.summary["tokens_per_s"]:
+            rec = other
+        rec.summary.update(tried)
     s = rec.summary
     log.info("%s: %.0f tokens/s, median step %.1f s, %d events in %.1f s", name, s["tokens_per_s"],
              s["step_s_median"], s["events"], s["wall_s"])
