@@ -215,10 +215,11 @@ class PlannerConfig(_Section):
     """Replanning gate: seconds a change must save over the next ``every_steps`` steps,
     after paying its reconfiguration cost, before it counts as a win."""
     min_gain: float = Field(0.1, ge=0, lt=1)
-    """Replanning gate: share of the current plan's predicted step a new plan must save per
-    step to count as a win. The rollout cost model is within about ±20% of the simulated
-    makespan per batch (benchmarks/results/2026-11-25-python-2core-sim.md), so a smaller
-    predicted gain is noise; 0 counts every gain."""
+    """Replanning gate: share of the current plan's predicted step a new plan that changes
+    the rollout instances must save per step to count as a win. The rollout cost model is
+    within about ±20% of the simulated makespan per batch
+    (benchmarks/results/2026-11-25-python-2core-sim.md), so a smaller predicted gain is
+    noise; a change of the training shape alone is exempt; 0 counts every gain."""
     confirm_checks: int = Field(2, ge=1)
     """Replanning gate: consecutive winning checks, for the same plan, before it is applied."""
     min_dwell_steps: int = Field(10, ge=0)

@@ -157,3 +157,12 @@ def test_a_gain_within_the_cost_models_error_is_kept_out():
     assert d.apply
     with pytest.raises(ValueError, match="min_gain"):
         GateOptions(min_gain=1.0)
+
+
+def test_a_training_shape_change_on_the_same_instances_is_not_held_to_min_gain():
+    from dataclasses import replace
+
+    gate = ReplanGate(replace(OPT, confirm_checks=1, min_gain=0.1))
+    current = candidate(100.0).plan
+    reshard = candidate(95.0)  # same 8 training GPUs and instances, 5% faster
+    assert gate.consider(0, 100.0, reshard, reconfig_cost_s=0.0, current=current).apply

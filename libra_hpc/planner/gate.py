@@ -46,8 +46,9 @@ class GateOptions:
     min_dwell_steps: int = 20
     """Steps after an applied change during which no other change is applied."""
     min_gain: float = 0.0
-    """Share of the current plan's predicted step a change must save per step: a smaller
-    predicted gain is within the cost model's error and is kept out."""
+    """Share of the current plan's predicted step a change of the rollout instances must
+    save per step: a smaller predicted gain is within the rollout model's error and is
+    kept out. A change of the training shape alone (same instances) is exempt."""
 
     def __post_init__(self) -> None:
         lo, hi = self.ratio_band
@@ -134,7 +135,8 @@ class ReplanGate:
             self.pending, self.streak = None, 0
             return self._say(step, Decision(False, f"{trigger}; keep: {money} <= margin {o.margin_s:g} s",
                                             True, trigger, net))
-        if gain < o.min_gain * current_objective_s:
+        same_rollout = current is not None and new.rollout_counts == current.rollout_counts
+        if gain < o.min_gain * current_objective_s and not same_rollout:
             self.pending, self.streak = None, 0
             return self._say(step, Decision(False, f"{trigger}; keep: gain {gain:.3g} s/step < min_gain {o.min_gain:g} "
                                                    f"× current step {current_objective_s:.3g} s (within the cost "
