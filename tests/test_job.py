@@ -105,7 +105,8 @@ def test_eval_only_scores_the_exported_checkpoint(small_run, tmp_path):
 
 
 REPLAN = ("--set", "planner.every_steps=1", "--set", "planner.confirm_checks=1", "--set", "planner.margin_s=0",
-          "--set", "planner.reconfig_s=0", "--set", "planner.min_dwell_steps=0", "--set", "planner.hybrid_nodes=0",
+          "--set", "planner.reconfig_s=0", "--set", "planner.min_dwell_steps=0", "--set", "planner.min_gain=0",
+          "--set", "planner.hybrid_nodes=0",
           "--set", "rl.update_epochs={0: 1}", "--set", "rl.steps=5")
 
 
@@ -134,6 +135,14 @@ def test_the_planner_replans_the_layout_and_the_job_carries_it_out(small_run, tm
     assert after and all(m["gpus"]["training"] == applied["gpus"]["training"] for m in after)
     buckets = [e for e in events if e["kind"] == "buckets"]
     assert len(buckets) == 2  # the queue started over on the new layout's instances
+    # the policy is exported whatever the new shape (a pipeline-parallel one: a shard per
+    # stage and an index) and loads whole into transformers
+    from transformers import AutoModelForCausalLM
+
+    _, info = AutoModelForCausalLM.from_pretrained(folder / "checkpoint", output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+    if "PP1 " not in applied["plan"]:
+        assert (folder / "checkpoint" / "model.safetensors.index.json").is_file()
 
 
 def test_a_report_the_controller_cannot_read_ends_the_job_naming_the_rank():
@@ -224,3 +233,19 @@ def test_a_rank_that_fails_ends_the_job_with_its_name_and_no_hang(small_run, tmp
     failure = [e for e in read_jsonl(only_log_folder(tmp_path / "logs") / "events.jsonl") if e["kind"] == "failure"]
     assert failure, done.stdout[-3000:]
     assert "JobFailed: rank" in failure[0]["error"] and " on n" in failure[0]["error"]
+
+
+def test_a_pipeline_parallel_export_gets_an_index_and_a_missing_stage_is_named(tmp_path):
+    from libra_hpc.runtime.controller import write_export_index
+
+    parts = [{"path": str(tmp_path), "stage": s, "stages": 2, "bytes": 10,
+              "weight_map": {f"model.layers.{s}.w": f"model-{s + 1:05d}-of-00002.safetensors"}} for s in (1, 0)]
+    write_export_index(parts)
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    assert index["metadata"]["total_size"] == 20
+    assert index["weight_map"] == {"model.layers.0.w": "model-00001-of-00002.safetensors",
+                                   "model.layers.1.w": "model-00002-of-00002.safetensors"}
+    with pytest.raises(RuntimeError, match=r"stages \[0\] reported, expected 0..1"):
+        write_export_index(parts[1:])
+    write_export_index([{"path": str(tmp_path / "x"), "stages": 1}])  # one stage: nothing to index
+    assert not (tmp_path / "x").exists()

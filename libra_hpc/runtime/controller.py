@@ -240,13 +240,17 @@ class JobController:
             for rank in self.roles.trainers:
                 self._send(rank, {"op": "export", "path": path})
             self._export_expect = len(self.roles.trainers)
+            self._export_parts: list[dict] = []
 
     def _on_exported(self, message: dict, source: int) -> None:
         if message.get("path"):
             self.exported = message["path"]
-            self.runlog.event("exported", path=message["path"], tensors=message["tensors"])
+            self._export_parts.append(message)
+            self.runlog.event("exported", path=message["path"], tensors=message["tensors"],
+                              stage=message.get("stage", 0))
         self._export_expect -= 1
         if self._export_expect == 0:
+            write_export_index(self._export_parts)
             self.phase = "done"
 
     # --- rollout
@@ -441,3 +445,22 @@ def _read(path: Path) -> list[dict]:
     from libra_hpc.metrics.runlog import read_jsonl
 
     return read_jsonl(path)
+
+
+def write_export_index(parts: list[dict]) -> None:
+    """A pipeline-parallel export is one safetensors file per stage: write the index that
+    Hugging Face loaders read (``model.safetensors.index.json``: every weight's file).
+    Nothing to do for one stage. Raises RuntimeError when a stage did not report."""
+    import json
+
+    if not parts or parts[0].get("stages", 1) == 1:
+        return
+    stages = parts[0]["stages"]
+    got = sorted(p["stage"] for p in parts)
+    if got != list(range(stages)):
+        raise RuntimeError(f"export: stages {got} reported, expected 0..{stages - 1}")
+    weight_map: dict[str, str] = {}
+    for p in parts:
+        weight_map.update(p["weight_map"])
+    index = {"metadata": {"total_size": sum(p["bytes"] for p in parts)}, "weight_map": dict(sorted(weight_map.items()))}
+    (Path(parts[0]["path"]) / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))

@@ -167,26 +167,33 @@ class Trainer:
         return out
 
     def _export(self, path: str) -> dict:
-        """The current policy as a Hugging Face checkpoint in ``path`` (written by the
-        holder: the warm start's config and tokenizer, the trained weights)."""
+        """The current policy as a Hugging Face checkpoint in ``path``. Each pipeline
+        stage's holder writes its stage's weights: one ``model.safetensors`` without
+        pipeline parallelism, else ``model-0000s-of-0000P.safetensors`` per stage, whose
+        names the reply carries so that the controller writes the index. The first holder
+        also copies the warm start's config and tokenizer."""
         import shutil
         from pathlib import Path
 
         from safetensors.torch import save_file
 
         weights = dict(self.engine.iter_hf())
-        if self.rank != self.job.roles.holders[0]:
+        holders = self.job.roles.holders
+        if self.rank not in holders:
             return {"op": "exported", "path": None}
-        if len(self.job.roles.holders) > 1:
-            raise NotImplementedError("exporting a pipeline-parallel policy (training.pipeline_parallel > 1)")
+        stage, stages = holders.index(self.rank), len(holders)
         out = Path(path)
         out.mkdir(parents=True, exist_ok=True)
-        for item in Path(self.job.warm).iterdir():
-            if item.is_file() and not item.name.endswith((".safetensors", ".bin")) and item.name != "build.json":
-                shutil.copy2(item, out / item.name)
-        save_file({k: v.contiguous() for k, v in weights.items()}, str(out / "model.safetensors"),
-                  metadata={"format": "pt"})
-        return {"op": "exported", "path": str(out), "tensors": len(weights)}
+        if stage == 0:
+            for item in Path(self.job.warm).iterdir():
+                if item.is_file() and not item.name.endswith((".safetensors", ".bin", ".index.json")) \
+                        and item.name != "build.json":
+                    shutil.copy2(item, out / item.name)
+        name = "model.safetensors" if stages == 1 else f"model-{stage + 1:05d}-of-{stages:05d}.safetensors"
+        save_file({k: v.contiguous() for k, v in weights.items()}, str(out / name), metadata={"format": "pt"})
+        return {"op": "exported", "path": str(out), "tensors": len(weights), "stage": stage, "stages": stages,
+                "weight_map": dict.fromkeys(weights, name) if stages > 1 else {},
+                "bytes": sum(v.numel() * v.element_size() for v in weights.values())}
 
 
 def _empty(pad: int):
