@@ -107,7 +107,8 @@ def main() -> None:
                          if k in libra},
                       "partial_rollout": cfg.rl.partial_rollout,
                       "policies": {n: {"tokens_per_s": round(rec.summary["tokens_per_s"], 1),
-                                       "vs_bound": round(result.vs_bound(n), 3),
+                                       "vs_bound": None if result.vs_bound(n) is None else round(result.vs_bound(n), 3),
+                                       "out_of_memory_step": (result.oom(n) or {}).get("step"),
                                        "wall_s": round(rec.summary["wall_s"], 1)} for n, rec in result.runs.items()}}))
 
 

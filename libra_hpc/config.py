@@ -222,6 +222,12 @@ class PlannerConfig(_Section):
     noise; a change of the training shape alone is exempt; 0 counts every gain."""
     confirm_checks: int = Field(2, ge=1)
     """Replanning gate: consecutive winning checks, for the same plan, before it is applied."""
+    memory_headroom: float = Field(1.25, ge=1.0)
+    """Every plan's training shape must fit (packed) sequences this many times the observed
+    mean length, at most ``training.seq_len``: contexts grow as the policy learns, and a
+    shape sized for today's lengths would run out of memory on tomorrow's. After every
+    batch the planner checks the running shape against it and, when it no longer fits,
+    replaces the plan at once (no gate: the alternative is an out-of-memory crash)."""
     min_dwell_steps: int = Field(10, ge=0)
     """Replanning gate: RL steps after an applied change during which no other is applied."""
     replan: bool = True

@@ -38,7 +38,17 @@ from libra_hpc.planner.gate import GateOptions, ReplanGate
 from libra_hpc.planner.hybrid import HybridPool, HybridPoolError, PhaseTimeouts, PoolEvent
 from libra_hpc.planner.prior import prior_lengths
 from libra_hpc.planner.profiles import HardwareProfile, ModelProfile, load_hardware, load_model
-from libra_hpc.planner.search import Plan, PlanError, PlannerOptions, PlanResult, RLBatch, plan, plan_to_layout, reprice
+from libra_hpc.planner.search import (
+    Plan,
+    PlanError,
+    PlannerOptions,
+    PlanResult,
+    RLBatch,
+    fitting_training_cost,
+    plan,
+    plan_to_layout,
+    reprice,
+)
 from libra_hpc.planner.search import RolloutInstance as PlanInstance
 
 log = logging.getLogger(__name__)
@@ -69,6 +79,9 @@ class ControlOptions:
     gate: GateOptions = GateOptions()
     hybrid_margin: float = 0.1
     """Borrow when T_train > T_rollout × (1 + margin), release in reverse."""
+    memory_headroom: float = 1.25
+    """Training shapes must fit sequences this many times the observed mean (packed)
+    length, up to ``seq_len``; a running shape that no longer does is replaced at once."""
     reconfig_s: float = 30.0
     """Seconds a layout change costs (the gate weighs the gain against it)."""
     hybrid_timeouts: PhaseTimeouts = PhaseTimeouts()
@@ -100,7 +113,7 @@ class ControlOptions:
             seed=cfg.rl.seed, hybrid_nodes=p.hybrid_nodes, min_rollout_gpus=p.min_rollout_gpus, window=p.window,
             gate=GateOptions(every_steps=p.every_steps, margin_s=p.margin_s, confirm_checks=p.confirm_checks,
                              min_dwell_steps=p.min_dwell_steps, min_gain=p.min_gain),
-            hybrid_margin=p.hybrid_margin, **setup)
+            hybrid_margin=p.hybrid_margin, memory_headroom=p.memory_headroom, **setup)
 
 
 @dataclass(frozen=True)
@@ -227,14 +240,31 @@ class ControlLoop:
         profile's mean length."""
         o = self.o
         batch = RLBatch(o.global_batch, math.ceil(lengths.mean_seq_tokens))
+        opts = replace(options or self.search, fit_seq_len=self.memory_need(lengths))
         best = None
         for mode in ("async", "sync"):
             r = plan(self.model, self.hw, o.nodes, o.gpus_per_node, lengths, batch, mode=mode,
-                     options=options or self.search, calibration=self.cal)
+                     options=opts, calibration=self.cal)
             obj = self.step_objective(r.plan.t_train, r.plan.t_rollout)
             if best is None or obj < best[0]:
                 best = (obj, replace(r, plan=replace(r.plan, objective=obj)))
         return best[1]
+
+    def memory_need(self, lengths: LengthProfile) -> int:
+        """Tokens per (packed) training sequence a plan must fit: ``memory_headroom`` ×
+        the observed mean, at most ``seq_len`` (what the batch can still reach)."""
+        return min(self.o.seq_len, math.ceil(self.o.memory_headroom * lengths.mean_seq_tokens))
+
+    def memory_short(self, lengths: LengthProfile) -> str | None:
+        """Why the running training shape (hybrid replicas included) cannot run the
+        sequences ``lengths`` may reach next (``memory_need``), or None when it can."""
+        shape = replace(self.training_shape(), seq_len=self.memory_need(lengths))
+        cost = fitting_training_cost(self.model, self.hw, replace(shape, recompute=False), self.cal)
+        if not cost.infeasible:
+            return None
+        return (f"memory: training TP{shape.tp} PP{shape.pp} DP{shape.dp} cannot run sequences of {shape.seq_len} "
+                f"tokens ({self.o.memory_headroom:g} × the observed mean {lengths.mean_seq_tokens:.0f}): "
+                f"{cost.infeasible.split(': ', 1)[-1]}")
 
     def _best_single_tp(self) -> int:
         best = None
@@ -330,7 +360,9 @@ class ControlLoop:
                   future: Callable[[], LengthProfile | None] | None) -> LayoutChange | None:
         if not self.o.replan or not self.window or self.plan is None:
             return None
-        if step - self.last_check < self.min_gap or not self.gate.due(step, pressure):
+        observed = length_profile(list(self.window), self.o.global_batch)
+        short = self.memory_short(observed)  # checked after every batch: the next may not fit
+        if short is None and (step - self.last_check < self.min_gap or not self.gate.due(step, pressure)):
             return None  # pressure checks at most every every_steps // 5 steps (each costs a plan search)
         self.last_check = step
         if self.o.clairvoyant:
@@ -338,12 +370,18 @@ class ControlLoop:
             if lengths is None:
                 return None
         else:
-            lengths = length_profile(list(self.window), self.o.global_batch)
+            lengths = observed
         try:
             candidate = self.best_plan(lengths)
         except PlanError as exc:
             log.warning("replan at step %d found no plan: %s", step, exc)
             return None
+        if short is not None:  # no gate: the alternative is running out of memory
+            self.gate.last_apply = step
+            self.considered.append({"step": step, "kind": "replan_check", "trigger": "memory", "apply": True,
+                                    "reason": short, "candidate": candidate.plan.describe(),
+                                    "candidate_objective_s": candidate.plan.objective})
+            return self._change(step, candidate, f"{short}; apply {candidate.plan.describe()}", None)
         if same_plan(candidate.plan, self.plan):
             self.considered.append({"step": step, "kind": "replan_check", "apply": False,
                                     "reason": "the best plan is the current one", "candidate": candidate.plan.describe()})

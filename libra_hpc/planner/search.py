@@ -95,6 +95,11 @@ class PlannerOptions:
     """Most training GPU counts that get the full rollout search (the rest are screened only)."""
     runners_up: int = 8
     """Losing candidates reported with the plan."""
+    fit_seq_len: int = 0
+    """Training shapes must also run sequences of this many tokens (with activation
+    recomputation if they need it, which then prices their time): the length the next
+    batches can still reach, so that a plan made on shorter lengths does not run out of
+    memory when contexts grow. 0: only the batch's own length."""
     in_flight: int = 1
     """Batches whose trajectories share the rollout instances at once: ``rl.max_staleness
     + 1`` in the asynchronous pipeline (the next batch runs beside this one's tail), 1
@@ -357,12 +362,22 @@ class _Search:
         best: dict[int, TrainingCost] = {}
         infeasible: dict[str, str] = {}
         n = dominated = 0
+        fit = self.opt.fit_seq_len
         for shape in self.train_shapes():
             cost = fitting_training_cost(self.model, self.hw, shape, self.cal)
             n += 2 if cost.shape.recompute else 1  # a second pricing with recomputation
             if cost.infeasible:
                 infeasible.setdefault(cost.infeasible.split(":")[0], cost.infeasible)
                 continue
+            if fit > shape.seq_len:
+                peak = fitting_training_cost(self.model, self.hw, replace(shape, seq_len=fit), self.cal)
+                if peak.infeasible:
+                    key = peak.infeasible.split(":")[0]
+                    infeasible.setdefault(key, f"{key}: sequences of {fit} tokens (planner.memory_headroom)"
+                                               f"{peak.infeasible.removeprefix(key)}")
+                    continue
+                if peak.shape.recompute and not cost.shape.recompute:  # it will need recomputation: priced so
+                    cost = TrainingCost(self.model, self.hw, replace(shape, recompute=True), self.cal)
             prev = best.get(shape.gpus)
             if prev is None or cost.step_s < prev.step_s:
                 best[shape.gpus] = cost

@@ -121,6 +121,7 @@ class PolicyRun:
         self.fetching: set[int] = set()
         self.finished_traj: dict[str, object] = {}  # partial rollout: finished, not trained yet
         self.trained: list[str] = []  # partial rollout: trajectory ids in the order trained
+        self.oom: dict | None = None  # the step whose batch did not fit the training shape
         self.sample_period = 5.0
         self.recent: deque[tuple[int, ...]] = deque(maxlen=self.cfg.planner.window)  # per-turn tokens of finished ones
 
@@ -132,6 +133,13 @@ class PolicyRun:
         self.loop.schedule_all(self._try_submit(0.0))
         self.loop.schedule(Sample(self.sample_period, self._sample))
         self.loop.run()
+        if self.oom is not None:  # reported, not raised: the comparison goes on without this policy's end
+            self.rec.finish(max(self.train_done.values(), default=self.oom["t"]), wallclock.perf_counter() - t0,
+                            self.loop.fired, {**self.rollout.counts, "busy_gpu_s": self.rollout.busy_gpu_s(),
+                                              "prefill_gpu_s": self.rollout.prefill_gpu_s()},
+                            self.control.considered if self.control else [])
+            self.rec.summary.update(self._tail_summary(), out_of_memory=self.oom)
+            return self.rec
         if len(self.train_done) != self.steps:
             raise RuntimeError(f"{self.setup.name}: simulation stalled after {len(self.train_done)} of {self.steps} "
                                f"steps (t={self.loop.now:.1f} s)")
@@ -228,7 +236,7 @@ class PolicyRun:
         return self.rollout.submit(batch, [traj], now)
 
     def _sample(self, now: float):
-        if len(self.train_done) == self.steps:
+        if len(self.train_done) == self.steps or self.oom is not None:
             return None
         s = self.rollout.stats()
         for step in self.in_flight:
@@ -272,12 +280,17 @@ class PolicyRun:
         return self.control.training_shape() if self.control is not None else self.train
 
     def _start_training(self, now: float):
+        if self.oom is not None or self._memory_pending():
+            return []  # out of memory: the run ends; a plan change for memory: train on the new shape
         if self.partial:
             return self._start_partial(now)
         j = self.train_next
         if self.training or j not in self.ready:
             return []
         return self._train(j, self.ctx.batch(j), now)
+
+    def _memory_pending(self) -> bool:
+        return self.pending is not None and self.pending.reason.startswith("memory")
 
     def _start_partial(self, now: float) -> list[Event]:
         """Partial rollout: train step ``j`` as soon as the tail decoupler lets it (enough
@@ -316,7 +329,14 @@ class PolicyRun:
         start = max(now, self.blocked_until)
         mean_tokens = sum(t.total_tokens for t in batch) / len(batch)
         shape = self._shape()
-        seconds = self.train_time(shape, mean_tokens)
+        try:
+            seconds = self.train_time(shape, mean_tokens)
+        except ValueError as exc:  # the shape cannot hold this batch: out of memory on a real cluster
+            self.oom = {"step": j, "t": now, "shape": f"TP{shape.tp} PP{shape.pp} DP{shape.dp} mbs{shape.micro_batch}",
+                        "seq_tokens": round(mean_tokens), "why": str(exc)}
+            log.warning("%s: out of memory at step %d: %s", self.setup.name, j, exc)
+            self.rec.events.append({"kind": "out_of_memory", **self.oom})
+            return []
         self.training = True
         self.batch_info[j].update(train_start=start, train_s=seconds, train_gpus=shape.gpus,
                                   gen_tokens=sum(t.gen_tokens for t in batch), trajectories=len(batch))

@@ -111,6 +111,11 @@ def table(result: ScenarioResult) -> list[str]:
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for name, rec in result.runs.items():
         s = rec.summary
+        if result.oom(name):
+            o = result.oom(name)
+            lines.append(f"| {name} | out of memory at step {o['step']} ({o['shape']}, {o['seq_tokens']}-token "
+                         f"sequences) |" + " |" * (head.count("|") - 3))
+            continue
         lines.append(f"| {name} | {s['tokens_per_s']:.0f} | {s['trajectories_per_s']:.3f} | {s['step_s_mean']:.0f} | "
                      f"{s['step_s_median']:.0f} | {s['step_s_p90']:.0f} | {s['rollout_s_mean']:.0f} | "
                      f"{s['train_s_mean']:.0f} | {s['rollout_busy_mean']:.2f} | {s['prefill_share']:.2f} | "
@@ -129,7 +134,7 @@ def _fmt(x: float | None) -> str:
 
 def _tokens(result: ScenarioResult) -> float:
     """Tokens every policy generates (the same batches): from any run."""
-    rec = next(iter(result.runs.values()))
+    rec = next((r for n, r in result.runs.items() if not result.oom(n)), next(iter(result.runs.values())))
     return rec.summary["tokens_per_s"] * rec.summary["sim_time_s"]
 
 

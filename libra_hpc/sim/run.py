@@ -36,14 +36,19 @@ class ScenarioResult:
     wall_s: float = 0.0
 
     def ratio(self, a: str, b: str) -> float | None:
-        """Throughput (tokens/s) of policy ``a`` over policy ``b``; None if either is missing."""
-        if a not in self.runs or b not in self.runs:
+        """Throughput (tokens/s) of policy ``a`` over policy ``b``; None if either is missing
+        or ran out of memory before the last step."""
+        if a not in self.runs or b not in self.runs or self.oom(a) or self.oom(b):
             return None
         return self.runs[a].summary["tokens_per_s"] / self.runs[b].summary["tokens_per_s"]
 
+    def oom(self, name: str) -> dict | None:
+        """Where policy ``name`` ran out of memory (step, shape, sequence tokens, why), or None."""
+        return self.runs[name].summary.get("out_of_memory") if name in self.runs else None
+
     def vs_bound(self, name: str) -> float | None:
         """The bound's time over policy ``name``'s simulated time (1.0: at the bound)."""
-        if name not in self.runs or not self.bound:
+        if name not in self.runs or not self.bound or self.oom(name):
             return None
         return self.bound["bound_s"] / self.runs[name].summary["sim_time_s"]
 
