@@ -104,7 +104,7 @@ def test_eval_only_scores_the_exported_checkpoint(small_run, tmp_path):
     assert "eval_success_final" not in summary
 
 
-REPLAN = ("--set", "planner.every_steps=1", "--set", "planner.confirm_checks=1", "--set", "planner.margin_s=0",
+REPLAN = ("--set", "planner.replan=true", "--set", "planner.every_steps=1", "--set", "planner.confirm_checks=1", "--set", "planner.margin_s=0",
           "--set", "planner.reconfig_s=0", "--set", "planner.min_dwell_steps=0", "--set", "planner.min_gain=0",
           "--set", "planner.hybrid_nodes=0",
           "--set", "rl.update_epochs={0: 1}", "--set", "rl.steps=5")
