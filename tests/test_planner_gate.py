@@ -166,3 +166,28 @@ def test_a_training_shape_change_on_the_same_instances_is_not_held_to_min_gain()
     current = candidate(100.0).plan
     reshard = candidate(95.0)  # same 8 training GPUs and instances, 5% faster
     assert gate.consider(0, 100.0, reshard, reconfig_cost_s=0.0, current=current).apply
+
+
+def test_the_measured_model_error_raises_the_bar_for_rollout_changes():
+    """A fitted calibration that predicts decode steps with 50% error cannot justify a 20%
+    rollout gain; min_gain 0 still takes any gain (the bar is off)."""
+    from dataclasses import replace
+
+    current = candidate(100.0, train_gpus=8).plan
+    other = candidate(80.0, train_gpus=4)  # moves GPUs to rollout, predicted 20% faster
+    gate = ReplanGate(replace(OPT, confirm_checks=1, min_gain=0.1))
+    d = gate.consider(0, 100.0, other, 0.0, current=current, model_error=0.5)
+    assert not d.apply and "measured error 50%" in d.reason
+    assert gate.consider(10, 100.0, other, 0.0, current=current, model_error=0.05).apply
+    off = ReplanGate(replace(OPT, confirm_checks=1, min_gain=0.0))
+    assert off.consider(0, 100.0, other, 0.0, current=current, model_error=0.5).apply
+
+
+def test_a_fitted_calibration_carries_its_error_per_kind():
+    from libra_hpc.planner.costs import TimingRecord, fit_calibration
+
+    records = [TimingRecord("decode", {"mem_s": 0.001 * i, "steps": 1.0}, 0.004 * i + 0.002 * (i % 2))
+               for i in range(1, 9)]
+    cal = fit_calibration(records)
+    errors = dict(cal.fit_errors)
+    assert set(errors) == {"decode"} and 0 < errors["decode"] < 1

@@ -391,7 +391,8 @@ class ControlLoop:
                            RLBatch(o.global_batch, math.ceil(lengths.mean_seq_tokens)),  # as best_plan's
                            in_flight=o.max_staleness + 1)
         now_plan = replace(now_plan, objective=self.step_objective(now_plan.t_train, now_plan.t_rollout))
-        decision = self.gate.consider(step, now_plan.objective, candidate, o.reconfig_s, pressure, current=self.plan)
+        decision = self.gate.consider(step, now_plan.objective, candidate, o.reconfig_s, pressure, current=self.plan,
+                                      model_error=dict(self.cal.fit_errors).get("decode", 0.0))
         self.considered.append({"step": step, "kind": "replan_check", "trigger": decision.trigger,
                                 "apply": decision.apply, "reason": decision.reason,
                                 "current_objective_s": now_plan.objective, "candidate": candidate.plan.describe(),

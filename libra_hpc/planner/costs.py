@@ -72,6 +72,11 @@ class Calibration:
     """Most sequences one rollout instance runs at once (vLLM ``max_num_seqs``)."""
     note: str = "defaults"
     """Where these values come from (logged with every plan)."""
+    fit_errors: tuple[tuple[str, float], ...] = ()
+    """Relative RMS error of the fit per timing kind (``decode``, ``prefill``, ``train``)
+    when fitted from measurements (:func:`fit_calibration`): how far the model's
+    predictions are from what the run measured. The replanning gate will not act on a
+    predicted gain smaller than that share of the step."""
 
     def __post_init__(self) -> None:
         for name in ("bandwidth_eff", "prefill_mfu", "train_mfu", "rollout_comm_eff", "train_comm_eff",
@@ -135,19 +140,20 @@ def fit_calibration(history: Sequence[TimingRecord], base: Calibration = DEFAULT
     value (and the rest is refitted without it); efficiencies are clipped to (0, 1]. The
     result's ``note`` says what was fitted from how many records with which relative RMS
     error; it is also logged."""
-    cal, lines = base, []
+    cal, lines, errors = base, [], []
     for kind in ("decode", "prefill", "train"):
         records = [r for r in history if r.kind == kind and r.measured_s > 0]
         if records:
-            cal, line = _fit_kind(cal, kind, records)  # type: ignore[arg-type]
+            cal, line, rms = _fit_kind(cal, kind, records)  # type: ignore[arg-type]
             lines.append(line)
+            errors.append((kind, rms))
     note = "fit: " + "; ".join(lines) if lines else base.note
-    cal = replace(cal, note=note)
+    cal = replace(cal, note=note, fit_errors=tuple(errors))
     log.info("calibration %s", note)
     return cal
 
 
-def _fit_kind(cal: Calibration, kind: Kind, records: Sequence[TimingRecord]) -> tuple[Calibration, str]:
+def _fit_kind(cal: Calibration, kind: Kind, records: Sequence[TimingRecord]) -> tuple[Calibration, str, float]:
     terms = dict(_TERMS[kind])
     values: dict[str, float] = {}
     while terms:
@@ -167,7 +173,7 @@ def _fit_kind(cal: Calibration, kind: Kind, records: Sequence[TimingRecord]) -> 
     errs = [(fitted.time(kind, r.components) - r.measured_s) / r.measured_s for r in records]
     rms = math.sqrt(sum(e * e for e in errs) / len(errs))
     changed = ", ".join(f"{f} {getattr(cal, f):.4g}->{getattr(fitted, f):.4g}" for f in values) or "nothing fitted"
-    return fitted, f"{kind} n={len(records)}: {changed} (rms rel err {rms:.1%})"
+    return fitted, f"{kind} n={len(records)}: {changed} (rms rel err {rms:.1%})", rms
 
 
 def _least_squares(rows: list[list[float]], rhs: list[float]) -> list[float | None]:

@@ -116,10 +116,14 @@ class ReplanGate:
         return ""
 
     def consider(self, step: int, current_objective_s: float, candidate: PlanResult, reconfig_cost_s: float,
-                 pressure: Mapping[str, float] | None = None, current: Plan | None = None) -> Decision:
+                 pressure: Mapping[str, float] | None = None, current: Plan | None = None,
+                 model_error: float = 0.0) -> Decision:
         """Whether to apply ``candidate`` now instead of the current plan, whose objective
         re-costed on today's observations is ``current_objective_s``. ``current`` (optional)
-        lets the hysteresis count checks by direction instead of by identical candidate."""
+        lets the hysteresis count checks by direction instead of by identical candidate.
+        ``model_error``: the rollout model's relative error measured by this run (its fitted
+        calibration); with ``min_gain`` > 0 a rollout change must save more than the larger
+        of the two."""
         o = self.opt
         trigger = self.due(step, pressure or {})
         if not trigger:
@@ -136,9 +140,12 @@ class ReplanGate:
             return self._say(step, Decision(False, f"{trigger}; keep: {money} <= margin {o.margin_s:g} s",
                                             True, trigger, net))
         same_rollout = current is not None and new.rollout_counts == current.rollout_counts
-        if gain < o.min_gain * current_objective_s and not same_rollout:
+        need = max(o.min_gain, model_error) if o.min_gain > 0 else 0.0
+        if gain < need * current_objective_s and not same_rollout:
             self.pending, self.streak = None, 0
-            return self._say(step, Decision(False, f"{trigger}; keep: gain {gain:.3g} s/step < min_gain {o.min_gain:g} "
+            what = (f"min_gain {o.min_gain:g}" if need == o.min_gain
+                    else f"the rollout model's measured error {model_error:.0%}")
+            return self._say(step, Decision(False, f"{trigger}; keep: gain {gain:.3g} s/step < {what} "
                                                    f"× current step {current_objective_s:.3g} s (within the cost "
                                                    f"model's error)", True, trigger, net))
         sig = direction(new, current) if current is not None else signature(new)
