@@ -14,7 +14,8 @@ Libra's trained_p90_over_generated_p90 and dropped_token_share (partial rollout'
 1.0 and 0.0 without it), libra_predicted_over_simulated (the planner's predicted step on
 observed lengths over the simulated one),
 bound_step_s and the floor that binds, sim_wall_s (wall time of the whole comparison), and
-per policy tokens/s, distance to the bound and sim wall seconds.
+per policy tokens/s, distance to the bound, the tail's slowdown (mean batch makespan over
+its critical path) and sim wall seconds.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import time
 
 from libra_hpc.sim.config import load_sim_config
 from libra_hpc.sim.context import Context, critical_path_s
-from libra_hpc.sim.report import ratios, table, write_outputs
+from libra_hpc.sim.report import ratios, table, tail_ratio, write_outputs
 from libra_hpc.sim.run import run_scenario
 
 
@@ -109,6 +110,8 @@ def main() -> None:
                       "policies": {n: {"tokens_per_s": round(rec.summary["tokens_per_s"], 1),
                                        "vs_bound": None if result.vs_bound(n) is None else round(result.vs_bound(n), 3),
                                        "out_of_memory_step": (result.oom(n) or {}).get("step"),
+                                       "tail_over_critical_path": None if tail_ratio(result, n) is None
+                                       else round(tail_ratio(result, n), 3),
                                        "wall_s": round(rec.summary["wall_s"], 1)} for n, rec in result.runs.items()}}))
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from libra_hpc.sim.config import POLICIES, load_sim_config
-from libra_hpc.sim.report import write_outputs
+from libra_hpc.sim.report import tail_ratio, write_outputs
 from libra_hpc.sim.run import run_scenario
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -82,6 +82,8 @@ def test_no_policy_beats_the_physical_bound(small):
         assert r["work_s"] == pytest.approx((r["rollout_gpu_s"] + r["train_gpu_s"]) / cfg.cluster.total_gpus)
     for name, rec in result.runs.items():
         assert 0 < result.vs_bound(name) <= 1.0, name
+        # no batch's rollout beats its critical path (whole trajectories: the default)
+        assert tail_ratio(result, name) >= 1.0 - 1e-9, name
 
 
 def test_the_rollout_model_prices_the_tail_under_load_like_the_simulator():
