@@ -133,21 +133,16 @@ class PolicyRun:
         self.loop.schedule_all(self._try_submit(0.0))
         self.loop.schedule(Sample(self.sample_period, self._sample))
         self.loop.run()
-        if self.oom is not None:  # reported, not raised: the comparison goes on without this policy's end
-            self.rec.finish(max(self.train_done.values(), default=self.oom["t"]), wallclock.perf_counter() - t0,
-                            self.loop.fired, {**self.rollout.counts, "busy_gpu_s": self.rollout.busy_gpu_s(),
-                                              "prefill_gpu_s": self.rollout.prefill_gpu_s()},
-                            self.control.considered if self.control else [])
-            self.rec.summary.update(self._tail_summary(), out_of_memory=self.oom)
-            return self.rec
-        if len(self.train_done) != self.steps:
+        if self.oom is None and len(self.train_done) != self.steps:
             raise RuntimeError(f"{self.setup.name}: simulation stalled after {len(self.train_done)} of {self.steps} "
                                f"steps (t={self.loop.now:.1f} s)")
+        # out of memory: reported, not raised; the comparison goes on without this policy's end
+        end = max(self.train_done.values(), default=self.oom["t"] if self.oom else 0.0)
         counts = {**self.rollout.counts, "busy_gpu_s": self.rollout.busy_gpu_s(),
                   "prefill_gpu_s": self.rollout.prefill_gpu_s()}
-        self.rec.finish(max(self.train_done.values()), wallclock.perf_counter() - t0, self.loop.fired, counts,
+        self.rec.finish(end, wallclock.perf_counter() - t0, self.loop.fired, counts,
                         self.control.considered if self.control else [])
-        self.rec.summary.update(self._tail_summary())
+        self.rec.summary.update(self._tail_summary(), **({"out_of_memory": self.oom} if self.oom else {}))
         return self.rec
 
     def _tail_summary(self) -> dict:
@@ -211,13 +206,16 @@ class PolicyRun:
         if not self.rollout.active:  # nothing in flight: bucket limits may follow the recent lengths
             self.rollout.configure(self.rollout.layout, now, list(self.recent))
             events += self._reblock(now)
-        self.batch_info[step] = {"start": now, "rollout_gpus": self.rollout.serving_gpus(),
-                                 "migrations0": self.rollout.counts["migrations"], "queue_max": 0,
-                                 "busy0": self.rollout.busy_gpu_s()}
+        self.batch_info[step] = self._new_info(now)
         if self.tail is not None:
             for t in self.ctx.batch(step):
                 self.tail.started(t.tid, self.synced)
         return events + self.rollout.submit(step, self.ctx.batch(step), now)
+
+    def _new_info(self, now: float) -> dict:
+        """A step's bookkeeping from ``now``: start, rollout GPUs, counters to diff later."""
+        return {"start": now, "rollout_gpus": self.rollout.serving_gpus(),
+                "migrations0": self.rollout.counts["migrations"], "queue_max": 0, "busy0": self.rollout.busy_gpu_s()}
 
     # ------------------------------------------------------------------ partial rollout
     def _finished(self, traj, batch: int, now: float) -> list[Event]:
@@ -311,9 +309,7 @@ class PolicyRun:
             events.append(Restart(now, self._restart, traj, int(traj.step)))
         self.trained.extend(decision.train)
         batch = [self.finished_traj.pop(tid) for tid in decision.train]
-        info = self.batch_info.setdefault(j, {"start": now, "rollout_gpus": self.rollout.serving_gpus(),
-                                              "migrations0": self.rollout.counts["migrations"], "queue_max": 0,
-                                              "busy0": self.rollout.busy_gpu_s()})
+        info = self.batch_info.setdefault(j, self._new_info(now))
         info.update(end=now, busy_gpu_s=self.rollout.busy_gpu_s() - info["busy0"], max_lag=decision.max_lag,
                     migrations=self.rollout.counts["migrations"] - info["migrations0"])
         self.rollout.maintain(now)
