@@ -443,9 +443,7 @@ class ExperimentConfig(_Section):
         """What the field types cannot say: one message per impossible field, each naming
         it. The live job also checks the initial layout it is given (training TP×PP×DP,
         ``rollout.tp_per_node``, the hybrid pool, the scripted borrow/return steps)."""
-        live = (["rl.partial_rollout: the live job does not run tail-decoupled rollout yet (the simulator does: "
-                 "python -m libra_hpc.sim); set it to false"] if self.rl.partial_rollout else [])
-        return [*check_common(self), *check_layout(self), *live]
+        return [*check_common(self), *check_layout(self)]
 
     @classmethod
     def resolve_file_paths(cls, raw: dict[str, Any], folder: Path) -> None:

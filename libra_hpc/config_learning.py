@@ -32,8 +32,10 @@ class RLConfig(_Section):
     ``prompts_per_step × group_size`` trajectories to finish that the staleness bound
     allows, instead of waiting for its batch's slowest one; unfinished ones generate on into
     later steps, and one that would outlive the bound is regenerated from its prompt (its
-    tokens counted as wasted, within `partial_waste_budget`). Simulator only for now: the
-    live job refuses it."""
+    tokens counted as wasted, within `partial_waste_budget`). The unit is the GRPO group
+    (whole groups train together). In the simulator and the live job
+    (libra_hpc/runtime/partial.py); both report the wasted token share and the trained
+    against the generated length p90."""
     partial_waste_budget: float = Field(0.05, ge=0, lt=1)
     """Partial rollout: the share of all generated tokens that regenerated trajectories may
     have wasted; past it a step waits for its expiring trajectories as whole-trajectory

@@ -104,6 +104,47 @@ def test_eval_only_scores_the_exported_checkpoint(small_run, tmp_path):
     assert "eval_success_final" not in summary
 
 
+PARTIAL = ("--set", "rl.partial_rollout=true", "--set", "rl.partial_waste_budget=0.5",
+           "--set", "rl.prompts_per_step=6", "--set", "rl.group_size=2")
+
+
+@pytest.mark.mpi
+def test_partial_rollout_trains_every_group_once_within_the_staleness_bound(small_run, tmp_path):
+    """``rl.partial_rollout`` in the live job: steps train the groups that finish first,
+    from any batch in flight. Recomputed from the logs: every submitted group (its key:
+    the id it was first submitted under) trained exactly once and whole, every trained
+    token within ``rl.max_staleness``; a regenerated group trains only under its new id,
+    each of its old trajectories ended once (aborted at a leader or finished and routed
+    nowhere); the wasted share and the length p90s are reported. (Six groups of two per
+    step and a wide waste budget make regenerations likely; whether one happens depends on
+    the 2-core timings, so the last checks hold for as many as the run made.)"""
+    _, cache = small_run
+    done = launch("--config", str(SMALL), "--executor", "local", "--set", f"logging.dir={tmp_path}",
+                  "--set", f"job.cache_dir={cache}", *PARTIAL, timeout=500)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    folder = only_log_folder(tmp_path)
+    summary = json.loads((folder / "summary.json").read_text())
+    events = read_jsonl(folder / "events.jsonl")
+    assert summary["completed"] and summary["steps"] == STEPS
+    assert summary["trajectories_lost"] == 0 and summary["trajectories_duplicated"] == 0
+    trained = next(e for e in events if e["kind"] == "trained_trajectories")["tids"]
+    groups = Counter(t.rsplit("/", 1)[0] for t in trained)
+    assert set(groups.values()) == {2}  # whole groups
+    keys = Counter(g.split("~")[0] for g in groups)
+    assert len(keys) == 6 * STEPS and set(keys.values()) == {1}  # every group once, under one id
+    metrics = [m for m in read_jsonl(folder / "metrics.jsonl") if m["kind"] == "step"]
+    assert all(m["trajectories"] == 12 and m["staleness_max"] <= 1 and m["dropped_stale"] == 0 for m in metrics)
+    assert all(b <= m["step"] + 1 for m in metrics for b in m["partial"]["batches"])
+    regenerated = [e for e in events if e["kind"] == "regenerated"]
+    partial = summary["partial_rollout"]
+    assert partial["regenerated"] == len(regenerated) and partial["unresolved_aborts"] == 0
+    assert partial["aborted_trajectories"] + partial["late_finishes"] == sum(e["running"] for e in regenerated)
+    for e in regenerated:
+        assert e["group"] not in groups and groups[e["again_as"]] == 2
+    assert 0.0 <= partial["dropped_token_share"] <= 0.5
+    assert partial["trained_p90_over_generated_p90"] > 0
+
+
 REPLAN = ("--set", "planner.replan=true", "--set", "planner.every_steps=1", "--set", "planner.confirm_checks=1", "--set", "planner.margin_s=0",
           "--set", "planner.reconfig_s=0", "--set", "planner.min_dwell_steps=0", "--set", "planner.min_gain=0",
           "--set", "planner.hybrid_nodes=0",

@@ -13,7 +13,9 @@ Tangram pool (``TOOL_REQUEST``, :class:`~.tools.ToolService`) and the ranks' rep
    (its whole GRPO group to one DP replica, the one with the fewest tokens of that batch
    so far) and its leader sends it there; when batch ``b`` is complete and step ``b - 1``
    is done, the trainers run step ``b`` and post policy ``b + 1`` to the leaders, who take
-   it at their next turn boundary;
+   it at their next turn boundary. With ``rl.partial_rollout`` the step's groups are the
+   first to finish that the staleness bound allows, from any batch in flight, and groups
+   that would outlive the bound are regenerated (:mod:`.partial`);
 4. ``eval:final`` once every leader runs the last policy, then ``export`` (the policy as a
    Hugging Face checkpoint), then ``stop``; the report, plots and ``summary.json``.
 
@@ -34,6 +36,7 @@ from libra_hpc.config_learning import epochs_at
 from libra_hpc.cluster.messages import COMMAND, QUEUE_REQUEST, REPORT
 from libra_hpc.runtime.episodes import batch_of, group_of, trajectory_id
 from libra_hpc.runtime.hybrid import HybridDriver
+from libra_hpc.runtime.partial import PartialDriver
 from libra_hpc.runtime.planning import PlannerDriver
 from libra_hpc.runtime.roles import Roles, roles_from_layout
 
@@ -73,6 +76,7 @@ class JobController:
 
             self.tensorboard = TensorBoardWriter(runlog.folder)
         self.last_rollout_s = self.last_step_s = 0.0
+        self.partial: PartialDriver | None = None
 
     # ------------------------------------------------------------------ start
 
@@ -100,6 +104,7 @@ class JobController:
             self.world.command({"op": "start", "roles": self.roles, "warm": str(self.warm)})
             self.sampler = PromptSampler(self.task.splits, seed=cfg.rl.seed)
             self.service = self._queue_service()
+            self.partial = PartialDriver(self) if cfg.rl.partial_rollout and not cfg.job.eval_checkpoint else None
             loop = self.loop = EventLoop(self.comm)
             self.queue = QueueHandler(self.comm, self.service)
             loop.on(QUEUE_REQUEST, self.queue.handle, malformed=self.queue.malformed, fatal=True, name="queue request")
@@ -261,19 +266,24 @@ class JobController:
             self.planner.held.append(b)
             return
         prompts = self.sampler.next(cfg.rl.prompts_per_step, lambda: f"training batch {b}")
-        self.batches[b] = {"submitted": time.perf_counter(), "done": 0, "tokens": {}, "count": {}, "rows": []}
+        if self.partial is not None:
+            return self.partial.submit(b, prompts)
+        self.batches[b] = {"submitted": time.perf_counter(), "done": 0, "tokens": {}, "count": {}, "rows": [],
+                           "groups": {}}
         for p in prompts:
             for k in range(cfg.rl.group_size):
                 self.service.submit(trajectory_id(b, p.pid, k), p.pid)
 
     def _on_traj(self, message: dict, source: int) -> None:
+        if self.partial is not None:
+            return self.partial.finished(message, source)
         tid = message["tid"]
         b, group = batch_of(tid), group_of(tid)
         batch = self.batches[b]
         dest = self.group_dest.get(group)
         if dest is None:
-            open_ = [d for d in range(len(self.roles.replicas)) if self.hybrid is None or d not in self.hybrid.no_route]
-            dest = self.group_dest[group] = min(open_, key=lambda d: batch["tokens"].get(d, 0))
+            dest = self.group_dest[group] = self.pick_replica(batch["tokens"])
+            batch["groups"].setdefault(dest, []).append(group)
         batch["tokens"][dest] = batch["tokens"].get(dest, 0) + message["tokens"]
         batch["count"][dest] = batch["count"].get(dest, 0) + 1
         batch["rows"].append(message)
@@ -283,6 +293,28 @@ class JobController:
         if batch["done"] == self.cfg.batch_size:
             batch["complete"] = time.perf_counter()
             self._maybe_train()
+
+    def pick_replica(self, tokens: dict[int, int]) -> int:
+        """The DP replica a new group goes to: of those training may route to (not one the
+        hybrid pool is about to return), the one with the fewest ``tokens`` so far."""
+        open_ = [d for d in range(len(self.roles.replicas)) if self.hybrid is None or d not in self.hybrid.no_route]
+        return min(open_, key=lambda d: tokens.get(d, 0))
+
+    def _on_aborted(self, message: dict, source: int) -> None:
+        if self.partial is None:
+            raise JobFailed(f"rank {source} reported trajectory {message.get('tid')} aborted, but rl.partial_rollout "
+                            "is off: nothing asks for aborts")
+        self.partial.aborted(message, source)
+
+    def in_flight(self) -> bool:
+        """A submitted trajectory is not trained yet (a replan waits for none)."""
+        return self.partial.in_flight() if self.partial is not None else bool(self.batches)
+
+    def untrained_on(self, replica: int) -> bool:
+        """Trajectories routed to DP ``replica`` wait for a training step."""
+        if self.partial is not None:
+            return self.partial.untrained_on(replica)
+        return any(batch["count"].get(replica, 0) for batch in self.batches.values())
 
     def _on_weights_taken(self, message: dict, source: int) -> None:
         self.leader_version[source] = message["version"]
@@ -299,15 +331,22 @@ class JobController:
         if self.hybrid is not None:
             self.hybrid._maybe_relayout()  # a waiting relayout goes first once its moment came
         b = self.version
-        if self.training or (self.hybrid and self.hybrid.busy()) or b >= self.cfg.rl.steps \
-                or "complete" not in self.batches.get(b, {}):
+        if self.training or (self.hybrid and self.hybrid.busy()) or b >= self.cfg.rl.steps:
+            return
+        discard: list[str] = []
+        if self.partial is not None:
+            decided = self.partial.decide(b)
+            if decided is None:
+                return
+            groups, discard = decided
+        elif "complete" in self.batches.get(b, {}):
+            groups = self.batches[b]["groups"]
+        else:
             return
         self.training = True
-        self.batches[b]["train_started"] = time.perf_counter()
-        expect = self.batches[b]["count"]
         leaders = [r for i, r in self.roles.leaders.items() if self.hybrid is None or i not in self.hybrid.leaving]
         for rank in self.roles.trainers:
-            self._send(rank, {"op": "train", "batch": b, "expect": expect, "leaders": leaders})
+            self._send(rank, {"op": "train", "batch": b, "groups": groups, "discard": discard, "leaders": leaders})
 
     def _on_trained(self, message: dict, source: int) -> None:
         b = message["batch"]
@@ -331,7 +370,13 @@ class JobController:
             self._start_eval("final")
 
     def _record_step(self, b: int, reports: list[dict]) -> list[dict]:
-        batch = self.batches.pop(b)
+        if self.partial is not None:
+            batch = self.partial.step_record(b)
+        else:
+            batch = self.batches.pop(b)
+            for groups in batch["groups"].values():
+                for group in groups:
+                    del self.group_dest[group]
         rows = batch["rows"]
         now = time.perf_counter()
         step_s = now - (self.last_step_end or self.rl_started)
@@ -357,7 +402,7 @@ class JobController:
             groups=sum(r["groups"] for r in reports if "tids" in r),
             groups_filtered=sum(r["filtered_groups"] for r in reports if "tids" in r),
             dropped_stale=sum(sum(r["dropped_stale"].values()) for r in reports if "tids" in r),
-            scheduler_policy=self.cfg.scheduler.policy)
+            scheduler_policy=self.cfg.scheduler.policy, **({"partial": batch["partial"]} if "partial" in batch else {}))
         self.idle_rollout_s = 0.0
         self.migrations_seen = stats["migrations"]
         self.runlog.metric(b, **metrics)
@@ -424,6 +469,8 @@ class JobController:
         busy = sum(m["rollout_s"] for m in metrics)
         s["tokens_per_s"] = round(gen / busy, 1) if busy else 0.0
         s["peak_rss_mb_by_role"] = self._rss_by_role()
+        if self.partial is not None:
+            s["partial_rollout"] = self.partial.summary()
         if s.get("eval_success_final") is not None and s.get("eval_success_warmstart") is not None:
             s["eval_gain"] = round(s["eval_success_final"] - s["eval_success_warmstart"], 4)
         self.runlog.event("trained_trajectories", tids=trained)

@@ -211,8 +211,7 @@ class HybridDriver:
         if c.training:
             return False
         if self.pending and self.pending[0] == "leave":
-            return not any(batch["count"].get(d, 0) for b, batch in c.batches.items() if b >= c.version
-                           for d in self.no_route)
+            return not any(c.untrained_on(d) for d in self.no_route)
         if self.pending and self.pending[0] == "replan":
             return all(i in self.drained for i in self.pending[1][2])
         return True

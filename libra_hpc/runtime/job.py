@@ -72,13 +72,14 @@ def _run_role(job: Any, start: dict) -> None:
     worker = Worker(job.world)
     environ = dict(os.environ)  # an in-process vLLM engine writes into it; a trainer here must not see that
     command: dict | None = None
-    inbox: dict = {}
+    inbox: dict = {}  # a trainer's groups received and not trained yet, and those to discard: kept
+    discarded: set = set()  # across relayouts (the controller may have routed them before the switch)
     try:
         while True:
             started = time.perf_counter()
             worker.apply(job.roles.layout)  # forms this rank's group; trainers start their torch world
             if job.role == "trainer":
-                command = _train(job, worker, command, inbox, started)
+                command = _train(job, worker, command, inbox, discarded, started)
             elif job.role == "leader":
                 command = _roll_out(job, worker, command, started)
                 os.environ.clear()
@@ -101,7 +102,8 @@ def _next(job: Any) -> dict | None:
     return None if command["op"] == "stop" else command
 
 
-def _train(job: Any, worker: Any, relayout: dict | None, inbox: dict, started: float) -> dict | None:
+def _train(job: Any, worker: Any, relayout: dict | None, inbox: dict, discarded: set,
+           started: float) -> dict | None:
     import torch
 
     from libra_hpc.engines.train.checkpoint import load_checkpoint
@@ -113,7 +115,7 @@ def _train(job: Any, worker: Any, relayout: dict | None, inbox: dict, started: f
     engine = worker.own(MegatronTrainEngine.from_config(job.warm, job.cfg.model, job.cfg.training, seed=job.cfg.rl.seed,
                                                         tp=shape.tp, pp=shape.pp))
     trainer = Trainer(job, engine)
-    trainer.inbox = inbox
+    trainer.inbox, trainer.discarded = inbox, discarded
     if relayout is not None:  # the state the previous training world saved, resharded to this one
         load_checkpoint(engine, relayout["checkpoint"])
         fresh = relayout["fresh_leaders"]  # every leader whose engine (re)started in this relayout

@@ -175,7 +175,7 @@ class PlannerDriver:
     def maybe_apply(self) -> None:
         """Apply the waiting layout once nothing is in flight (every submitted batch trained)."""
         c = self.c
-        if self.pending is None or c.training or c.batches or (c.hybrid is not None and c.hybrid.busy()):
+        if self.pending is None or c.training or c.in_flight() or (c.hybrid is not None and c.hybrid.busy()):
             return
         change = self.pending
         c.hybrid.replace(change, on_done=self._applied)

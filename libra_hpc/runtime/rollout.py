@@ -3,7 +3,9 @@
 The loop (:meth:`RolloutLeader.run`), one pass at a time, never waiting on one peer:
 
 1. commands from the controller: ``route`` (send a finished trajectory to the training
-   ranks named), ``eval`` (greedy held-out episodes), ``stop``;
+   ranks named, or to none: it was regenerated), ``abort`` (partial rollout: these
+   trajectories are regenerated; each one ends at its next turn boundary, wherever that
+   runs), ``eval`` (greedy held-out episodes), ``stop``;
 2. trajectory states other leaders ask for (a turn moved to their bucket) and those that
    arrive here;
 3. tool results from the controller's shared pool (:mod:`.tools`);
@@ -17,7 +19,10 @@ The loop (:meth:`RolloutLeader.run`), one pass at a time, never waiting on one p
 
 A turn of batch ``b`` starts only on weights of version ≥ ``b - rl.max_staleness``
 (the controller submits batch ``b`` only once that version exists), so no trajectory is
-staler than the bound and none is dropped for it. A turn whose previous turn ran on
+staler than the bound and none is dropped for it. An aborted trajectory ends where its
+next turn would start or where its tool calls return: the lease is closed with the queue
+(``finish``) and the controller hears ``aborted`` with the tokens it had generated, which
+are wasted; it is never routed to training. A turn whose previous turn ran on
 another instance pulls the trajectory's state from there and recomputes its KV cache.
 """
 
@@ -68,6 +73,7 @@ class RolloutLeader:
         self.leaving = False
         self.until_version = 0
         self.leave_asked = 0.0
+        self.aborted: set[str] = set()  # tids regenerated elsewhere: end them at their next turn boundary
 
     # ------------------------------------------------------------------ the loop
 
@@ -120,6 +126,8 @@ class RolloutLeader:
                 trajectory = self.outbox.pop(command["tid"])
                 payload = {"tid": command["tid"], "trajectory": trajectory.to_dict()}
                 self.sends += [self.data.isend(payload, dest=r, tag=TRAJECTORY) for r in command["dest"]]
+            elif op == "abort":
+                self.aborted.update(command["tids"])
             elif op == "eval":
                 self.job.report(self._evaluate(command))
             elif op == "roles":  # a relayout elsewhere: where each instance's leader is now
@@ -185,6 +193,9 @@ class RolloutLeader:
     def _start(self, turn: dict) -> bool:
         """Start a leased turn now if it can start; False to keep it parked."""
         tid = turn["tid"]
+        if tid in self.aborted and (tid in self.live or turn["prev_instance"] is None):
+            self._abort(turn["lease"], tid, self.live.get(tid))
+            return True
         if self.update is not None or batch_of(tid) - self.cfg.rl.max_staleness > self.version:
             return False
         episode = self.live.get(tid)
@@ -237,6 +248,9 @@ class RolloutLeader:
             result = episode.episode.finish(episode.pending)
             episode.pending = None
             episode.tool_s += time.perf_counter() - episode.tool_started
+            if episode.tid in self.aborted:
+                self._abort(self.leases.pop(episode.tid), episode.tid, episode)
+                continue
             if result.done or not episode.add_observation(result.observation, self.codec, self.limit):
                 self._finished(episode)
                 continue
@@ -246,6 +260,20 @@ class RolloutLeader:
                                  "timed_out": any(r.status == "timeout" for r in result.returns),
                                  "tokens": episode.turn_tokens})
         return bool(done)
+
+    def _abort(self, lease: int, tid: str, episode: LiveEpisode | None) -> None:
+        """End regenerated trajectory ``tid`` here: its lease closed with the queue, its
+        state and sandbox gone, and the controller told how many tokens it had generated
+        (none when it never started)."""
+        self.aborted.discard(tid)
+        self.reports.append({"op": "finish", "lease": lease, "tokens": 0})
+        self.live.pop(tid, None)
+        generated = 0
+        if episode is not None:
+            self.tools.end_trajectory(episode.episode.trajectory)
+            generated = sum(episode.generated)
+        self.job.report({"op": "aborted", "tid": tid, "instance": self.instance, "gen_tokens": generated,
+                         "turns": 0 if episode is None else episode.turns})
 
     def _finished(self, episode: LiveEpisode) -> None:
         tid = episode.tid

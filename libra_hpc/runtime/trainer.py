@@ -3,8 +3,9 @@ leaders directly.
 
 The loop (:meth:`Trainer.run`): finished trajectories arrive from the leaders (tag
 ``TRAJECTORY``, the DP replica the controller routed them to; every TP rank and stage of
-the replica gets its copy), and the controller says when a batch is complete and how many
-of its trajectories this replica holds (``train``). Then, on every training rank at once
+the replica gets its copy), and the controller says when a step may start and which GRPO
+groups each replica trains (``train``; with partial rollout they may come from several
+submitted batches, and groups that were regenerated are named to be discarded). Then, on every training rank at once
 (the step is collective over the torch world): the replica's GRPO batch
 (:func:`~libra_hpc.rl.step.prepare_batch`: staleness bound, group advantages — whole
 groups are routed to one replica, so advantages need nothing from the others), the
@@ -23,7 +24,7 @@ import time
 from typing import Any
 
 from libra_hpc.cluster.messages import COMMAND, TRAJECTORY, Backoff
-from libra_hpc.runtime.episodes import batch_of
+from libra_hpc.runtime.episodes import group_of
 from libra_hpc.runtime.weights import WeightSender
 
 log = logging.getLogger(__name__)
@@ -41,7 +42,8 @@ class Trainer:
         if self.rank in roles.holders:
             self.sender = WeightSender(self.data, sorted(roles.leaders.values()), roles.holders.index(self.rank),
                                        len(roles.holders))
-        self.inbox: dict[int, list] = {}
+        self.inbox: dict[str, list] = {}  # GRPO group → its (tid, trajectory) so far
+        self.discarded: set[str] = set()  # groups regenerated (partial rollout): never trained
         self.wait_s = 0.0
         self.stopped = False
 
@@ -95,45 +97,54 @@ class Trainer:
         from libra_hpc.rl.trajectory import Trajectory
 
         tid = payload["tid"]
-        self.inbox.setdefault(batch_of(tid), []).append((tid, Trajectory.from_dict(payload["trajectory"])))
+        group = group_of(tid)
+        if group not in self.discarded:
+            self.inbox.setdefault(group, []).append((tid, Trajectory.from_dict(payload["trajectory"])))
 
     def _command(self, command: dict) -> None:
         op = command["op"]
         if op == "train":
-            self.job.report(self._train(command["batch"], command["expect"].get(self.replica, 0), command["leaders"]))
+            for group in command.get("discard", ()):
+                self.discarded.add(group)
+                self.inbox.pop(group, None)
+            self.job.report(self._train(command["batch"], command["groups"].get(self.replica, []), command["leaders"]))
         elif op == "export":
             self.job.report(self._export(command["path"]))
         else:
             raise ValueError(f"rank {self.rank} (trainer): unknown command {op!r}")
 
-    def _wait_for(self, batch: int, count: int) -> list:
-        """This replica's ``count`` trajectories of ``batch`` (the leaders may still be sending)."""
+    def _wait_for(self, step: int, groups: list[str]) -> list:
+        """Every trajectory of this replica's ``groups`` for ``step`` (the leaders may
+        still be sending), in the order the groups were named."""
         from mpi4py import MPI
 
+        need = self.cfg.rl.group_size
         backoff = Backoff(1e-4, 0.01)
         deadline = time.monotonic() + self.cfg.scheduler.lease_s
-        while len(self.inbox.get(batch, [])) < count:
+        while missing := [g for g in groups if len(self.inbox.get(g, ())) < need]:
             message = self.data.improbe(source=MPI.ANY_SOURCE, tag=TRAJECTORY)
             if message is not None:
                 self._receive(message.recv())
                 continue
             if time.monotonic() > deadline:
-                raise TimeoutError(f"rank {self.rank} (trainer, DP replica {self.replica}): {len(self.inbox.get(batch, []))}"
-                                   f" of the {count} trajectories of batch {batch} arrived within {self.cfg.scheduler.lease_s} s")
+                raise TimeoutError(f"rank {self.rank} (trainer, DP replica {self.replica}): step {step}: groups "
+                                   f"{missing[:5]} not complete ({need} trajectories each) within "
+                                   f"{self.cfg.scheduler.lease_s} s")
             backoff.sleep()
-        got = self.inbox.pop(batch)
-        if len(got) != count:
-            raise RuntimeError(f"rank {self.rank}: {len(got)} trajectories of batch {batch} arrived, {count} expected")
-        return got
+        got = [self.inbox.pop(g) for g in groups]
+        if any(len(members) != need for members in got):
+            raise RuntimeError(f"rank {self.rank}: step {step}: groups of {[len(m) for m in got]} trajectories "
+                               f"arrived, {need} each expected")
+        return [item for members in got for item in members]
 
-    def _train(self, batch: int, count: int, leaders: list[int]) -> dict:
+    def _train(self, batch: int, groups: list[str], leaders: list[int]) -> dict:
         from libra_hpc.rl.grpo import build_batch
         from libra_hpc.rl.step import grpo_step, prepare_batch
 
         from libra_hpc.config_learning import epochs_at
         from libra_hpc.rl.step import BatchReport
 
-        received = self._wait_for(batch, count) if count else []
+        received = self._wait_for(batch, groups) if groups else []
         trajectories = [t for _, t in received]
         started = time.perf_counter()
         mbs, pad = self.cfg.training.micro_batch_size, self.job.codec.pad_id

@@ -1,0 +1,192 @@
+"""Partial (tail-decoupled) rollout in the live job: the controller's side.
+
+With ``rl.partial_rollout`` a training step does not wait for the slowest trajectories of
+its batch. The decision rule is :class:`libra_hpc.rl.partial.TailDecoupler`'s, the same
+the simulator runs, with the GRPO *group* as its unit (advantages compare the samples of
+one prompt, so a group trains whole or not at all):
+
+- every group gets a *version floor* when it is submitted: the policy its first token can
+  come from at the earliest (leaders start a turn of batch ``b`` only on weights ≥
+  ``b - rl.max_staleness``), so the floor of batch ``b`` is ``max(0, b - k)``;
+- step ``j`` trains the first ``rl.prompts_per_step`` finished groups whose floor is within
+  the bound (``j - floor ≤ k``), oldest first, from whichever batches they came;
+- a group still running that could not train any later step is *regenerated*, if the
+  waste budget allows (``rl.partial_waste_budget``) and it was not regenerated before:
+  its unfinished trajectories are aborted at their next turn boundary (the leaders' ``abort``
+  command), its finished ones are discarded at the trainers, and its prompt goes back into
+  the queue as a new group (same key, ids tagged ``~r1``, ``~r2`` …) whose floor is the current
+  version. Otherwise the step waits for it, as whole-trajectory rollout would.
+
+Nothing is lost or trained twice: every trajectory of a regenerated group ends in exactly
+one ``traj`` (finished before the abort reached it: routed nowhere) or ``aborted`` report,
+and each key is trained once. The tokens wasted and the lengths trained against the
+lengths generated go in the step log and the summary (``partial_rollout``).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Any
+
+from libra_hpc.rl.partial import TailDecoupler, p90
+from libra_hpc.runtime.episodes import group_of, trajectory_id
+
+
+class PartialDriver:
+    """The groups in flight, the step decisions and the regenerations of one job."""
+
+    def __init__(self, controller: Any):
+        self.c = controller
+        rl = controller.cfg.rl
+        self.k, self.size = rl.max_staleness, rl.group_size
+        self.decoupler = TailDecoupler(rl.prompts_per_step, rl.max_staleness, rl.partial_waste_budget)
+        self.groups: dict[str, dict] = {}  # key (the group id it was first submitted under) → its record
+        self.key_of: dict[str, str] = {}  # live group id → key
+        self.aborting: dict[str, str] = {}  # tid of a regenerated group → key, until its end is reported
+        self.steps: dict[int, dict] = {}  # step → the record _record_step reads
+        self.untrained_tokens: dict[int, int] = {}  # DP replica → tokens routed there and not trained yet
+        self.finished_lengths: list[int] = []  # generated tokens of every trajectory that finished
+        self.trained_lengths: list[int] = []
+        self.aborted_count = 0
+        self.late_finishes = 0  # a regenerated group's trajectory that finished before its abort arrived
+
+    # ------------------------------------------------------------------ submission
+
+    def submit(self, b: int, prompts: list) -> None:
+        for prompt in prompts:
+            self._launch(f"b{b}/{prompt.pid}", b, prompt.pid, floor=max(0, b - self.k), tag="")
+
+    def _launch(self, key: str, b: int, pid: str, floor: int, tag: str) -> None:
+        live = f"b{b}/{pid}{tag}"
+        tids = [trajectory_id(b, pid + tag, s) for s in range(self.size)]
+        self.groups[key] = {"live": live, "pid": pid, "floor": floor, "submitted": time.perf_counter(),
+                            "pending": set(tids), "rows": [], "dest": None,
+                            "regenerations": self.groups[key]["regenerations"] + 1 if key in self.groups else 0}
+        self.key_of[live] = key
+        self.decoupler.started(key, floor)
+        for tid in tids:
+            self.c.service.submit(tid, pid)
+
+    # ------------------------------------------------------------------ reports
+
+    def finished(self, message: dict, source: int) -> None:
+        """A trajectory finished (``traj``): routed to its group's replica, or nowhere if
+        its group was regenerated meanwhile."""
+        c, tid = self.c, message["tid"]
+        c.service.drain_finished()
+        self.decoupler.generated(message["gen_tokens"])
+        self.finished_lengths.append(message["gen_tokens"])
+        if tid in self.aborting:
+            del self.aborting[tid]
+            self.late_finishes += 1
+            self.decoupler.stats.wasted_tokens += message["gen_tokens"]
+            c._send(source, {"op": "route", "tid": tid, "dest": [], "replica": None})
+            return
+        key = self.key_of[group_of(tid)]
+        group = self.groups[key]
+        if group["dest"] is None:
+            group["dest"] = c.pick_replica(self.untrained_tokens)
+        dest = group["dest"]
+        self.untrained_tokens[dest] = self.untrained_tokens.get(dest, 0) + message["tokens"]
+        group["rows"].append(message)
+        group["pending"].discard(tid)
+        c._send(source, {"op": "route", "tid": tid, "dest": list(c.roles.replicas[dest]), "replica": dest})
+        if not group["pending"]:
+            self.decoupler.finish(key, sum(r["gen_tokens"] for r in group["rows"]), time.perf_counter())
+            c._maybe_train()
+
+    def aborted(self, message: dict, source: int) -> None:
+        """A trajectory of a regenerated group ended at a leader (``aborted``)."""
+        tid = message["tid"]
+        if self.aborting.pop(tid, None) is None:
+            raise RuntimeError(f"rank {source} aborted trajectory {tid}, which no regeneration asked for")
+        self.c.service.drain_finished()
+        self.aborted_count += 1
+        self.decoupler.generated(message["gen_tokens"])
+        self.decoupler.stats.wasted_tokens += message["gen_tokens"]
+
+    # ------------------------------------------------------------------ steps
+
+    def decide(self, step: int) -> tuple[dict[int, list[str]], list[str]] | None:
+        """Whether step ``step`` starts now: the groups each replica trains and the groups
+        the trainers discard, or None (wait)."""
+        decision = self.decoupler.decide(step, self._tokens_so_far)
+        if decision is None:
+            return None
+        discard: list[str] = []
+        for key in decision.regenerate:
+            discard.append(self._regenerate(key, step, running=True))
+        for key in decision.resubmit:
+            discard.append(self._regenerate(key, step, running=False))
+        groups: dict[int, list[str]] = {}
+        rows: list[dict] = []
+        submitted = time.perf_counter()
+        for key in decision.train:
+            group = self.groups.pop(key)
+            submitted = min(submitted, group["submitted"])
+            del self.key_of[group["live"]]
+            groups.setdefault(group["dest"], []).append(group["live"])
+            rows += group["rows"]
+            self.untrained_tokens[group["dest"]] -= sum(r["tokens"] for r in group["rows"])
+            self.trained_lengths += [r["gen_tokens"] for r in group["rows"]]
+        stats = self.decoupler.stats
+        self.steps[step] = {
+            "submitted": submitted, "complete": time.perf_counter(), "rows": rows,
+            "partial": {"regenerated": len(decision.regenerate) + len(decision.resubmit),
+                        "batches": sorted({int(r["tid"].split("/", 1)[0][1:]) for r in rows}),
+                        "wasted_share": round(stats.wasted_share, 4), "waits": stats.waits}}
+        return groups, discard
+
+    def _regenerate(self, key: str, step: int, running: bool) -> str:
+        """Abort what runs of group ``key``, resubmit its prompt; the group id the
+        trainers discard."""
+        c, group = self.c, self.groups[key]
+        old = group["live"]
+        del self.key_of[old]
+        done = sum(r["gen_tokens"] for r in group["rows"])
+        if group["dest"] is not None:
+            self.untrained_tokens[group["dest"]] -= sum(r["tokens"] for r in group["rows"])
+        if running:
+            self.decoupler.aborted(key, done)  # the rest of the waste arrives with the aborted reports
+            pending = sorted(group["pending"])
+            self.aborting.update(dict.fromkeys(pending, key))
+            for rank in c.roles.leaders.values():
+                c._send(rank, {"op": "abort", "tids": pending})
+        b = step + self.k  # leaders start its turns on policy ≥ step: the floor is the current version
+        self._launch(key, b, group["pid"], floor=step, tag=f"~r{group['regenerations'] + 1}")
+        c.runlog.event("regenerated", step=step, group=old, again_as=self.groups[key]["live"],
+                       finished=len(group["rows"]), running=len(group["pending"]) if running else 0,
+                       tokens_wasted_so_far=done)
+        return old
+
+    def _tokens_so_far(self, key: str) -> int:
+        """What regenerating running group ``key`` would waste: its finished trajectories'
+        tokens and, for each one still running, the mean length of a finished trajectory
+        (what it has is not known until it stops)."""
+        group = self.groups[key]
+        mean = statistics.fmean(self.finished_lengths) if self.finished_lengths else 0.0
+        return sum(r["gen_tokens"] for r in group["rows"]) + round(mean * len(group["pending"]))
+
+    def step_record(self, step: int) -> dict:
+        return self.steps.pop(step)
+
+    # ------------------------------------------------------------------ state
+
+    def in_flight(self) -> bool:
+        """A group is not trained yet, or a regenerated trajectory has not ended yet (a
+        leader may still hold its state)."""
+        return bool(self.groups or self.aborting)
+
+    def untrained_on(self, replica: int) -> bool:
+        return any(g["dest"] == replica and g["rows"] for g in self.groups.values())
+
+    def summary(self) -> dict:
+        stats = self.decoupler.stats
+        generated_p90 = p90(self.finished_lengths)
+        return {"regenerated": stats.regenerated, "aborted_trajectories": self.aborted_count,
+                "late_finishes": self.late_finishes, "unresolved_aborts": len(self.aborting),
+                "waits": stats.waits, "generated_tokens": stats.generated_tokens,
+                "wasted_tokens": stats.wasted_tokens, "dropped_token_share": round(stats.wasted_share, 4),
+                "trained_p90_over_generated_p90": round(p90(self.trained_lengths) / generated_p90, 3)
+                if generated_p90 else None}
