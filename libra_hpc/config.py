@@ -296,6 +296,16 @@ class SchedulerConfig(_Section):
     rebuild_every: int = Field(1000, ge=1)
     """Finished trajectories between rebuilds of the trees from the recent window
     (between rebuilds, each finish updates the trees incrementally)."""
+    self_check: int = Field(1000, ge=0)
+    """``cmlfq`` only: the router scores itself on this many recent decisions. Each
+    finished trajectory is replayed through the causal verdicts it would have got (before
+    it is learnt) and each decision after a tool return is scored against the bucket its
+    true remaining length maps to, beside the trivial policy of keeping every turn on the
+    top level. Unless the causal verdicts are right more often by a clear margin (more
+    than two standard deviations of an even split of the decisions where only one of the
+    two is right; judged from a quarter of the window on), every turn goes to the top
+    level: where the tool returns say too little about the work left, the router does no
+    worse than the policy it replaces, and migrates nothing. 0: off."""
     tree_save_every_s: float = Field(30.0, gt=0)
     """Seconds between saves of the trees to the log folder (off the request path)."""
     lease_s: float = Field(60.0, gt=0)

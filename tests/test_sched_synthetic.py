@@ -123,3 +123,57 @@ def test_cmlfq_routes_more_turns_to_their_true_bucket_than_keeping_the_top_level
                               train, test, default_buckets())
     assert result["bucket_accuracy"] > result["top_level_accuracy"] + 0.03, result
     assert result["migrations"] > 0
+
+
+def _cmlfq(self_check):
+    s = SchedulerConfig()
+    return lambda b: make_router("cmlfq", b, window=s.tree_window, min_samples=s.min_samples,
+                                 rebuild_every=s.rebuild_every, self_check=self_check)
+
+
+def test_the_self_check_falls_back_to_the_top_level_where_the_causal_signal_loses():
+    """The paper's SWE workload (a800-swe: tool returns say little about the work left):
+    raw causal verdicts score below keeping the top level; with the self-check the router
+    notices on the trajectories it learns from, keeps every turn on the top level and
+    scores as the top level does, never below it."""
+    swe = load_sim_config(SCENARIOS / "a800-swe.yaml")
+    train, test = split_by_sample(generate(swe.workload, 300, 16, 0, seq_len=swe.training.seq_len), 4)
+    raw = evaluate_routing(_cmlfq(0), train, test, default_buckets())
+    checked = evaluate_routing(_cmlfq(SchedulerConfig().self_check), train, test, default_buckets())
+    assert raw["bucket_accuracy"] < raw["top_level_accuracy"], raw
+    assert checked["bucket_accuracy"] >= checked["top_level_accuracy"], checked
+    assert checked["migrations"] < raw["migrations"]
+
+
+def test_the_self_check_keeps_the_causal_verdicts_where_they_win(workload):
+    train, test = split_by_sample(workload, 4)
+    router = _cmlfq(SchedulerConfig().self_check)(default_buckets())
+    for trajectory in train:
+        router.observe(trajectory.finished())
+    counters = router.counters()
+    assert not router.falling_back and counters["self_check_scored"] == SchedulerConfig().self_check
+    assert counters["self_check_causal_right"] > counters["self_check_top_right"]
+    checked = evaluate_routing(_cmlfq(SchedulerConfig().self_check), train, test, default_buckets())
+    assert checked["bucket_accuracy"] > checked["top_level_accuracy"] + 0.03, checked
+
+
+def test_the_self_check_scores_only_what_it_had_not_learnt_and_turns_off():
+    """Prequential: a trajectory is scored against the index before it is learnt, so
+    the very first trajectories (an empty index: every verdict stays on the top level)
+    score the same for both, and a tie sends turns to the top level; with
+    ``self_check=0`` nothing is scored."""
+    from libra_hpc.scheduler.types import FinishedTrajectory, ToolState
+
+    state = ToolState("bash", "S", "success")
+    long_one = FinishedTrajectory("p", (state, state), (9000, 8000, 7000))
+    router = _cmlfq(8)(default_buckets())
+    router.observe(long_one)
+    counters = router.counters()
+    assert counters["self_check_scored"] == 2 and counters["self_check_causal_right"] == 0
+    assert counters["self_check_top_right"] == 0
+    assert router.falling_back  # a quarter of the window is in, and a tie goes to the top level
+    off = _cmlfq(0)(default_buckets())
+    off.observe(long_one)
+    assert off.counters()["self_check_scored"] == 0
+    with pytest.raises(ValueError, match="self_check"):
+        make_router("cmlfq", default_buckets(), window=8, min_samples=1, rebuild_every=1, self_check=-1)

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+from collections import deque
 import math
 import random
 from collections import defaultdict
@@ -42,6 +43,7 @@ from libra_hpc.scheduler.types import (
     FinishedTrajectory,
     Placement,
     Router,
+    ToolState,
     TrajectoryView,
     new_tuple,
 )
@@ -66,6 +68,9 @@ class RouterOptions:
     affinity_tokens: int = 0
     """Extra outstanding tokens a turn accepts to stay on the instance holding its KV
     prefix (0: always the least loaded)."""
+    self_check: int = 0
+    """cmlfq: decisions it scores itself on against the top level (0: off; see
+    :class:`CmlfqRouter`)."""
 
 
 ROUTERS: dict[str, type[RouterBase]] = {}
@@ -266,25 +271,44 @@ class CmlfqRouter(RouterBase):
     the node's remaining-token mean and p90 to levels; move the next turn only when both
     map to the same level and it differs from the current one (up or down). No length
     predictor. The trees are rebuilt from the recent window every ``rebuild_every``
-    finished trajectories."""
+    finished trajectories.
+
+    Self-check (``self_check`` > 0 decisions): before a finished trajectory is learnt, its
+    turns are replayed through the verdicts the current index gives (prequential: never
+    scored on what it learnt from it), and each decision after a tool return is scored
+    against the level its true remaining length maps to, beside the level the trivial
+    policy keeps (the top). Over the last ``self_check`` decisions, once a quarter of them
+    are in, the router sends every turn to the top level (:attr:`falling_back`) unless the
+    causal verdicts are right more often by a clear margin: more than two standard
+    deviations of an even split of the decisions where exactly one of the two is right. A
+    move costs a re-prefill; a tie is not worth it."""
 
     name: ClassVar[str] = "cmlfq"
 
     def __init__(self, buckets: Sequence[BucketSpec], *, window: int = 256, min_samples: int = 8,
-                 rebuild_every: int = 1000, retain: int | None = None, affinity_tokens: int = 0):
+                 rebuild_every: int = 1000, retain: int | None = None, affinity_tokens: int = 0,
+                 self_check: int = 0):
         super().__init__(buckets, affinity_tokens=affinity_tokens)
         if rebuild_every < 1:
             raise ValueError(f"rebuild_every={rebuild_every} finished trajectories must be >= 1")
+        if self_check < 0:
+            raise ValueError(f"self_check={self_check} decisions must be >= 0 (0: off)")
         self.rebuild_every = rebuild_every
         self.index = CausalIndex(window, min_samples, retain or max(rebuild_every, window))
         self.observed = 0
         self.rebuilt_at = 0  # value of `observed` at the last rebuild
         self._reasons: dict[str, dict[str, list[str]]] = {}  # see _why()
+        self.self_check = self_check
+        self._scores: deque[int] = deque()  # per scored decision: bit 0 causal right, bit 1 top level right
+        self.causal_right = self.top_right = 0
+        self.disagree = 0  # scored decisions where exactly one of the two was right
+        self.falling_back = False
 
     @classmethod
     def build(cls, buckets: Sequence[BucketSpec], options: RouterOptions) -> CmlfqRouter:
         return cls(buckets, window=options.window, min_samples=options.min_samples,
-                   rebuild_every=options.rebuild_every, affinity_tokens=options.affinity_tokens)
+                   rebuild_every=options.rebuild_every, affinity_tokens=options.affinity_tokens,
+                   self_check=options.self_check)
 
     def place(self, view: TrajectoryView) -> Placement:
         current = self.level_of.get(view.bucket) if view.bucket is not None else None
@@ -293,20 +317,29 @@ class CmlfqRouter(RouterBase):
         states = view.states
         if not states:
             return self.placement(view, current, "no tool return")
-        stats, source, depth = self.index.find(view.prompt_id, states, view.keys)
+        if self.falling_back:
+            return self.placement(view, 0, "self-check: the top level scores better")
+        level, reason = self.verdict(view.prompt_id, states, view.keys, view.turn_tokens, current)
+        return self.placement(view, level, reason)
+
+    def verdict(self, prompt_id: str, states: Sequence[ToolState], keys: tuple[str, ...],
+                turn_tokens: Sequence[int], current: int) -> tuple[int, str]:
+        """The causal verdict for the next turn of a trajectory on level ``current`` after
+        ``states`` (``turn_tokens``: its turns' output tokens so far): (level, reason)."""
+        stats, source, depth = self.index.find(prompt_id, states, keys)
         if stats is None:
-            return self.placement(view, current, "no trusted node")
+            return current, "no trusted node"
         # A shallower node describes what remained back at its tool return; condition it
         # on the tokens generated since (samples that lasted longer, minus those tokens).
-        estimate = stats.beyond(sum(view.turn_tokens[depth:]) if depth < len(states) else 0)
+        estimate = stats.beyond(sum(turn_tokens[depth:]) if depth < len(states) else 0)
         if estimate is None:
-            return self.placement(view, current, self._why("outlived every sample", source, depth))
+            return current, self._why("outlived every sample", source, depth)
         by_mean, by_p90 = self.level_for(estimate[0]), self.level_for(estimate[1])
         if by_mean != by_p90:
-            return self.placement(view, current, self._why("mean/p90 disagree", source, depth))
+            return current, self._why("mean/p90 disagree", source, depth)
         if by_mean == current:
-            return self.placement(view, current, self._why("stay", source, depth))
-        return self.placement(view, by_mean, self._why("move", source, depth))
+            return current, self._why("stay", source, depth)
+        return by_mean, self._why("move", source, depth)
 
     def _why(self, verdict: str, source: str, depth: int) -> str:
         """The reason ``f"{verdict} ({source} depth {depth})"``, one shared string per value
@@ -321,10 +354,46 @@ class CmlfqRouter(RouterBase):
         return by_depth[depth]
 
     def observe(self, finished: FinishedTrajectory) -> None:
-        """Learn incrementally (O(depth)). A rebuild falls due every ``rebuild_every``
+        """Score the verdicts it would have got (the self-check), then learn it
+        incrementally (O(depth)). A rebuild falls due every ``rebuild_every``
         observations; it runs in :meth:`maintain`, off the request path."""
+        if self.self_check:
+            self._score(finished)
         self.index.observe(finished)
         self.observed += 1
+
+    def _score(self, finished: FinishedTrajectory) -> None:
+        remaining = finished.remaining_after
+        states = finished.states
+        turns = [remaining[i] - remaining[i + 1] for i in range(len(remaining) - 1)]
+        level = 0
+        for d in range(1, min(len(remaining), len(states) + 1)):
+            level = self.verdict(finished.prompt_id, states[:d], finished.keys[:d], turns[:d], level)[0]
+            truth = self.level_for(remaining[d])
+            score = (1 if level == truth else 0) | (2 if truth == 0 else 0)
+            self._scores.append(score)
+            self.causal_right += score & 1
+            self.top_right += score >> 1
+            self.disagree += 1 if score == 1 or score == 2 else 0
+            if len(self._scores) > self.self_check:
+                old = self._scores.popleft()
+                self.causal_right -= old & 1
+                self.top_right -= old >> 1
+                self.disagree -= 1 if old == 1 or old == 2 else 0
+        if 4 * len(self._scores) >= self.self_check:
+            # Where exactly one of the two is right, equal skill would split those
+            # decisions evenly: keep the causal verdicts only when they win by more than
+            # two standard deviations of that split (a tie or noise goes to the top level,
+            # which migrates nothing).
+            self.falling_back = self.causal_right - self.top_right <= 2.0 * math.sqrt(self.disagree)
+
+    def counters(self) -> dict[str, int]:
+        out = super().counters()
+        out["self_check_scored"] = len(self._scores)
+        out["self_check_causal_right"] = self.causal_right
+        out["self_check_top_right"] = self.top_right
+        out["falling_back"] = int(self.falling_back)
+        return out
 
     @property
     def rebuild_due(self) -> bool:
@@ -473,11 +542,12 @@ for _policy in (CmlfqRouter, FifoRouter, LeastLoadRouter, LengthAwareRouter, Ora
 
 
 def make_router(policy: str, buckets: Sequence[BucketSpec], *, window: int, min_samples: int,
-                rebuild_every: int, predictor_noise: float = 0.5, seed: int = 0, affinity_tokens: int = 0) -> Router:
+                rebuild_every: int, predictor_noise: float = 0.5, seed: int = 0, affinity_tokens: int = 0,
+                self_check: int = 0) -> Router:
     """The registered policy ``policy`` over ``buckets``; ValueError lists the names."""
     if policy not in ROUTERS:
         raise ValueError(f"unknown routing policy {policy!r}; registered policies: {sorted(ROUTERS)}")
-    options = RouterOptions(window, min_samples, rebuild_every, predictor_noise, seed, affinity_tokens)
+    options = RouterOptions(window, min_samples, rebuild_every, predictor_noise, seed, affinity_tokens, self_check)
     return ROUTERS[policy].build(buckets, options)
 
 
@@ -485,7 +555,7 @@ def router_from_config(cfg, buckets: Sequence[BucketSpec], seed: int = 0) -> Rou
     """:func:`make_router` from a :class:`~libra_hpc.config.SchedulerConfig`."""
     return make_router(cfg.policy, buckets, window=cfg.tree_window, min_samples=cfg.min_samples,
                        rebuild_every=cfg.rebuild_every, predictor_noise=cfg.predictor_noise, seed=seed,
-                       affinity_tokens=cfg.affinity_tokens)
+                       affinity_tokens=cfg.affinity_tokens, self_check=cfg.self_check)
 
 
 def buckets_from_instances(instances: Sequence[tuple[int, int]], token_limits: dict[int, int]) -> list[BucketSpec]:

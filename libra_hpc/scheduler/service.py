@@ -432,14 +432,16 @@ class QueueService:
         ``completed``, ``requeued_on_expiry``, ``instances_silent`` (times an instance let
         a lease expire), ``late_reports``, ``duplicate_reports``, ``rejected`` (by
         reason); and now: ``active`` trajectories, ``leased`` turns, ``queued`` turns per
-        bucket, ``silent`` instances, ``undrained`` completed trajectories."""
+        bucket, ``silent`` instances, ``undrained`` completed trajectories,
+        ``router_falling_back`` (cmlfq's self-check sends every turn to the top level)."""
         return {"submitted": self._submitted, "placements": self._placements, "decisions": self._decisions,
                 "migrations": self._migrations, "handed_out": self._handed_out, "completed": self._completed,
                 "requeued_on_expiry": self._requeued_on_expiry, "instances_silent": self._instances_silent,
                 "late_reports": self._rejected["late_report"],
                 "duplicate_reports": self._rejected["duplicate_report"], "rejected": dict(self._rejected),
                 "active": len(self._trajs), "leased": len(self._leases), "queued": dict(self._depth),
-                "silent": sorted(self._down), "undrained": len(self._finished)}
+                "silent": sorted(self._down), "undrained": len(self._finished),
+                "router_falling_back": bool(getattr(self._router, "falling_back", False))}
 
     def audit(self) -> dict[str, str]:
         """Tid → ``queued``/``leased`` for every active trajectory, checked against the
