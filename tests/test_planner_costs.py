@@ -264,3 +264,68 @@ def test_calibration_refuses_nonsense():
         Calibration(decode_step_overhead_s=-1)
     with pytest.raises(ValueError, match="unknown timing kind 'x'"):
         Calibration().time("x", {})  # type: ignore[arg-type]
+
+
+# ------------------------------------------------------------------ issue 15: model fixes
+
+
+def _prefill_heavy(rng, n):
+    """Long contexts, short answers (the training-bound scenario's shape)."""
+    return [LengthSample(rng.randint(5000, 9000), rng.randint(50, 3000), rng.randint(1, 2), rng.uniform(0, 0.6))
+            for _ in range(n)]
+
+
+def test_the_loaded_step_time_is_a_fixed_point_not_an_oscillation():
+    """A prefill-heavy pool made the iteration of "load → step time → makespan → load"
+    flip between a short makespan (high prefill stall) and a long one; the last pass
+    decided, and the prediction could be 6× off. The step time returned now reproduces
+    itself: the makespan it implies gives it back, and one more batch of load never
+    shortens the makespan."""
+    from libra_hpc.planner.costs import _loaded_s
+
+    lengths = LengthProfile.from_samples(_prefill_heavy(random.Random(3), 400), 1024)
+    h100 = load_hardware("h100-80g")
+    q7 = load_model("qwen2.5-7b")
+    for tp, instances in ((1, 8), (2, 3), (4, 2)):
+        cost = RolloutCost(q7, h100, tp)
+        conc = cost.concurrency(lengths.mean_seq_tokens)
+        counts = [c for c in lengths.count]
+        makespan, sigma = _loaded_s(cost, instances, conc, counts, lengths, 2)
+        again, sigma_again = _loaded_s(cost, instances, conc, counts, lengths, 2)
+        assert (makespan, sigma) == (again, sigma_again)  # deterministic
+        # the fixed point: within the bisection's tolerance of its own image
+        assert sigma > cost.decode_step_s(1, 0)
+        heavier, _ = _loaded_s(cost, instances, conc, counts, lengths, 3)
+        assert heavier >= makespan * 0.999
+
+
+def test_a_router_blind_to_length_prices_a_mixed_plan_no_better_than_one_that_knows():
+    """C-MLFQ where the tool returns say little cannot send the long trajectories to the
+    fast pool; a mixed plan is then priced with every length bucket shared out over the
+    pools and the extremes on the slowest pool. One pool: both the same."""
+    rng = random.Random(5)
+    samples = [LengthSample(rng.randint(200, 800), rng.randint(100, 500), 2, 1.0) for _ in range(299)]
+    lengths = LengthProfile.from_samples(samples + [LengthSample(500, 30000, 2, 1.0)], 512)  # one long tail
+    mixed = [(RolloutCost(Q14, A800, 1), 4), (RolloutCost(Q14, A800, 4), 1)]
+    aware = rollout_makespan(mixed, lengths, in_flight=2, length_aware=True).makespan_s
+    blind = rollout_makespan(mixed, lengths, in_flight=2).makespan_s
+    assert blind > aware
+    one = [(RolloutCost(Q14, A800, 4), 2)]
+    assert rollout_makespan(one, lengths, in_flight=2).makespan_s == \
+        rollout_makespan(one, lengths, in_flight=2, length_aware=True).makespan_s
+
+
+def test_an_uneven_shape_trains_a_batch_dp_does_not_divide_at_its_largest_share():
+    """The hybrid pool grows DP 4 → 5 on a batch of 1024: the job routes whole groups by
+    tokens, so replicas hold 205 or 204 sequences and the step waits for 205."""
+    even = TrainShape(tp=2, pp=4, dp=4, micro_batch=1, global_batch=1024, seq_len=4096)
+    five = TrainShape(tp=2, pp=4, dp=5, micro_batch=1, global_batch=1024, seq_len=4096)
+    assert "not a multiple" in TrainingCost(Q14, A800, five).infeasible
+    from dataclasses import replace
+
+    grown = TrainingCost(Q14, A800, replace(five, uneven=True))
+    assert grown.infeasible is None and grown.microbatches == 205
+    assert grown.straggle == pytest.approx(205 * 5 / 1024)
+    four = TrainingCost(Q14, A800, even)
+    assert grown.step_s < four.step_s  # one more replica still helps
+    assert TrainingCost(Q14, A800, replace(even, uneven=True)).step_s == four.step_s  # divisible: no straggle

@@ -92,6 +92,9 @@ class ControlOptions:
     single_tp: bool = False
     """Restrict the search to the one rollout TP size that is best for the prior."""
     refine_top: int = 6
+    length_aware_routing: bool = False
+    """The router places turns by (true or predicted) length, so plans may count on the
+    long trajectories reaching the fast instances (``PlannerOptions.length_aware``)."""
 
     @property
     def gpus(self) -> int:
@@ -113,7 +116,8 @@ class ControlOptions:
             seed=cfg.rl.seed, hybrid_nodes=p.hybrid_nodes, min_rollout_gpus=p.min_rollout_gpus, window=p.window,
             gate=GateOptions(every_steps=p.every_steps, margin_s=p.margin_s, confirm_checks=p.confirm_checks,
                              min_dwell_steps=p.min_dwell_steps, min_gain=p.min_gain),
-            hybrid_margin=p.hybrid_margin, memory_headroom=p.memory_headroom, **setup)
+            hybrid_margin=p.hybrid_margin, memory_headroom=p.memory_headroom,
+            **{"length_aware_routing": cfg.scheduler.policy in ("oracle", "length_aware"), **setup})
 
 
 @dataclass(frozen=True)
@@ -173,8 +177,9 @@ def profiles(cfg: Any) -> tuple[ModelProfile, HardwareProfile]:
 
 
 def grown(shape: TrainShape, extra_replicas: int) -> TrainShape:
-    """``shape`` with ``extra_replicas`` more DP replicas (hybrid replicas lent to training)."""
-    return replace(shape, dp=shape.dp + extra_replicas)
+    """``shape`` with ``extra_replicas`` more DP replicas (hybrid replicas lent to training);
+    the replicas may then hold unequal shares of the batch (``TrainShape.uneven``)."""
+    return replace(shape, dp=shape.dp + extra_replicas, uneven=shape.uneven or extra_replicas > 0)
 
 
 def same_plan(a: Plan, b: Plan) -> bool:
@@ -202,7 +207,8 @@ class ControlLoop:
                                if options.clairvoyant else options.gate)
         tps = (self._best_single_tp(),) if options.single_tp else options.rollout_tps
         self.search = PlannerOptions(rollout_tps=tps, min_rollout_gpus=options.min_rollout_gpus,
-                                     refine_top=options.refine_top, in_flight=options.max_staleness + 1)
+                                     refine_top=options.refine_top, in_flight=options.max_staleness + 1,
+                                     length_aware=options.length_aware_routing)
         self.min_gap = 1 if options.clairvoyant else max(1, self.gate.opt.every_steps // 5)
         self.last_check = -(10 ** 9)
         self.layout: Layout | None = None
@@ -210,6 +216,11 @@ class ControlLoop:
         self.pool: HybridPool | None = None
         self.considered: list[dict] = []
         """Plans looked at and why each was (not) applied, for events.jsonl and reports."""
+        self.measured: tuple[float, float | None] | None = None
+        """The last batch's measured rollout makespan and training step (after_rollout)."""
+        self.scale = (1.0, 1.0)
+        """Measured over predicted training and rollout time of the running plan at the
+        last check (:meth:`pooled_objective` weighs a hybrid replica's move with it)."""
         self.journal: list[dict] | None = None
         """Set to a list to record every call (inputs and decisions as plain data); off by
         default, since the samples of a long run add up."""
@@ -248,7 +259,75 @@ class ControlLoop:
             obj = self.step_objective(r.plan.t_train, r.plan.t_rollout)
             if best is None or obj < best[0]:
                 best = (obj, replace(r, plan=replace(r.plan, objective=obj)))
-        return best[1]
+        result = best[1]
+        if options is None and self.o.hybrid and self.o.hybrid_nodes:
+            result = replace(result, plan=self._with_pool(result.plan, lengths, batch))
+        return result
+
+    def _with_pool(self, plan_: Plan, lengths: LengthProfile, batch: RLBatch) -> Plan:
+        """``plan_`` or, when its hybrid node's instances must be re-split for the pool to
+        form, the re-split plan, whichever is worth more counting what the pool can do:
+        each is valued at :meth:`pooled_objective` (its step with a replica lent, where
+        that is shorter). The search itself knows nothing of the pool; without this a plan
+        whose training would bind once a replica is lent never forms it, as a tie of the
+        step objectives leaves the pool out."""
+        o = self.o
+        best = replace(plan_, objective=self.pooled_objective(plan_, self._pool_of(plan_)))
+        for tp in sorted((t for t in o.rollout_tps if t < o.gpus_per_node), reverse=True):
+            candidate = resplit_hybrid(plan_, tp, o.nodes - o.hybrid_nodes)
+            pool = None if candidate is None else self._pool_of(candidate)
+            if pool is None:
+                continue
+            candidate = reprice(candidate, self.model, self.hw, o.gpus_per_node, lengths, self.cal, batch,
+                                in_flight=o.max_staleness + 1, length_aware=o.length_aware_routing)
+            candidate = replace(candidate, objective=self.pooled_objective(candidate, pool))
+            if candidate.objective < best.objective:
+                best = candidate
+            break  # the widest split that forms the pool
+        return best
+
+    def _measured_scale(self, lengths: LengthProfile) -> tuple[float, float]:
+        """Measured over predicted (training, rollout) time of the running plan on
+        ``lengths``; (1, 1) before a measurement or while hybrid replicas train (the
+        measured step is then another shape's)."""
+        if self.measured is None or self.measured[1] is None or self.plan is None or \
+                (self.pool is not None and self.pool.training_replicas()):
+            return (1.0, 1.0)
+        o = self.o
+        now = reprice(self.plan, self.model, self.hw, o.gpus_per_node, lengths, self.cal,
+                      RLBatch(o.global_batch, math.ceil(lengths.mean_seq_tokens)), in_flight=o.max_staleness + 1,
+                      length_aware=o.length_aware_routing)
+        makespan, t_train = self.measured
+        if not (now.t_train > 0 and now.t_rollout > 0 and math.isfinite(now.t_rollout)):
+            return (1.0, 1.0)
+        return (t_train / now.t_train, makespan / now.t_rollout)
+
+    def _pool_of(self, plan_: Plan) -> HybridPool | None:
+        """The hybrid pool ``plan_``'s layout forms as it is, or None."""
+        o = self.o
+        try:
+            layout = plan_to_layout(plan_, o.nodes, o.gpus_per_node, o.hybrid_nodes, reason="valuation")
+            return HybridPool.from_layout(layout, min_rollout_gpus=o.min_rollout_gpus, timeouts=o.hybrid_timeouts)
+        except (LayoutError, HybridPoolError):
+            return None
+
+    def pooled_objective(self, plan_: Plan, pool: HybridPool | None) -> float:
+        """``plan_``'s step objective, or its step with one hybrid replica lent to training
+        if that is shorter (training time × DP/(DP + 1), rollout time × its GPUs over what
+        is left: :meth:`hybrid_gain`'s scaling), when ``pool`` can lend one. Whether lending
+        pays, and which of two plans is faster, turns on the balance of the two times, so
+        they are first scaled by what the running plan measured against its prediction
+        (:attr:`scale`: the cost models' error there, taken to hold for every candidate;
+        (1, 1) for the initial plan)."""
+        plan_ = replace(plan_, t_train=plan_.t_train * self.scale[0], t_rollout=plan_.t_rollout * self.scale[1])
+        now = self.step_objective(plan_.t_train, plan_.t_rollout)
+        if pool is None:
+            return now
+        dp, gpus, size = plan_.train.dp, plan_.rollout_gpus, pool.replica_size
+        if gpus - size < max(1, self.o.min_rollout_gpus) or \
+                TrainingCost(self.model, self.hw, grown(plan_.train, 1), self.cal).infeasible:
+            return now
+        return min(now, self.step_objective(plan_.t_train * dp / (dp + 1), plan_.t_rollout * gpus / (gpus - size)))
 
     def memory_need(self, lengths: LengthProfile) -> int:
         """Tokens per (packed) training sequence a plan must fit: ``memory_headroom`` ×
@@ -294,7 +373,7 @@ class ControlLoop:
     def start(self, plan_: Plan, reason: str) -> LayoutChange:
         """Start from a given plan (a pinned layout) instead of searching one; its hybrid pool
         forms as for a planned one. Applied at once."""
-        change = self._change(0, PlanResult(plan_, (), 0, 0.0), reason, None)
+        change = self._change(0, PlanResult(plan_, (), 0, 0.0), reason, None, searched=False)
         self.apply(change)
         self._log("start", {"plan": plan_.describe(), "reason": reason}, change)
         return change
@@ -320,6 +399,7 @@ class ControlLoop:
         step took ``t_train``, None before the first): a new layout when the gate applies a
         better plan, else the hybrid pool's transitions. ``future``: the next batch's true
         lengths (clairvoyant loops only; None past the last step)."""
+        self.measured = (makespan_s, t_train)
         change = self._consider(step, self.pressure(makespan_s, t_train), future)
         out = AfterRollout(change)
         if change is None and self.pool is not None and t_train is not None:
@@ -371,6 +451,7 @@ class ControlLoop:
                 return None
         else:
             lengths = observed
+        self.scale = self._measured_scale(lengths)
         try:
             candidate = self.best_plan(lengths)
         except PlanError as exc:
@@ -389,13 +470,15 @@ class ControlLoop:
         o = self.o
         now_plan = reprice(self.plan, self.model, self.hw, o.gpus_per_node, lengths, self.cal,
                            RLBatch(o.global_batch, math.ceil(lengths.mean_seq_tokens)),  # as best_plan's
-                           in_flight=o.max_staleness + 1)
-        now_plan = replace(now_plan, objective=self.step_objective(now_plan.t_train, now_plan.t_rollout))
+                           in_flight=o.max_staleness + 1, length_aware=o.length_aware_routing)
+        model_s = self.step_objective(now_plan.t_train, now_plan.t_rollout)  # the cost models' own prediction
+        now_plan = replace(now_plan, objective=self.pooled_objective(now_plan, self.pool))
         decision = self.gate.consider(step, now_plan.objective, candidate, o.reconfig_s, pressure, current=self.plan,
                                       model_error=dict(self.cal.fit_errors).get("decode", 0.0))
         self.considered.append({"step": step, "kind": "replan_check", "trigger": decision.trigger,
                                 "apply": decision.apply, "reason": decision.reason,
-                                "current_objective_s": now_plan.objective, "candidate": candidate.plan.describe(),
+                                "current_objective_s": now_plan.objective, "model_step_s": model_s,
+                                "scale": [round(x, 4) for x in self.scale], "candidate": candidate.plan.describe(),
                                 "candidate_objective_s": candidate.plan.objective})
         if not decision.apply:
             return None
@@ -444,12 +527,13 @@ class ControlLoop:
     def _can_grow(self) -> bool:
         return not TrainingCost(self.model, self.hw, grown(self.training_shape(), 1), self.cal).infeasible
 
-    def _change(self, step: int, result: PlanResult, reason: str, gain_s: float | None) -> LayoutChange:
-        plan_, layout, pool = self._allocation(result.plan, reason)
+    def _change(self, step: int, result: PlanResult, reason: str, gain_s: float | None,
+                searched: bool = True) -> LayoutChange:
+        plan_, layout, pool = self._allocation(result.plan, reason, resplit=not searched)
         version = 0 if self.layout is None else self.layout.version + 1
         return LayoutChange(step, replace(layout, version=version), plan_, pool, reason, gain_s, result)
 
-    def _allocation(self, plan_: Plan, reason: str) -> tuple[Plan, Layout, HybridPool | None]:
+    def _allocation(self, plan_: Plan, reason: str, resplit: bool = True) -> tuple[Plan, Layout, HybridPool | None]:
         """The plan's layout; with the hybrid pool on, its last ``hybrid_nodes`` nodes form
         the pool when they hold rollout instances only and split into whole replicas.
 
@@ -463,14 +547,15 @@ class ControlLoop:
         instances are re-split into the largest smaller TP size that forms the pool
         (:func:`resplit_hybrid`): narrower instances decode slower, a price worth paying
         only for a pool that may be used. Otherwise, or when no split forms it, the plan
-        runs without a pool (logged)."""
+        runs without a pool (logged). ``resplit`` False: the plan comes from
+        :meth:`best_plan`, which weighed the re-split already (:meth:`_with_pool`)."""
         o = self.o
         layout = plan_to_layout(plan_, o.nodes, o.gpus_per_node, 0, reason=reason)
         pool = None
         if o.hybrid and o.hybrid_nodes:
             first = None
             k = max(1, o.max_staleness)
-            useful = plan_.t_train * (1 + o.hybrid_margin) >= plan_.t_rollout / k
+            useful = resplit and plan_.t_train * (1 + o.hybrid_margin) >= plan_.t_rollout / k
             splits = sorted((t for t in o.rollout_tps if t < o.gpus_per_node), reverse=True) if useful else []
             for tp in [None, *splits]:
                 candidate = plan_ if tp is None else resplit_hybrid(plan_, tp, o.nodes - o.hybrid_nodes)
@@ -489,7 +574,8 @@ class ControlLoop:
                 break
             if pool is None:
                 log.info("plan %s runs without a hybrid pool: %s%s", plan_.describe(), first,
-                         "" if useful else " (not re-split: the plan predicts training will not be the bottleneck)")
+                         "" if useful else " (not re-split: the plan predicts training will not be the bottleneck)" if resplit
+                         else " (the plan search weighed the re-split: not worth it)")
         return plan_, layout, pool
 
     def _log(self, call: str, given: dict, out: Any) -> None:

@@ -372,7 +372,7 @@ class RolloutEstimate:
 
 
 def rollout_makespan(pools: Sequence[tuple[RolloutCost, int]], lengths: LengthProfile,
-                     tail_aware: bool = True, in_flight: int = 1) -> RolloutEstimate:
+                     tail_aware: bool = True, in_flight: int = 1, length_aware: bool = False) -> RolloutEstimate:
     """Makespan of the batch over pools of identical instances ``(cost, instances)``.
 
     Each instance runs a fixed batch of ``b`` sequences: its share of the RL batch in
@@ -386,6 +386,14 @@ def rollout_makespan(pools: Sequence[tuple[RolloutCost, int]], lengths: LengthPr
     chunks. A trajectory lasts its prefill, gen_len decode steps and its tool time (the
     lane is held during tools). The result is never below the serial time of the
     longest trajectory on its best pool (checked exactly on ``lengths.extremes``).
+
+    That placement assumes the router knows which trajectories will be long
+    (``length_aware``: the oracle and the length predictor). A router that cannot tell
+    them apart before they run (C-MLFQ where the tool returns say little about the work
+    left: ``benchmarks/bench_routing.py`` measures that on every shipped workload) spreads
+    the batch over the pools in proportion to their lanes, and the longest trajectories
+    may land on the slowest pool: without ``length_aware`` every bucket is shared out that
+    way and the extremes' chains are priced on the slowest pool. One pool: no difference.
     Cost: O(buckets × pools × chunks) arithmetic, ~0.3 ms for 32 buckets and 4 pools
     on a shared 2-core CPU.
     """
@@ -413,14 +421,17 @@ def rollout_makespan(pools: Sequence[tuple[RolloutCost, int]], lengths: LengthPr
         durations = [cost.prefill_s(p) + g * cost.decode_step_s(batch, base + p + g / 2) + t
                      for p, g, t in zip(lengths.prompt, lengths.gen, lengths.tool_s)]
         per_pool.append((cost, n, conc, batch, durations))
-    makespan, assigned, per_bucket = _assign(lengths.count, [(n * batch, d) for _, n, _, batch, d in per_pool])
+    lanes = [(n * batch, d) for _, n, _, batch, d in per_pool]
+    blind = not length_aware and len(per_pool) > 1
+    makespan, assigned, per_bucket = _spread(lengths.count, lanes) if blind else _assign(lengths.count, lanes)
     info = tuple((c.tp, n, conc, c.decode_step_s(b, b * lengths.mean_context), a)
                  for (c, n, conc, b, _), a in zip(per_pool, assigned))
     if tail_aware:
         loaded = [(c, *_loaded_s(c, n, conc, shares, lengths, in_flight))
                   for (c, n, conc, _, _), shares in zip(per_pool, per_bucket)]
         # the extreme trajectories (longest generation, longest tools) on their best pool, loaded
-        chain = max(min(c.prefill_s(x.prompt_len) + x.gen_len * sigma + x.tool_time_s for c, _, sigma in loaded)
+        pick = max if blind else min  # blind: an extreme may land on the slowest pool
+        chain = max(pick(c.prefill_s(x.prompt_len) + x.gen_len * sigma + x.tool_time_s for c, _, sigma in loaded)
                     for x in lengths.extremes)
         makespan = max(chain, *(m for _, m, _ in loaded))
     return RolloutEstimate(max(makespan, bound), bound, None, info)
@@ -437,7 +448,13 @@ def _loaded_s(cost: RolloutCost, instances: int, conc: int, counts: Sequence[int
     tool call decode, with their time-weighted KV context; above its concurrency they
     queue for seats; decoding stalls while the instance prefills joining sequences (the
     share of its time the batches' prefills take). The longest chain (prefill + decode steps + tool time) at that step
-    time, or the seats' throughput, sets the makespan. Fixed point, a few passes; O(buckets).
+    time, or the seats' throughput, sets the makespan.
+
+    The step time is the fixed point of "the load a step time implies gives that step
+    time back". Iterating that map can oscillate (a prefill-heavy pool: a short makespan
+    implies a high prefill stall, a slow step, a long makespan, a low stall, ...), so the
+    fixed point is found by bisection, in log space, between the lone sequence's step time
+    and the step time that load gives. O(buckets) per pass, 16 passes.
     Returns the makespan and the loaded decode step time."""
     n = [c / instances for c in counts]
     live = [k for k, x in enumerate(n) if x > 0]
@@ -446,21 +463,47 @@ def _loaded_s(cost: RolloutCost, instances: int, conc: int, counts: Sequence[int
     gen, tool = lengths.gen, lengths.tool_s
     ctx = [lengths.prompt[k] + gen[k] / 2 for k in range(len(n))]
     pre = {k: cost.prefill_s(lengths.prompt[k]) for k in live}
-    longest = max(live, key=lambda k: gen[k])
-    sigma = cost.decode_step_s(1, ctx[longest])
-    makespan = 0.0
-    for _ in range(6):
-        dur = {k: pre[k] + gen[k] * sigma + tool[k] for k in live}
-        work = sum(n[k] * dur[k] for k in live)  # trajectory-seconds per batch per instance
-        makespan = max(max(dur.values()), in_flight * work / conc)
-        load = in_flight * work / makespan  # trajectories held at once, on average
-        seated = min(load, conc)
+    prefill_work = sum(n[k] * pre[k] for k in live)
+    others = max(0.0, 1.0 - 1.0 / (in_flight * sum(n[k] for k in live)))  # a lone sequence waits for no one
+
+    def loaded(sigma: float) -> tuple[float, float]:
+        """(makespan at step time ``sigma``, the step time the load of that makespan gives)."""
+        dur = [pre[k] + gen[k] * sigma + tool[k] for k in live]
+        work = sum(n[k] * d for k, d in zip(live, dur))  # trajectory-seconds per batch per instance
+        makespan = max(max(dur), in_flight * work / conc)
+        seated = min(in_flight * work / makespan, conc)  # trajectories held at once, on average (Little)
         decoding = seated * sum(n[k] * gen[k] * sigma for k in live) / work
-        kv = seated * sum(n[k] * dur[k] * ctx[k] for k in live) / work
-        others = max(0.0, 1.0 - 1.0 / (in_flight * sum(n[k] for k in live)))  # a lone sequence waits for no one
-        stall = min(0.9, others * in_flight * sum(n[k] * pre[k] for k in live) / makespan)  # time spent prefilling
-        sigma = cost.decode_step_s(max(1.0, decoding), kv) / (1.0 - stall)
-    return makespan, sigma
+        kv = seated * sum(n[k] * d * ctx[k] for k, d in zip(live, dur)) / work
+        stall = min(0.9, others * in_flight * prefill_work / makespan)  # time spent prefilling
+        return makespan, cost.decode_step_s(max(1.0, decoding), kv) / (1.0 - stall)
+
+    lo = cost.decode_step_s(1, ctx[max(live, key=lambda k: gen[k])])
+    hi = max(lo, loaded(lo)[1])
+    for _ in range(16):
+        mid = math.sqrt(lo * hi)
+        if loaded(mid)[1] > mid:
+            lo = mid
+        else:
+            hi = mid
+    sigma = math.sqrt(lo * hi)
+    return loaded(sigma)[0], sigma
+
+
+def _spread(counts: Sequence[int], pools: Sequence[tuple[int, Sequence[float]]]) -> tuple[float, list[int], list[list[int]]]:
+    """Placement blind to length: every bucket shared out over the pools in proportion to
+    their lanes; each pool's makespan is its longest bucket's duration or its lanes'
+    throughput. Returns what :func:`_assign` does."""
+    per_bucket = [[0] * len(counts) for _ in pools]
+    for k, m in enumerate(counts):
+        for p, share in enumerate(_apportion([lanes for lanes, _ in pools], m)):
+            per_bucket[p][k] = share
+    makespan = 0.0
+    for p, (lanes, dur) in enumerate(pools):
+        present = [k for k, x in enumerate(per_bucket[p]) if x]
+        if present:
+            work = sum(per_bucket[p][k] * dur[k] for k in present)
+            makespan = max(makespan, max(dur[k] for k in present), work / lanes)
+    return makespan, [sum(row) for row in per_bucket], per_bucket
 
 
 def _assign(counts: Sequence[int], pools: Sequence[tuple[int, Sequence[float]]]) -> tuple[float, list[int], list[list[int]]]:
@@ -507,6 +550,11 @@ class TrainShape:
     """Tokens per sequence (prompt + response, padded or packed)."""
     recompute: bool = False
     """Full activation recomputation (one more forward, activations kept only at layer inputs)."""
+    uneven: bool = False
+    """Replicas may hold unequal shares of the batch (the job routes whole GRPO groups to
+    replicas by tokens, so nothing needs DP × micro-batch to divide it): the step waits for
+    the largest share. Set for the shapes the hybrid pool grows to; plan searches keep DP
+    sizes that divide the batch."""
 
     def __post_init__(self) -> None:
         for name in ("tp", "pp", "dp", "micro_batch", "global_batch", "seq_len"):
@@ -526,7 +574,9 @@ class TrainingCost:
     def __init__(self, model: ModelProfile, hw: HardwareProfile, shape: TrainShape, cal: Calibration = DEFAULT):
         self.model, self.hw, self.shape, self.cal = model, hw, shape, cal
         s = shape
-        self.microbatches = s.global_batch // (s.dp * s.micro_batch)
+        self.microbatches = -(-s.global_batch // (s.dp * s.micro_batch))  # the largest share (uneven)
+        # the step waits for the replica with the most sequences: its share over an even one
+        self.straggle = self.microbatches * s.dp * s.micro_batch / s.global_batch if s.uneven else 1.0
         self.tokens = s.global_batch * s.seq_len
         passes = 4 if s.recompute else 3  # forward + backward (2×) [+ recomputed forward]
         self.model_flops = 3.0 * self.tokens * model.flops_per_token(s.seq_len / 2)
@@ -548,7 +598,7 @@ class TrainingCost:
             return f"{where}: TP must divide {m.num_heads} heads and {m.num_kv_heads} KV heads"
         if m.num_layers % s.pp:
             return f"{where}: PP must divide the {m.num_layers} layers"
-        if s.global_batch % (s.dp * s.micro_batch):
+        if s.global_batch % (s.dp * s.micro_batch) and not s.uneven:
             return f"{where}: global batch {s.global_batch} is not a multiple of DP × micro-batch"
         total = sum(self.memory.values())
         if total > hw.memory_bytes:
@@ -578,7 +628,7 @@ class TrainingCost:
         m, s, hw = self.model, self.shape, self.hw
         mb = max(1, self.microbatches)
         bubble = 1.0 + (s.pp - 1) / mb
-        compute = self.hardware_flops / (s.gpus * hw.peak_flops) * bubble
+        compute = self.hardware_flops / (s.gpus * hw.peak_flops) * bubble * self.straggle
         act_bytes = 2.0 * s.micro_batch * s.seq_len * m.hidden_size
         layers = m.num_layers // s.pp
         tp_calls = (6 if s.recompute else 4) * layers * mb if s.tp > 1 else 0

@@ -106,6 +106,12 @@ class PlannerOptions:
     synchronously. The rollout makespan prices the decode step at that load
     (``rollout_makespan``)."""
 
+    length_aware: bool = False
+    """The router places turns by their true or predicted length (``oracle``,
+    ``length_aware``): the rollout makespan may send the long trajectories to the fast
+    pools. Otherwise (C-MLFQ) a mixed plan is priced with the batch spread over its pools
+    blind to length (``rollout_makespan``)."""
+
     def __post_init__(self) -> None:
         bad = [t for t in (*self.rollout_tps, *self.train_tps) if t < 1 or t & (t - 1)]
         if bad or not self.rollout_tps or not self.train_tps:
@@ -267,7 +273,8 @@ class _Search:
     def rollout_time(self, counts: Counts) -> float:
         if counts not in self.memo:
             pools = [(self.costs[tp], n) for tp, n in zip(self.tps, counts) if n]
-            self.memo[counts] = (rollout_makespan(pools, self.lengths, in_flight=self.opt.in_flight).makespan_s
+            self.memo[counts] = (rollout_makespan(pools, self.lengths, in_flight=self.opt.in_flight,
+                                                  length_aware=self.opt.length_aware).makespan_s
                                  if pools else math.inf)
             self.evaluated += 1
         return self.memo[counts]
@@ -494,7 +501,8 @@ def fitting_training_cost(model: ModelProfile, hw: HardwareProfile, shape: Train
 
 
 def reprice(p: Plan, model: ModelProfile, hardware: HardwareProfile, gpus_per_node: int, lengths: LengthProfile,
-            calibration: Calibration = DEFAULT, batch: RLBatch | None = None, in_flight: int = 1) -> Plan:
+            calibration: Calibration = DEFAULT, batch: RLBatch | None = None, in_flight: int = 1,
+            length_aware: bool = False) -> Plan:
     """``p`` with its times predicted again on new observations (``lengths``), for the
     replanning gate to compare the current plan with a fresh candidate. ``batch``: the
     RL batch the candidate was searched for (its sequence length follows the
@@ -503,7 +511,7 @@ def reprice(p: Plan, model: ModelProfile, hardware: HardwareProfile, gpus_per_no
     shape = p.train if batch is None else replace(p.train, global_batch=batch.global_batch, seq_len=batch.seq_len)
     tt = fitting_training_cost(model, hw, replace(shape, recompute=False), calibration).step_s
     pools = [(RolloutCost(model, hw, tp, calibration), n) for tp, n in p.rollout_counts.items()]
-    tr = rollout_makespan(pools, lengths, in_flight=in_flight).makespan_s
+    tr = rollout_makespan(pools, lengths, in_flight=in_flight, length_aware=length_aware).makespan_s
     return replace(p, t_train=tt, t_rollout=tr, objective=objective(tt, tr, p.mode))
 
 
@@ -544,7 +552,8 @@ def exhaustive(model: ModelProfile, hardware: HardwareProfile, nodes: int, gpus_
                 continue
             if flat not in seen:  # the makespan depends on the multiset only; memo, not pruning
                 pools = [(s.costs[tp], flat.count(tp)) for tp in s.tps if tp in flat]
-                seen[flat] = rollout_makespan(pools, lengths, in_flight=options.in_flight).makespan_s
+                seen[flat] = rollout_makespan(pools, lengths, in_flight=options.in_flight,
+                                              length_aware=options.length_aware).makespan_s
             tr = seen[flat]
             o = objective(cost.step_s, tr, mode)
             if o < best[0]:

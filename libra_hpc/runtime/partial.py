@@ -151,8 +151,9 @@ class PartialDriver:
             self.decoupler.aborted(key, done)  # the rest of the waste arrives with the aborted reports
             pending = sorted(group["pending"])
             self.aborting.update(dict.fromkeys(pending, key))
-            for rank in c.roles.leaders.values():
-                c._send(rank, {"op": "abort", "tids": pending})
+            for instance, rank in c.roles.leaders.items():
+                if c.hybrid is None or instance not in c.hybrid.drained:  # a drained one left its leader loop
+                    c._send(rank, {"op": "abort", "tids": pending})
         b = step + self.k  # leaders start its turns on policy ≥ step: the floor is the current version
         self._launch(key, b, group["pid"], floor=step, tag=f"~r{group['regenerations'] + 1}")
         c.runlog.event("regenerated", step=step, group=old, again_as=self.groups[key]["live"],

@@ -77,7 +77,8 @@ class PlannerDriver:
         plan = config_plan(controller.layout, cfg)
         prior = self.control.prior()
         plan = reprice(plan, self.model, self.hw, cfg.cluster.gpus_per_node, prior, self.base,
-                       RLBatch(cfg.batch_size, int(prior.mean_seq_tokens)), in_flight=cfg.rl.max_staleness + 1)
+                       RLBatch(cfg.batch_size, int(prior.mean_seq_tokens)), in_flight=cfg.rl.max_staleness + 1,
+                       length_aware=options.length_aware_routing)
         self.control.start(plan, "the config's layout")
         self.records: list[TimingRecord] = []
         self.last_load: dict[int, dict] = {}

@@ -70,7 +70,8 @@ def control_options(ctx: Context, setup: PolicySetup) -> ControlOptions:
     sizes, the simulator's reconfiguration cost, and what the policy may do."""
     return ControlOptions.from_config(
         ctx.cfg, ctx.tps, reconfig_s=ctx.cfg.costs.reconfig_s, hybrid_timeouts=HYBRID_TIMEOUTS,
-        replan=setup.replan, hybrid=setup.hybrid, clairvoyant=setup.clairvoyant, single_tp=setup.single_tp)
+        replan=setup.replan, hybrid=setup.hybrid, clairvoyant=setup.clairvoyant, single_tp=setup.single_tp,
+        length_aware_routing=setup.router in ("oracle", "length_aware"))
 
 
 def control_loop(ctx: Context, setup: PolicySetup) -> ControlLoop:

@@ -17,7 +17,8 @@ trajectory's KV prefix was, so only the tool output was prefilled), ``steals`` (
 idle instance took from a neighbouring bucket), ``planned_step_s`` (planned policies: the
 step time the planner predicted for its initial plan, to set against ``step_s_mean``),
 ``predicted_step_s`` (planned policies: the mean, over the replanning checks, of the step
-time the planner predicted for the running plan on the lengths observed by then).
+time the planner's cost models predicted for the running plan on the lengths observed by
+then, before the measured scale the gate weighs plans with: ``model_step_s`` of each check).
 """
 
 from __future__ import annotations
@@ -88,8 +89,8 @@ class Recorder:
             "prefix_hit_rate": counts["cache_hits"] / counts["later_turns"] if counts.get("later_turns") else 0.0,
             "steals": counts.get("steals", 0),
             "planned_step_s": next((c["objective_s"] for c in considered if c.get("kind") == "initial_plan"), None),
-            "predicted_step_s": _mean([c["current_objective_s"] for c in considered
-                                       if c.get("current_objective_s") not in (None, math.inf)]),
+            "predicted_step_s": _mean([c["model_step_s"] for c in considered
+                                       if c.get("model_step_s") not in (None, math.inf)]),
             "events": fired, "wall_s": wall_s,
         }
 

@@ -166,7 +166,7 @@ class RolloutSide:
         self.router = make_router(self.policy, buckets, window=self.sched.tree_window,
                                   min_samples=self.sched.min_samples, rebuild_every=self.sched.rebuild_every,
                                   predictor_noise=self.sched.predictor_noise, seed=self.seed,
-                                  affinity_tokens=self.sched.affinity_tokens)
+                                  affinity_tokens=self.sched.affinity_tokens, self_check=self.sched.self_check)
         if old_router is not None and hasattr(old_router, "state_dict") and hasattr(self.router, "load_state_dict"):
             self.router.load_state_dict(old_router.state_dict())
         if old_router is not None:

@@ -1,0 +1,40 @@
+"""The hybrid pool where it matters (configs/sim/train-bound.yaml: long contexts, short
+answers, training costs more than rollout): the control loop weighs a plan by what its
+pool can lend, forms the pool (re-splitting the hybrid node's instances) once the measured
+times say training binds, lends replicas to training on the uneven DP sizes the job can run,
+and beats the same planner without the pool."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from libra_hpc.sim.config import load_sim_config
+from libra_hpc.sim.run import run_scenario
+
+ROOT = Path(__file__).resolve().parents[1]
+TRAIN_BOUND = ROOT / "configs" / "sim" / "train-bound.yaml"
+
+
+@pytest.fixture(scope="module")
+def train_bound():
+    cfg = load_sim_config(TRAIN_BOUND, {"rl.steps": 30})
+    return run_scenario(cfg, ["libra", "libra_no_hybrid"])
+
+
+def test_libra_forms_the_pool_lends_replicas_and_beats_the_planner_without_it(train_bound):
+    libra, alone = train_bound.runs["libra"], train_bound.runs["libra_no_hybrid"]
+    assert libra.summary["hybrid_transitions"] > 0 and alone.summary["hybrid_transitions"] == 0
+    assert train_bound.ratio("libra", "libra_no_hybrid") > 1.05
+    applied = [e for e in libra.events if e.get("kind") == "replan_check" and e.get("apply")]
+    assert applied, "the pool-forming re-split is a replan the gate applied"
+    lent = [r for r in libra.rows if r["train_gpus"] > 8]
+    assert lent and all(r["trajectories"] == train_bound.cfg.batch_size for r in lent)
+
+
+def test_a_lent_replica_trains_on_a_dp_size_that_does_not_divide_the_batch(train_bound):
+    """DP 4 → 5 with 1024 trajectories: priced at the largest share (205), not refused."""
+    libra = train_bound.runs["libra"]
+    dps = {r["train_gpus"] // 2 for r in libra.rows}  # TP1 PP2: 2 GPUs per replica
+    assert any(train_bound.cfg.batch_size % dp for dp in dps), dps
