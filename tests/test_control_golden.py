@@ -69,7 +69,8 @@ def replay(control: ControlLoop, journal: list[dict], pinned=None) -> list[dict]
             if out.change is not None:
                 changes[out.change.step] = out.change
         elif call == "apply":
-            control.apply(changes[given["step"]])
+            if given["step"] in changes:  # a perturbed stream may not have decided that change
+                control.apply(changes[given["step"]])
         elif call == "progress":
             control.progress(given["rid"], given["now"])
         elif call == "after_training_step":

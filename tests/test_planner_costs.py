@@ -130,9 +130,12 @@ def test_long_tail_prefers_fast_instances():
     samples = [LengthSample(500, rng.randint(100, 1500), 1, 0.0) for _ in range(255)] + [LengthSample(500, 30000, 1, 0)]
     lengths = LengthProfile.from_samples(samples, 256)
     small, big = RolloutCost(Q14, A800, 1), RolloutCost(Q14, A800, 8)
-    mixed = rollout_makespan([(small, 8), (big, 1)], lengths)
+    mixed = rollout_makespan([(small, 8), (big, 1)], lengths, length_aware=True)
     only_small = rollout_makespan([(small, 16)], lengths)
     assert mixed.makespan_s < only_small.makespan_s  # the 30k-token tail runs on TP8
+    # a router that cannot tell the tail apart may leave it on a TP1 instance: no gain counted
+    blind = rollout_makespan([(small, 8), (big, 1)], lengths)
+    assert blind.makespan_s >= only_small.makespan_s * 0.999
     assert only_small.makespan_s >= only_small.serial_bound_s >= 30000 * small.decode_step_s(1, 15500)
 
 
