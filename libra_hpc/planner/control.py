@@ -286,17 +286,13 @@ class ControlLoop:
             break  # the widest split that forms the pool
         return best
 
-    def _measured_scale(self, lengths: LengthProfile) -> tuple[float, float]:
-        """Measured over predicted (training, rollout) time of the running plan on
-        ``lengths``; (1, 1) before a measurement or while hybrid replicas train (the
-        measured step is then another shape's)."""
-        if self.measured is None or self.measured[1] is None or self.plan is None or \
+    def _measured_scale(self, now: Plan) -> tuple[float, float]:
+        """Measured over predicted (training, rollout) time of the running plan (``now``:
+        it repriced on the lengths of this check); (1, 1) before a measurement or while
+        hybrid replicas train (the measured step is then another shape's)."""
+        if self.measured is None or self.measured[1] is None or \
                 (self.pool is not None and self.pool.training_replicas()):
             return (1.0, 1.0)
-        o = self.o
-        now = reprice(self.plan, self.model, self.hw, o.gpus_per_node, lengths, self.cal,
-                      RLBatch(o.global_batch, math.ceil(lengths.mean_seq_tokens)), in_flight=o.max_staleness + 1,
-                      length_aware=o.length_aware_routing)
         makespan, t_train = self.measured
         if not (now.t_train > 0 and now.t_rollout > 0 and math.isfinite(now.t_rollout)):
             return (1.0, 1.0)
@@ -451,7 +447,11 @@ class ControlLoop:
                 return None
         else:
             lengths = observed
-        self.scale = self._measured_scale(lengths)
+        o = self.o
+        now_plan = reprice(self.plan, self.model, self.hw, o.gpus_per_node, lengths, self.cal,
+                           RLBatch(o.global_batch, math.ceil(lengths.mean_seq_tokens)),  # as best_plan's
+                           in_flight=o.max_staleness + 1, length_aware=o.length_aware_routing)
+        self.scale = self._measured_scale(now_plan)
         try:
             candidate = self.best_plan(lengths)
         except PlanError as exc:
@@ -467,10 +467,6 @@ class ControlLoop:
             self.considered.append({"step": step, "kind": "replan_check", "apply": False,
                                     "reason": "the best plan is the current one", "candidate": candidate.plan.describe()})
             return None
-        o = self.o
-        now_plan = reprice(self.plan, self.model, self.hw, o.gpus_per_node, lengths, self.cal,
-                           RLBatch(o.global_batch, math.ceil(lengths.mean_seq_tokens)),  # as best_plan's
-                           in_flight=o.max_staleness + 1, length_aware=o.length_aware_routing)
         model_s = self.step_objective(now_plan.t_train, now_plan.t_rollout)  # the cost models' own prediction
         now_plan = replace(now_plan, objective=self.pooled_objective(now_plan, self.pool))
         decision = self.gate.consider(step, now_plan.objective, candidate, o.reconfig_s, pressure, current=self.plan,
