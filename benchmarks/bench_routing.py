@@ -34,7 +34,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from libra_hpc.config import SchedulerConfig  # noqa: E402
-from libra_hpc.scheduler.routers import make_router  # noqa: E402
+from libra_hpc.scheduler.routers import router_from_config  # noqa: E402
 from libra_hpc.scheduler.synthetic import default_buckets, evaluate_routing, generate, split_by_sample  # noqa: E402
 from libra_hpc.sim.config import load_sim_config  # noqa: E402
 
@@ -44,11 +44,9 @@ DEFAULT_CHECK = SchedulerConfig().self_check
 
 
 def router(self_check: int):
-    def build(buckets):
-        s = SchedulerConfig()
-        return make_router("cmlfq", buckets, window=s.tree_window, min_samples=s.min_samples,
-                           rebuild_every=s.rebuild_every, self_check=self_check)
-    return build
+    """A factory of the configured cmlfq router (the job's and the simulator's
+    construction) with ``self_check``."""
+    return lambda buckets: router_from_config(SchedulerConfig(policy="cmlfq", self_check=self_check), buckets)
 
 
 def main() -> None:

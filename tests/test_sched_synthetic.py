@@ -126,9 +126,9 @@ def test_cmlfq_routes_more_turns_to_their_true_bucket_than_keeping_the_top_level
 
 
 def _cmlfq(self_check):
-    s = SchedulerConfig()
-    return lambda b: make_router("cmlfq", b, window=s.tree_window, min_samples=s.min_samples,
-                                 rebuild_every=s.rebuild_every, self_check=self_check)
+    from libra_hpc.scheduler.routers import router_from_config
+
+    return lambda b: router_from_config(SchedulerConfig(policy="cmlfq", self_check=self_check), b)
 
 
 def test_the_self_check_falls_back_to_the_top_level_where_the_causal_signal_loses():

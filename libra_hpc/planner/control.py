@@ -176,6 +176,14 @@ def profiles(cfg: Any) -> tuple[ModelProfile, HardwareProfile]:
     return load_model(cfg.model.name), hw.model_copy(update={"gpus_per_node": cfg.cluster.gpus_per_node})
 
 
+def moved_times(t_train: float, t_roll: float, dp: int, rollout_gpus: int, size: int,
+                replicas: int) -> tuple[float, float]:
+    """Training and rollout time once ``replicas`` hybrid replicas of ``size`` GPUs move
+    to training (negative: back to rollout): training time scales with 1/DP, rollout time
+    with 1/rollout GPUs."""
+    return t_train * dp / (dp + replicas), t_roll * rollout_gpus / (rollout_gpus - replicas * size)
+
+
 def grown(shape: TrainShape, extra_replicas: int) -> TrainShape:
     """``shape`` with ``extra_replicas`` more DP replicas (hybrid replicas lent to training);
     the replicas may then hold unequal shares of the batch (``TrainShape.uneven``)."""
@@ -309,8 +317,8 @@ class ControlLoop:
 
     def pooled_objective(self, plan_: Plan, pool: HybridPool | None) -> float:
         """``plan_``'s step objective, or its step with one hybrid replica lent to training
-        if that is shorter (training time × DP/(DP + 1), rollout time × its GPUs over what
-        is left: :meth:`hybrid_gain`'s scaling), when ``pool`` can lend one. Whether lending
+        if that is shorter (:func:`moved_times`, as :meth:`hybrid_gain` scales them), when
+        ``pool`` can lend one. Whether lending
         pays, and which of two plans is faster, turns on the balance of the two times, so
         they are first scaled by what the running plan measured against its prediction
         (:attr:`scale`: the cost models' error there, taken to hold for every candidate;
@@ -323,7 +331,7 @@ class ControlLoop:
         if gpus - size < max(1, self.o.min_rollout_gpus) or \
                 TrainingCost(self.model, self.hw, grown(plan_.train, 1), self.cal).infeasible:
             return now
-        return min(now, self.step_objective(plan_.t_train * dp / (dp + 1), plan_.t_rollout * gpus / (gpus - size)))
+        return min(now, self.step_objective(*moved_times(plan_.t_train, plan_.t_rollout, dp, gpus, size, 1)))
 
     def memory_need(self, lengths: LengthProfile) -> int:
         """Tokens per (packed) training sequence a plan must fit: ``memory_headroom`` ×
@@ -515,9 +523,9 @@ class ControlLoop:
         size = pool.replica_size
         now_s = max(t_train, t_roll)
         if direction == "borrow" and pool.in_state("rollout") and rollout > size:
-            return now_s - max(t_train * dp / (dp + 1), t_roll * rollout / (rollout - size))
+            return now_s - max(moved_times(t_train, t_roll, dp, rollout, size, 1))
         if direction == "release" and lent and dp > 1:
-            return now_s - max(t_train * dp / (dp - 1), t_roll * rollout / (rollout + size))
+            return now_s - max(moved_times(t_train, t_roll, dp, rollout, size, -1))
         return None
 
     def _can_grow(self) -> bool:

@@ -268,8 +268,7 @@ class JobController:
         prompts = self.sampler.next(cfg.rl.prompts_per_step, lambda: f"training batch {b}")
         if self.partial is not None:
             return self.partial.submit(b, prompts)
-        self.batches[b] = {"submitted": time.perf_counter(), "done": 0, "tokens": {}, "count": {}, "rows": [],
-                           "groups": {}}
+        self.batches[b] = {"submitted": time.perf_counter(), "done": 0, "tokens": {}, "rows": [], "groups": {}}
         for p in prompts:
             for k in range(cfg.rl.group_size):
                 self.service.submit(trajectory_id(b, p.pid, k), p.pid)
@@ -285,7 +284,6 @@ class JobController:
             dest = self.group_dest[group] = self.pick_replica(batch["tokens"])
             batch["groups"].setdefault(dest, []).append(group)
         batch["tokens"][dest] = batch["tokens"].get(dest, 0) + message["tokens"]
-        batch["count"][dest] = batch["count"].get(dest, 0) + 1
         batch["rows"].append(message)
         batch["done"] += 1
         self.service.drain_finished()
@@ -314,7 +312,7 @@ class JobController:
         """Trajectories routed to DP ``replica`` wait for a training step."""
         if self.partial is not None:
             return self.partial.untrained_on(replica)
-        return any(batch["count"].get(replica, 0) for batch in self.batches.values())
+        return any(batch["groups"].get(replica) for batch in self.batches.values())
 
     def _on_weights_taken(self, message: dict, source: int) -> None:
         self.leader_version[source] = message["version"]
