@@ -130,12 +130,19 @@ def test_partial_rollout_trains_every_group_once_within_the_staleness_bound(smal
     trained = next(e for e in events if e["kind"] == "trained_trajectories")["tids"]
     groups = Counter(t.rsplit("/", 1)[0] for t in trained)
     assert set(groups.values()) == {2}  # whole groups
-    keys = Counter(g.split("~")[0] for g in groups)
+    regenerated = [e for e in events if e["kind"] == "regenerated"]
+    first = {e["again_as"]: e["group"] for e in regenerated}  # a regenerated group's id → the one it replaced
+
+    def key(group: str) -> str:  # the id a group was first submitted under (a prompt recurs across batches)
+        while group in first:
+            group = first[group]
+        return group
+
+    keys = Counter(key(g) for g in groups)
     assert len(keys) == 6 * STEPS and set(keys.values()) == {1}  # every group once, under one id
     metrics = [m for m in read_jsonl(folder / "metrics.jsonl") if m["kind"] == "step"]
     assert all(m["trajectories"] == 12 and m["staleness_max"] <= 1 and m["dropped_stale"] == 0 for m in metrics)
     assert all(b <= m["step"] + 1 for m in metrics for b in m["partial"]["batches"])
-    regenerated = [e for e in events if e["kind"] == "regenerated"]
     partial = summary["partial_rollout"]
     assert partial["regenerated"] == len(regenerated) and partial["unresolved_aborts"] == 0
     assert partial["aborted_trajectories"] + partial["late_finishes"] == sum(e["running"] for e in regenerated)
