@@ -57,7 +57,7 @@ def test_the_job_trains_and_leaves_what_a_user_looks_at(small_run):
 
 @pytest.mark.mpi
 def test_the_hybrid_pool_joins_training_and_comes_back_on_the_gate(small_run):
-    """The training-bound phase (8 passes per batch) makes the planner's gate lend the
+    """The training-bound phase (16 passes per batch) makes the planner's gate lend the
     hybrid replica; it goes through every joining phase, trains, and is released when
     rollout is the bottleneck again; both layouts applied report the core's pause."""
     folder, _ = small_run
