@@ -6,6 +6,7 @@
     python launch.py --nodes 4 --executor slurm --wait          # submit and follow
     python launch.py --config configs/a800-6node.yaml --plan    # what the planner would choose
     python launch.py --eval logs/libra-local-.../checkpoint     # score a checkpoint on held-out prompts
+    python launch.py --resume logs/libra-local-...              # continue a stopped run from its checkpoint
 """
 
 import sys
@@ -30,8 +31,19 @@ DEFAULT_CONFIG = Path(__file__).resolve().parent / "configs" / "default.yaml"
 @click.option("--plan", "show_plan", is_flag=True, help="Print the planner's plan for this config (per node, predicted times), exit.")
 @click.option("--eval", "eval_checkpoint", type=click.Path(file_okay=False, exists=True),
               help="Evaluation only: score this Hugging Face checkpoint on the task's held-out prompts (greedy).")
+@click.option("--resume", "resume_dir", type=click.Path(file_okay=False, exists=True),
+              help="Continue a stopped run in its log folder, from its newest checkpoint that verifies (local "
+                   "executor; its config.yaml unless --config is given).")
 @click.option("--wait/--no-wait", default=None, help="Follow the job until it ends (default: yes locally, no on Slurm).")
-def main(config_path, nodes, gpus_per_node, overrides, executor, dry_run, show_plan, eval_checkpoint, wait):
+def main(config_path, nodes, gpus_per_node, overrides, executor, dry_run, show_plan, eval_checkpoint, resume_dir, wait):
+    if resume_dir:
+        if not (Path(resume_dir) / "config.yaml").is_file() and not config_path:
+            raise click.ClickException(f"--resume {resume_dir}: no config.yaml there; is it a run's log folder?")
+        config_path = config_path or str(Path(resume_dir) / "config.yaml")
+        executor = executor or "local"
+        if executor != "local":
+            raise click.ClickException("--resume runs the local executor; a Slurm job resumes by being requeued "
+                                       "(same job id, same log folder): scontrol requeue <job id>")
     try:
         cfg = load_config(config_path or DEFAULT_CONFIG, list(overrides), **{
             "cluster.nodes": nodes, "cluster.gpus_per_node": gpus_per_node, "cluster.executor": executor,
@@ -54,7 +66,8 @@ def main(config_path, nodes, gpus_per_node, overrides, executor, dry_run, show_p
             sys.exit(launcher.launch_slurm(cfg, bool(wait), sys.stdout))
         except SubmissionError as exc:
             raise click.ClickException(str(exc)) from None
-    sys.exit(launcher.launch_local(cfg, wait is not False, sys.stdout))
+    sys.exit(launcher.launch_local(cfg, wait is not False, sys.stdout,
+                                   log_dir=Path(resume_dir).resolve() if resume_dir else None))
 
 
 if __name__ == "__main__":

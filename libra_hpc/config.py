@@ -62,7 +62,12 @@ class ClusterConfig(_Section):
     """Seconds before the time limit at which Slurm signals the job (USR2), so it can
     checkpoint before it is killed."""
     requeue: bool = True
-    """Let Slurm requeue the job after a node failure or preemption (``--requeue``)."""
+    """Let Slurm requeue the job after a node failure or preemption (``--requeue``), and
+    requeue it after the time-limit warning (USR2) once its checkpoint is saved."""
+    max_requeues: int = Field(3, ge=0)
+    """Requeues the job asks for itself (after a checkpoint on USR2) before it gives up:
+    Slurm's ``SLURM_RESTART_COUNT`` is compared with it, so that a job that fails the
+    same way every time cannot loop."""
     hardware: str = Field("cpu", min_length=1)
     """GPU profile for the planner's cost models: a name under ``configs/hardware``
     (``a800-80g``, ``a100-80g``, ``h100-80g``, ``h200-141g``, ``cpu``) or a path."""
@@ -420,6 +425,17 @@ class JobConfig(_Section):
     """Where built models and warm starts are cached (default ``~/.cache/libra_hpc``)."""
     torch_threads: int = Field(1, ge=1)
     """Torch intra-op threads per training rank (and for the warm-start build on rank 0)."""
+    checkpoint_every_steps: int = Field(5, ge=0)
+    """Save the job's checkpoint (``<log folder>/checkpoints/step-<v>``: the training state,
+    the prompt stream's position, the books of trained trajectories, the C-MLFQ index)
+    every this many RL steps; 0: only on the stop signal. A job started in a log folder
+    that holds one resumes from the newest that verifies (``launch.py --resume FOLDER``;
+    a requeued Slurm job keeps its folder)."""
+    checkpoint_keep: int = Field(2, ge=1)
+    """Checkpoints kept: the newest, and older ones to fall back on when it fails to verify."""
+    checkpoint_on_stop: bool = True
+    """On Slurm's time-limit warning (USR2), finish the step in progress, save a checkpoint
+    and ask for a requeue (``cluster.requeue``, at most ``cluster.max_requeues`` times)."""
 
 
 class ExperimentConfig(_Section):

@@ -108,9 +108,11 @@ def describe_plan(cfg: ExperimentConfig) -> str:
     return "\n".join(lines)
 
 
-def launch_local(cfg: ExperimentConfig, wait: bool, out: TextIO) -> int:
-    job_id = "local-" + time.strftime("%Y%m%d-%H%M%S")
-    log_dir = run_folder(cfg.logging.dir, cfg.cluster.job_name, job_id)
+def launch_local(cfg: ExperimentConfig, wait: bool, out: TextIO, log_dir: Path | None = None) -> int:
+    """Start the world under mpiexec in a new log folder, or in ``log_dir`` (a stopped
+    run's: the job resumes from its newest checkpoint)."""
+    job_id = "local-" + time.strftime("%Y%m%d-%H%M%S") if log_dir is None else log_dir.name
+    log_dir = log_dir or run_folder(cfg.logging.dir, cfg.cluster.job_name, job_id)
     log_dir.mkdir(parents=True, exist_ok=True)
     config_path = log_dir / "config.yaml"
     config_path.write_text(dump_config(cfg))
@@ -138,7 +140,7 @@ def launch_slurm(cfg: ExperimentConfig, wait: bool, out: TextIO) -> int:
     staging.mkdir(parents=True, exist_ok=True)
     config_path = staging / f"{cfg.cluster.job_name}-{time.strftime('%Y%m%d-%H%M%S')}-{time.monotonic_ns() % 10**6}.yaml"
     config_path.write_text(dump_config(cfg))
-    job_id = slurm.submit(request, config_path, staging)
+    job_id = slurm.submit(request, config_path, staging, logs_root=str(cfg.logging.dir))
     log_dir = run_folder(cfg.logging.dir, cfg.cluster.job_name, job_id)
     print(f"job {job_id} submitted to Slurm: {request.nodes} nodes × {request.gpus_per_node} GPUs", file=out)
     print(f"log folder: {log_dir} (batch output: {staging}/{job_id}_0_log.out)", file=out, flush=True)

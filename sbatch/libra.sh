@@ -28,8 +28,11 @@ PYTHON="${PYTHON:-python}"
 # file in (the open file follows the rename).
 LOG_DIR="logs/${SLURM_JOB_NAME}-${SLURM_JOB_ID}"
 mkdir -p "$LOG_DIR"
+# A requeued job (same id, same folder) keeps the earlier runs' output as slurm.out.<n>.
+OUT_NAME="slurm.out"
+if [ "${SLURM_RESTART_COUNT:-0}" -gt 0 ]; then OUT_NAME="slurm.out.${SLURM_RESTART_COUNT}"; fi
 if [ -f "logs/${SLURM_JOB_NAME}-${SLURM_JOB_ID}.out" ]; then
-    mv "logs/${SLURM_JOB_NAME}-${SLURM_JOB_ID}.out" "$LOG_DIR/slurm.out"
+    mv "logs/${SLURM_JOB_NAME}-${SLURM_JOB_ID}.out" "$LOG_DIR/$OUT_NAME"
 fi
 
 NODES="$SLURM_JOB_NUM_NODES"
@@ -41,3 +44,12 @@ echo "libra: job $SLURM_JOB_ID, $NODES nodes x $GPUS GPUs, config $CONFIG, log f
 srun --mpi=pmi2 --overcommit --kill-on-bad-exit=1 \
     --nodes="$NODES" --ntasks=$(( NODES * GPUS + 1 )) \
     "$PYTHON" -m libra_hpc.run --config "$CONFIG" --log-dir "$LOG_DIR" "${OVERRIDES[@]}"
+
+# The time-limit warning (USR2) stopped the run after a checkpoint, and the controller
+# found requeues left (cluster.max_requeues): come back as the same job, which resumes
+# from the newest checkpoint in $LOG_DIR.
+if [ -f "$LOG_DIR/REQUEUE" ]; then
+    echo "libra: $(cat "$LOG_DIR/REQUEUE"); requeueing job $SLURM_JOB_ID"
+    rm -f "$LOG_DIR/REQUEUE"
+    scontrol requeue "$SLURM_JOB_ID"
+fi

@@ -9,6 +9,7 @@ which shares the first node (``--overcommit`` lets that one extra, mostly idle t
 from __future__ import annotations
 
 import logging
+import os
 import re
 import shutil
 import subprocess
@@ -114,17 +115,27 @@ def slurm_reachable() -> tuple[bool, str]:
     return True, ping.stdout.strip()
 
 
-def run_world_step(command: list[str]) -> int:
-    """Runs in the job's batch step (submitted by submitit): the MPI world as a job step."""
+def run_world_step(command: list[str], logs_root: str | None = None) -> int:
+    """Runs in the job's batch step (submitted by submitit): the MPI world as a job step.
+    When the world stopped on the time-limit warning with a checkpoint and asked for a
+    requeue (``REQUEUE`` in its log folder, as ``sbatch/libra.sh`` reads it), requeue
+    this job: it comes back with the same id and log folder and resumes."""
     logging.basicConfig(level=logging.INFO)
     log.info("starting the MPI world: %s", " ".join(command))
     code = subprocess.run(command).returncode
     if code != 0:
         raise RuntimeError(f"the MPI world step exited with status {code}: {' '.join(command)}")
+    job, name = os.environ.get("SLURM_JOB_ID"), os.environ.get("SLURM_JOB_NAME")
+    if logs_root and job and name:
+        marker = Path(logs_root) / f"{name}-{job}" / "REQUEUE"
+        if marker.is_file():
+            log.info("%s; requeueing job %s", marker.read_text().strip(), job)
+            marker.unlink()
+            subprocess.run(["scontrol", "requeue", job], check=True)
     return code
 
 
-def submit(request: SlurmRequest, config_path: Path, folder: Path) -> str:
+def submit(request: SlurmRequest, config_path: Path, folder: Path, logs_root: str | None = None) -> str:
     """Submit the job with submitit; returns the Slurm job id."""
     import submitit
     from submitit.core.utils import FailedJobError
@@ -132,7 +143,7 @@ def submit(request: SlurmRequest, config_path: Path, folder: Path) -> str:
     executor = submitit.SlurmExecutor(folder=folder, max_num_timeout=3)
     executor.update_parameters(**request.submitit_parameters())
     try:
-        job = executor.submit(run_world_step, request.srun_command(config_path))
+        job = executor.submit(run_world_step, request.srun_command(config_path), logs_root)
     except FailedJobError as exc:
         said = [line for line in str(exc).splitlines() if line.strip()]
         raise SubmissionError(

@@ -60,6 +60,21 @@ class RunLog:
     def metric(self, step: int, **fields: Any) -> dict:
         return self.metrics.write("step", step=step, **fields)
 
+    def rewind_metrics(self, from_step: int) -> int:
+        """Drop the step rows from ``from_step`` on (a resumed run trains them again, so
+        each step index appears once) and any torn last line; returns how many rows went."""
+        import os
+
+        path = self.metrics.path
+        self.metrics.close()
+        rows = read_jsonl(path)
+        kept = [r for r in rows if r.get("kind") != "step" or r.get("step", -1) < from_step]
+        staging = path.with_suffix(".jsonl.rewind")
+        staging.write_text("".join(json.dumps(r, default=str) + "\n" for r in kept), encoding="utf-8")
+        os.replace(staging, path)
+        self.metrics = JsonlWriter(path)
+        return len(rows) - len(kept)
+
     def close(self) -> None:
         self.events.close()
         self.metrics.close()

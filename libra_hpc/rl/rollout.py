@@ -239,3 +239,16 @@ class PromptSampler:
             batch.append(self._order.pop())
         self.splits.check_disjoint((p.text for p in batch), what())
         return batch
+
+    def state(self) -> dict:
+        """The position in the stream (JSON): the pass number and the prompts left in it."""
+        return {"epoch": self._epoch, "left": [p.pid for p in self._order]}
+
+    def restore(self, state: dict) -> None:
+        """Continue from :meth:`state`: the same prompts, in the same order, as the run
+        that saved it would have drawn next."""
+        by_pid = {p.pid: p for p in self.splits.train}
+        if unknown := [pid for pid in state["left"] if pid not in by_pid]:
+            raise ValueError(f"sampler state names {len(unknown)} prompt(s) not in the training split, e.g. "
+                             f"{unknown[0]!r}: the task or its seed changed since the checkpoint")
+        self._epoch, self._order = int(state["epoch"]), [by_pid[pid] for pid in state["left"]]

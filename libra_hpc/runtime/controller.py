@@ -34,6 +34,7 @@ from typing import Any
 from libra_hpc.cluster.layout import layout_from_config
 from libra_hpc.config_learning import epochs_at
 from libra_hpc.cluster.messages import COMMAND, QUEUE_REQUEST, REPORT
+from libra_hpc.runtime.checkpointing import CheckpointDriver
 from libra_hpc.runtime.episodes import batch_of, group_of, trajectory_id
 from libra_hpc.runtime.hybrid import HybridDriver
 from libra_hpc.runtime.partial import PartialDriver
@@ -77,6 +78,8 @@ class JobController:
             self.tensorboard = TensorBoardWriter(runlog.folder)
         self.last_rollout_s = self.last_step_s = 0.0
         self.partial: PartialDriver | None = None
+        self.sampler_at: dict[int, dict] = {}  # the prompt stream's position before each batch in flight was drawn
+        self.resumed = False
 
     # ------------------------------------------------------------------ start
 
@@ -101,9 +104,15 @@ class JobController:
             self.planner = None if cfg.job.eval_checkpoint else PlannerDriver(self)
             self.hybrid = None if self.planner is None else HybridDriver(self)
             self.runlog.event("layout_applied", step=0, by="config", **self.layout.summary())
-            self.world.command({"op": "start", "roles": self.roles, "warm": str(self.warm)})
+            self.checkpoints = CheckpointDriver(self)
+            loaded = self.checkpoints.find()
+            self.world.command({"op": "start", "roles": self.roles, "warm": str(self.warm),
+                                **self.checkpoints.start_message(loaded)})
             self.sampler = PromptSampler(self.task.splits, seed=cfg.rl.seed)
             self.service = self._queue_service()
+            if loaded is not None:
+                self.checkpoints.restore(loaded)
+                self.resumed = True
             self.partial = PartialDriver(self) if cfg.rl.partial_rollout and not cfg.job.eval_checkpoint else None
             loop = self.loop = EventLoop(self.comm)
             self.queue = QueueHandler(self.comm, self.service)
@@ -113,9 +122,10 @@ class JobController:
             self.tools.attach(loop)
             loop.on(REPORT, self._report, malformed=self._malformed_report, fatal=True, name="report")
             loop.every(5.0, self._progress, name="progress")
-            loop.run(stop_when=lambda: self.phase == "done" or bool(self.stop))
+            loop.run(stop_when=lambda: self.phase == "done" or self.checkpoints.stop_now())
             if self.stop and self.phase != "done":
                 self.runlog.event("stop_requested", signal=self.stop.signal, phase=self.phase, version=self.version)
+                self.checkpoints.after_stop()
         finally:
             self.world.command({"op": "stop"})
             self.orchestrator.close()
@@ -153,7 +163,7 @@ class JobController:
 
         s = self.cfg.scheduler
         buckets = self.roles.buckets(s.bucket_token_limits)
-        router = router_from_config(s, buckets, seed=self.cfg.rl.seed)
+        router = self.router = router_from_config(s, buckets, seed=self.cfg.rl.seed)
         self.runlog.event("buckets", policy=s.policy, buckets={b.name: {"tp": b.tp, "token_limit": b.token_limit,
                                                                          "instances": list(b.instances)} for b in buckets})
         return QueueService(router, lease_s=s.lease_s, max_batch=s.max_batch, size_thresholds=s.size_thresholds,
@@ -190,9 +200,14 @@ class JobController:
 
     def _on_ready(self, message: dict, source: int) -> None:
         self.ready.add(source)
+        if message.get("note"):
+            self.runlog.event("warning", rank=source, role=message.get("role"), line=message["note"])
         if len(self.ready) == len(self.world.workers):
             self.runlog.event("ready", start_s=round(time.perf_counter() - self.started, 2))
-            self._start_eval("checkpoint" if self.cfg.job.eval_checkpoint else "warmstart")
+            if self.resumed:  # the warm start's evaluation is in the checkpoint's summary
+                self._begin_rl()
+            else:
+                self._start_eval("checkpoint" if self.cfg.job.eval_checkpoint else "warmstart")
 
     def _on_load(self, message: dict, source: int) -> None:
         self.leader_load[message["instance"]] = message
@@ -233,10 +248,7 @@ class JobController:
                           wall_s=max((p["wall_s"] for p in parts), default=0.0))
         log.info("held-out success (%s): %s on %d prompts", phase, success, len(rewards))
         if phase == "warmstart" and self.cfg.rl.steps > 0:
-            self.phase = "rl"
-            self.rl_started = time.perf_counter()
-            for b in range(min(self.cfg.rl.max_staleness + 1, self.cfg.rl.steps)):
-                self._submit(b)
+            self._begin_rl()
         elif phase in ("warmstart", "checkpoint") or (phase == "final" and not self.cfg.job.export):
             self.phase = "done"
         elif phase == "final":
@@ -246,6 +258,16 @@ class JobController:
                 self._send(rank, {"op": "export", "path": path})
             self._export_expect = len(self.roles.trainers)
             self._export_parts: list[dict] = []
+
+    def _begin_rl(self) -> None:
+        """Training starts (or resumes) at the current version: its batch and the ones the
+        staleness bound lets run ahead are submitted."""
+        self.phase = "rl"
+        self.rl_started = time.perf_counter()
+        for b in range(self.version, min(self.version + self.cfg.rl.max_staleness + 1, self.cfg.rl.steps)):
+            self._submit(b)
+        if self.version >= self.cfg.rl.steps:  # resumed from the last step's checkpoint
+            self._start_eval("final")
 
     def _on_exported(self, message: dict, source: int) -> None:
         if message.get("path"):
@@ -265,10 +287,12 @@ class JobController:
         if self.planner is not None and self.planner.holding():  # a replan waits for the pipeline to drain
             self.planner.held.append(b)
             return
+        self.sampler_at[b] = self.sampler.state()
         prompts = self.sampler.next(cfg.rl.prompts_per_step, lambda: f"training batch {b}")
         if self.partial is not None:
             return self.partial.submit(b, prompts)
-        self.batches[b] = {"submitted": time.perf_counter(), "done": 0, "tokens": {}, "rows": [], "groups": {}}
+        self.batches[b] = {"submitted": time.perf_counter(), "done": 0, "tokens": {}, "rows": [], "groups": {},
+                           "pids": [p.pid for p in prompts]}
         for p in prompts:
             for k in range(cfg.rl.group_size):
                 self.service.submit(trajectory_id(b, p.pid, k), p.pid)
@@ -329,7 +353,7 @@ class JobController:
         if self.hybrid is not None:
             self.hybrid._maybe_relayout()  # a waiting relayout goes first once its moment came
         b = self.version
-        if self.training or (self.hybrid and self.hybrid.busy()) or b >= self.cfg.rl.steps:
+        if self.training or (self.hybrid and self.hybrid.busy()) or b >= self.cfg.rl.steps or self.stop:
             return
         discard: list[str] = []
         if self.partial is not None:
@@ -359,6 +383,10 @@ class JobController:
         if self.planner is not None:
             self.planner.observe(b, rows, reports, epochs_at(self.cfg.rl.update_epochs, b))
             self.planner.after_step(b, reports)
+        for old in [k for k in self.sampler_at if k < self.version]:
+            del self.sampler_at[old]
+        if self.checkpoints.due() and not (self.hybrid and (self.hybrid.pending or self.hybrid.relaying)):
+            self.checkpoints.save()  # before the next train command: the trainers save this version first
         if self.version + self.cfg.rl.max_staleness < self.cfg.rl.steps:
             self._submit(self.version + self.cfg.rl.max_staleness)
         self._maybe_train()
@@ -426,6 +454,13 @@ class JobController:
                 "hybrid_training": len(train & hybrid), "hybrid_rollout": len(roll & hybrid)}
 
     # --- the hybrid pool (HybridDriver does the work)
+
+    def _on_checkpointed(self, message: dict, source: int) -> None:
+        self.checkpoints.checkpointed(message)
+
+    def batch_tids(self, b: int) -> list[str]:
+        """Every trajectory id submitted for batch ``b`` (in flight)."""
+        return [trajectory_id(b, pid, k) for pid in self.batches[b]["pids"] for k in range(self.cfg.rl.group_size)]
 
     def _on_left(self, message: dict, source: int) -> None:
         self.hybrid.left(message, source)

@@ -79,7 +79,8 @@ def _run_role(job: Any, start: dict) -> None:
             started = time.perf_counter()
             worker.apply(job.roles.layout)  # forms this rank's group; trainers start their torch world
             if job.role == "trainer":
-                command = _train(job, worker, command, inbox, discarded, started)
+                command = _train(job, worker, command, inbox, discarded, started,
+                                 resume=start.get("resume") if command is None else None)
             elif job.role == "leader":
                 command = _roll_out(job, worker, command, started)
                 os.environ.clear()
@@ -103,7 +104,7 @@ def _next(job: Any) -> dict | None:
 
 
 def _train(job: Any, worker: Any, relayout: dict | None, inbox: dict, discarded: set,
-           started: float) -> dict | None:
+           started: float, resume: dict | None = None) -> dict | None:
     import torch
 
     from libra_hpc.engines.train.checkpoint import load_checkpoint
@@ -116,17 +117,38 @@ def _train(job: Any, worker: Any, relayout: dict | None, inbox: dict, discarded:
                                                         tp=shape.tp, pp=shape.pp))
     trainer = Trainer(job, engine)
     trainer.inbox, trainer.discarded = inbox, discarded
-    if relayout is not None:  # the state the previous training world saved, resharded to this one
-        load_checkpoint(engine, relayout["checkpoint"])
-        fresh = relayout["fresh_leaders"]  # every leader whose engine (re)started in this relayout
+    restore, note = relayout or resume, None
+    if restore is not None:  # the state the previous training world (or the job's checkpoint) saved, resharded
+        try:
+            load_checkpoint(engine, restore["checkpoint"])
+        except NotImplementedError as exc:  # the distributed optimizer on CPU: its Adam state cannot load
+            if resume is None:
+                raise
+            load_checkpoint(engine, restore["checkpoint"], with_optimizer=False)
+            note = f"resumed with the weights only, the Adam moments restart: {exc}"
+        if resume is not None:
+            _restore_rng(resume["rng"], job.rank)
+        fresh = restore["fresh_leaders"]  # every leader whose engine (re)started (all of them on resume)
         weights = engine.iter_hf()  # collective over the TP group: every trainer iterates
         if trainer.sender is not None and fresh:
-            trainer.sender.post(relayout["version"], weights, fresh)  # a new engine holds the warm start: send the policy
+            trainer.sender.post(restore["version"], weights, fresh)  # a new engine holds the warm start: send the policy
         else:
             for _ in weights:
                 pass
-    job.report({"op": "relaid" if relayout else "ready", "start_s": round(time.perf_counter() - started, 2)})
+    job.report({"op": "relaid" if relayout else "ready", "start_s": round(time.perf_counter() - started, 2),
+                **({"note": note} if note else {})})
     return trainer.run()
+
+
+def _restore_rng(folder: str, rank: int) -> None:
+    """This rank's torch RNG as saved (a rank the checkpoint did not have keeps its seed)."""
+    from pathlib import Path
+
+    import torch
+
+    path = Path(folder) / f"rank-{rank}.pt"
+    if path.is_file():
+        torch.set_rng_state(torch.load(path)["torch"])
 
 
 def _roll_out(job: Any, worker: Any, relayout: dict | None, started: float) -> dict | None:

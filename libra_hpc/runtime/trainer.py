@@ -93,6 +93,22 @@ class Trainer:
         command["saved_s"] = time.perf_counter() - started
         return command
 
+    def _checkpoint(self, command: dict) -> dict:
+        """This training world's state for the job's checkpoint (collective): the Megatron
+        model, optimizer and step counter, and this rank's RNG."""
+        import torch
+
+        from pathlib import Path
+
+        from libra_hpc.engines.train.checkpoint import save_checkpoint
+
+        started = time.perf_counter()
+        save_checkpoint(self.engine, command["path"])
+        rng = Path(command["rng"])
+        rng.mkdir(parents=True, exist_ok=True)
+        torch.save({"torch": torch.get_rng_state()}, rng / f"rank-{self.rank}.pt")
+        return {"op": "checkpointed", "version": command["version"], "save_s": round(time.perf_counter() - started, 3)}
+
     def _receive(self, payload: dict) -> None:
         from libra_hpc.rl.trajectory import Trajectory
 
@@ -110,6 +126,8 @@ class Trainer:
             self.job.report(self._train(command["batch"], command["groups"].get(self.replica, []), command["leaders"]))
         elif op == "export":
             self.job.report(self._export(command["path"]))
+        elif op == "checkpoint":
+            self.job.report(self._checkpoint(command))
         else:
             raise ValueError(f"rank {self.rank} (trainer): unknown command {op!r}")
 
