@@ -6,12 +6,17 @@ scored by ``launch.py --eval``, and the pure parts (roles, episode migration).""
 from __future__ import annotations
 
 import json
+import os
 import pickle
+import signal
+import subprocess
+import sys
+import time
 from collections import Counter
 from pathlib import Path
 
 import pytest
-from test_launch_local import launch, only_log_folder
+from test_launch_local import _rank_pids, launch, only_log_folder
 
 from libra_hpc.metrics.runlog import read_jsonl
 
@@ -297,3 +302,82 @@ def test_a_pipeline_parallel_export_gets_an_index_and_a_missing_stage_is_named(t
         write_export_index(parts[1:])
     write_export_index([{"path": str(tmp_path / "x"), "stages": 1}])  # one stage: nothing to index
     assert not (tmp_path / "x").exists()
+
+
+RESUME = ("--set", "rl.steps=8", "--set", "job.checkpoint_every_steps=2", "--set", "rl.update_epochs={0: 1}")
+
+
+def _expected_prompts(steps: int) -> list[list[str]]:
+    """The prompt ids batch 0 .. steps-1 draw in one uninterrupted run of the small job."""
+    from libra_hpc.config import load_config
+    from libra_hpc.envs.registry import task_from_config
+    from libra_hpc.rl.rollout import PromptSampler
+
+    cfg = load_config(SMALL, [])
+    sampler = PromptSampler(task_from_config(cfg).splits, seed=cfg.rl.seed)
+    return [sorted(p.pid for p in sampler.next(cfg.rl.prompts_per_step)) for _ in range(steps)]
+
+
+@pytest.mark.mpi
+def test_a_stopped_run_resumes_from_its_newest_valid_checkpoint(small_run, tmp_path):
+    """Slurm's time-limit warning (USR2 to every rank) mid-run: the step in progress
+    finishes, a checkpoint is saved, the run stops (not under Slurm: no requeue, the
+    resume command is logged). The newest checkpoint is then damaged (one bit flipped):
+    ``launch.py --resume`` rejects it, resumes from the one before, and finishes. From the
+    logs: every step index once, every trajectory trained once, and each batch trained on
+    the prompts an uninterrupted run draws for it."""
+    _, cache = small_run
+    common = ("--set", f"job.cache_dir={cache}", *RESUME)
+    first = subprocess.Popen([sys.executable, str(ROOT / "launch.py"), "--config", str(SMALL), "--executor", "local",
+                              "--set", f"logging.dir={tmp_path}", *common], stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True, cwd=ROOT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 400
+        while time.monotonic() < deadline and first.poll() is None:
+            folders = list(tmp_path.glob("libra-*"))
+            if folders and sum(m["kind"] == "step" for m in read_jsonl(folders[0] / "metrics.jsonl")) >= 3:
+                break
+            time.sleep(0.5)
+        folder = only_log_folder(tmp_path)
+        ranks = _rank_pids(str(folder))
+        assert len(ranks) == 9, ranks
+        for pid in ranks.values():
+            os.kill(pid, signal.SIGUSR2)
+        out = first.communicate(timeout=300)[0]
+    finally:
+        if first.poll() is None:
+            os.killpg(first.pid, signal.SIGKILL)
+            first.wait()
+    assert first.returncode == 0, out[-4000:]
+    events = read_jsonl(folder / "events.jsonl")
+    [stop] = [e for e in events if e["kind"] == "stop_requested"]
+    saved = [e["version"] for e in events if e["kind"] == "checkpoint_saved"]
+    assert stop["signal"] == "SIGUSR2" and saved[-1] == stop["version"] and 3 <= stop["version"] < 8, (stop, saved)
+    [told] = [e for e in events if e["kind"] == "requeue_not_requested"]
+    assert told["reason"] == "not under Slurm" and told["resume_by_hand"] == f"python launch.py --resume {folder}"
+    assert not (folder / "REQUEUE").exists()
+    newest, previous = sorted((folder / "checkpoints").iterdir())[::-1]
+    assert newest.name == f"step-{stop['version']:06d}"
+    shard = max((p for p in (newest / "train").rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0x10
+    shard.write_bytes(bytes(data))
+
+    done = launch("--resume", str(folder), *common, timeout=500)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    events = read_jsonl(folder / "events.jsonl")
+    [rejected] = [e for e in events if e["kind"] == "checkpoint_rejected"]
+    assert rejected["path"] == str(newest) and "SHA-256" in rejected["reason"]
+    [resumed] = [e for e in events if e["kind"] == "resumed"]
+    back_to = int(previous.name.split("-")[1])
+    assert resumed["version"] == back_to and resumed["metric_rows_dropped"] == stop["version"] - back_to
+    metrics = [m for m in read_jsonl(folder / "metrics.jsonl") if m["kind"] == "step"]
+    assert [m["step"] for m in metrics] == list(range(8)) and [m["version"] for m in metrics] == list(range(1, 9))
+    summary = json.loads((folder / "summary.json").read_text())
+    assert summary["completed"] and summary["steps"] == 8
+    assert summary["trajectories_lost"] == 0 and summary["trajectories_duplicated"] == 0
+    trained = [e for e in events if e["kind"] == "trained_trajectories"][-1]["tids"]
+    assert len(trained) == len(set(trained)) == 8 * 12
+    by_batch = {b: sorted({t.split("/")[1] for t in trained if t.startswith(f"b{b}/")}) for b in range(8)}
+    assert [by_batch[b] for b in range(8)] == _expected_prompts(8)
+    assert (folder / "checkpoint" / "model.safetensors").is_file()
