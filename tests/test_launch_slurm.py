@@ -4,6 +4,7 @@ second layout mid-run, and leave the expected events in logs/<name>-<jobid>/."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -84,16 +85,20 @@ def test_launch_py_reports_a_failed_job(slurm_cluster, tmp_path):
     assert "sbatch refused 4 nodes × 8 GPUs" in done.stderr and "node configuration is not available" in done.stderr
 
 
-def test_sbatch_runs_the_rl_job_with_least_load_routing(slurm_cluster, tmp_path):
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory) -> Path:
+    """The warm-start cache the RL jobs of this module share (built by the first)."""
+    return tmp_path_factory.mktemp("cache")
+
+
+def test_sbatch_runs_the_rl_job_with_least_load_routing(slurm_cluster, tmp_path, cache):
     """The RL job itself under Slurm (the small config, the script's 4 × 2 header), with
     the trivial routing policy C-MLFQ is compared with; the report says which ran."""
-    import json
-
     (tmp_path / "logs").mkdir()
     job_id = subprocess.run(
         ["sbatch", "--parsable", f"--chdir={tmp_path}", str(ROOT / "sbatch" / "libra.sh"),
          str(ROOT / "tests" / "data" / "job_small.yaml"), "scheduler.policy=least_load",
-         f"job.cache_dir={tmp_path / 'cache'}"],
+         f"job.cache_dir={cache}"],
         capture_output=True, text=True, check=True, env=_env(slurm_cluster)).stdout.strip()
     state = slurm_cluster.wait_job(job_id, timeout_s=600)
     folder = tmp_path / "logs" / f"libra-{job_id}"
@@ -103,3 +108,82 @@ def test_sbatch_runs_the_rl_job_with_least_load_routing(slurm_cluster, tmp_path)
     assert summary["trajectories_lost"] == 0 and summary["trajectories_duplicated"] == 0
     assert "least_load" in (folder / "report.md").read_text()
     assert (folder / "checkpoint" / "model.safetensors").is_file()
+
+
+def _job_state(cluster, job_id: str) -> tuple[str, int]:
+    line = cluster.run("scontrol", "show", "job", "-o", job_id)
+    return line.split("JobState=")[1].split()[0], int(line.split("Restarts=")[1].split()[0])
+
+
+def _wait_for_event(cluster, job_id: str, folder: Path, until, timeout_s: float, what: str) -> list[dict]:
+    """Poll the job's events until ``until(events)``; fail naming the job's state."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        events = read_jsonl(folder / "events.jsonl")
+        if until(events):
+            return events
+        state, _ = _job_state(cluster, job_id)
+        if state in ("FAILED", "TIMEOUT", "CANCELLED", "NODE_FAIL", "OUT_OF_MEMORY"):
+            break
+        time.sleep(1.0)
+    pytest.fail(f"job {job_id}: no {what} within {timeout_s} s; state {_job_state(cluster, job_id)}; "
+                f"events: {[e['kind'] for e in read_jsonl(folder / 'events.jsonl')][-30:]}")
+
+
+def _since_last_start(events: list[dict]) -> list[dict]:
+    starts = [i for i, e in enumerate(events) if e["kind"] == "world_started"]
+    return events[starts[-1]:] if starts else []
+
+
+def test_a_job_requeued_by_its_time_limit_and_by_scontrol_resumes_and_finishes(slurm_cluster, tmp_path, cache):
+    """One sbatch job, three runs under one job id and log folder. Run 1 gets Slurm's
+    time-limit warning (``--time=5 --signal=USR2@150``): it finishes its step, saves a
+    checkpoint and requeues itself. The test then lifts the limit and, once run 2 has
+    resumed and saved a periodic checkpoint, requeues it from outside (``scontrol
+    requeue``: its ranks are killed mid-step). Run 3 resumes from that checkpoint and
+    finishes. From the logs: every step index once, every trajectory trained once, each
+    batch on the prompts an uninterrupted run draws."""
+    from test_job import SMALL, _expected_prompts
+
+    (tmp_path / "logs").mkdir()
+    steps = 12  # ten passes a step: about 9 s each here, so the warning comes before the last step
+    job_id = subprocess.run(
+        ["sbatch", "--parsable", f"--chdir={tmp_path}", "--time=5", "--signal=USR2@150", str(ROOT / "sbatch" / "libra.sh"),
+         str(SMALL), f"rl.steps={steps}", "rl.update_epochs={0: 10}", "job.checkpoint_every_steps=2",
+         "cluster.max_requeues=4", f"job.cache_dir={cache}"],
+        capture_output=True, text=True, check=True, env=_env(slurm_cluster)).stdout.strip()
+    folder = tmp_path / "logs" / f"libra-{job_id}"
+    _wait_for_event(slurm_cluster, job_id, folder, lambda ev: any(e["kind"] == "requeue_requested" for e in ev),
+                    420, "requeue request after the time-limit warning")
+    slurm_cluster.run("scontrol", "update", f"JobId={job_id}", "TimeLimit=30")
+    _wait_for_event(slurm_cluster, job_id, folder,
+                    lambda ev: sum(e["kind"] == "world_started" for e in ev) >= 2
+                    and any(e["kind"] == "checkpoint_saved" for e in _since_last_start(ev)),
+                    420, "periodic checkpoint in the second run")
+    slurm_cluster.run("scontrol", "requeue", job_id)
+    state = slurm_cluster.wait_job(job_id, timeout_s=600)
+    while state in ("REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED"):
+        state = slurm_cluster.wait_job(job_id, timeout_s=600)
+    state, restarts = _job_state(slurm_cluster, job_id)
+    assert state == "COMPLETED" and restarts == 2, (state, restarts)
+    events = read_jsonl(folder / "events.jsonl")
+    kinds = [e["kind"] for e in events]
+    assert kinds.count("world_started") == 3 and kinds.count("shutdown") == 2  # run 2 was killed
+    [stop] = [e for e in events if e["kind"] == "stop_requested"]
+    [asked] = [e for e in events if e["kind"] == "requeue_requested"]
+    assert stop["signal"] == "SIGUSR2" and asked["restart_count"] == 0
+    first, second = [e for e in events if e["kind"] == "resumed"]
+    assert first["restart_count"] == 1 and first["version"] == asked["version"] == stop["version"]
+    assert second["restart_count"] == 2 and second["version"] > first["version"]
+    metrics = [m for m in read_jsonl(folder / "metrics.jsonl") if m["kind"] == "step"]
+    assert [m["step"] for m in metrics] == list(range(steps))
+    summary = json.loads((folder / "summary.json").read_text())
+    assert summary["completed"] and summary["trajectories_lost"] == 0 and summary["trajectories_duplicated"] == 0
+    trained = [e for e in events if e["kind"] == "trained_trajectories"][-1]["tids"]
+    assert len(trained) == len(set(trained)) == steps * 12
+    by_batch = [sorted({t.split("/")[1] for t in trained if t.startswith(f"b{b}/")}) for b in range(steps)]
+    assert by_batch == _expected_prompts(steps)
+    assert {"slurm.out", "slurm.out.1", "slurm.out.2"} <= {p.name for p in folder.iterdir()}
+    assert "requeueing job" in (folder / "slurm.out").read_text()

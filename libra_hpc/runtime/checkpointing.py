@@ -23,7 +23,7 @@ drops the metric rows of steps ``>= v`` (trained again, so each index appears on
 skips the warm-start evaluation (its result is in the checkpoint) and submits batch
 ``v``. A ``resumed`` event says from where.
 
-**Requeue.** After a checkpoint on the stop signal, the controller writes ``REQUEUE``
+**Requeue.** After the stop signal (and its checkpoint), the controller writes ``REQUEUE``
 in the log folder when the job runs under Slurm, ``cluster.requeue`` is on and
 ``SLURM_RESTART_COUNT`` is below ``cluster.max_requeues``; ``sbatch/libra.sh`` then
 runs ``scontrol requeue`` for the job (same id, same log folder). MPI cannot shrink a
@@ -164,23 +164,23 @@ class CheckpointDriver:
         return False
 
     def after_stop(self) -> None:
-        """The run stopped early: ask Slurm for a requeue when one may help (a checkpoint
-        to resume from, requeues left), else say how to resume by hand."""
+        """The run stopped early: under Slurm, ask for a requeue while requeues are left
+        (from the checkpoint just saved, or from the start when the stop came before the
+        first step); else say how to resume by hand."""
         c = self.c
         folder = c.runlog.folder
         restarts = int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0)
         job = os.environ.get("SLURM_JOB_ID")
-        if self.saved_version is None:
-            why = "no checkpoint was saved"
-        elif job is None:
+        if job is None:
             why = "not under Slurm"
         elif not c.cfg.cluster.requeue:
             why = "cluster.requeue is off"
         elif restarts >= c.cfg.cluster.max_requeues:
             why = f"requeued {restarts} times already (cluster.max_requeues={c.cfg.cluster.max_requeues})"
         else:
+            start = "the start" if self.saved_version is None else self.store.path(self.saved_version)
             (folder / REQUEUE_FILE).write_text(f"job {job}: stopped by {c.stop.signal} at version {c.version}; "
-                                               f"resume from {self.store.path(self.saved_version)}\n")
+                                               f"resume from {start}\n")
             c.runlog.event("requeue_requested", job=job, restart_count=restarts, version=self.saved_version)
             return
         c.runlog.event("requeue_not_requested", reason=why, version=self.saved_version,
