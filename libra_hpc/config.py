@@ -433,6 +433,13 @@ class JobConfig(_Section):
     a requeued Slurm job keeps its folder)."""
     checkpoint_keep: int = Field(2, ge=1)
     """Checkpoints kept: the newest, and older ones to fall back on when it fails to verify."""
+    heartbeat_s: float = Field(2.0, gt=0)
+    """Seconds between two heartbeats of a rank (a file in ``<log folder>/heartbeats/``)."""
+    heartbeat_timeout_s: float = Field(30.0, ge=0)
+    """A rank silent this long is lost: the job ends naming it (rank, role, slot, node,
+    last activity; a ``rank_lost`` event), asks Slurm for a requeue and resumes from its
+    newest checkpoint; a worker whose controller is silent this long exits. 0: no
+    heartbeats (a dead rank then hangs the world until Slurm's time limit)."""
     checkpoint_on_stop: bool = True
     """On Slurm's time-limit warning (USR2), finish the step in progress, save a checkpoint
     and ask for a requeue (``cluster.requeue``, at most ``cluster.max_requeues`` times)."""

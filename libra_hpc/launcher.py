@@ -131,7 +131,24 @@ def launch_local(cfg: ExperimentConfig, wait: bool, out: TextIO, log_dir: Path |
         return 130
     if process.returncode != 0:
         local.remove_stale_shm(since=started - 1)  # a killed world cannot clean up after itself
+        _explain_failure(cfg, log_dir, (log_dir / "job.out").read_text(errors="replace"), out)
     return _verdict(process.returncode == 0, f"exit status {process.returncode}", events, log_dir / "job.out", out)
+
+
+def _explain_failure(cfg: ExperimentConfig, log_dir: Path, output: str, out: TextIO) -> None:
+    """After a world that ended badly: which rank's death ended it (the post-mortem of
+    :mod:`libra_hpc.runtime.heartbeat`), and how to resume."""
+    import os
+
+    from libra_hpc.runtime.heartbeat import post_mortem
+    from libra_hpc.runtime.resume import CheckpointStore
+
+    line = post_mortem(log_dir, output, dict(os.environ), cfg.cluster.requeue, cfg.cluster.max_requeues)
+    if line:
+        print(f"lost: {line}", file=out)
+    versions = CheckpointStore(log_dir).versions()
+    if versions:
+        print(f"checkpoints at versions {versions}; resume with: python launch.py --resume {log_dir}", file=out)
 
 
 def launch_slurm(cfg: ExperimentConfig, wait: bool, out: TextIO) -> int:

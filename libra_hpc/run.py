@@ -51,14 +51,17 @@ def main(argv: list[str] | None = None) -> int:
     stop = StopRequest().install()  # every rank: Slurm's USR2 must not kill workers either
     logging.basicConfig(level=cfg.logging.level, format=f"%(asctime)s [rank {rank}] %(name)s: %(message)s")
     runlog = None
+    beats = []
+    folder = log_folder(cfg, env, args.log_dir)  # the same on every rank (the heartbeats go there)
     try:
         if rank == 0:
-            folder = log_folder(cfg, env, args.log_dir)
             runlog = RunLog(folder, dump_config(cfg))
             handler = logging.FileHandler(folder / "controller.log")
             handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s: %(message)s"))
             logging.getLogger().addHandler(handler)
         world = World.connect(env, cfg.cluster.nodes, cfg.cluster.gpus_per_node, cfg.cluster.torch_backend)
+        if cfg.job.heartbeat_timeout_s > 0:
+            beats = _start_heartbeats(world, cfg, folder, runlog)
         if cfg.job.mode == "check":
             if world.rank == 0:
                 log.info("controller up: %d ranks, log folder %s (cluster check)", world.size, runlog.folder)
@@ -70,6 +73,9 @@ def main(argv: list[str] | None = None) -> int:
         world.close()
     except BaseException as exc:  # noqa: BLE001 - any failure on any rank must stop the whole world
         log.exception("rank %d failed", rank)
+        watchdog = next((b for b in beats if hasattr(b, "check_processes")), None)
+        if watchdog is not None and (dead := watchdog.check_processes()) is not None:
+            watchdog.on_lost(dead)  # the error came from a rank's death: name the rank (aborts)
         if runlog is not None:
             runlog.event("failure", rank=rank, error=f"{type(exc).__name__}: {exc}")
         else:
@@ -78,9 +84,57 @@ def main(argv: list[str] | None = None) -> int:
             time.sleep(ABORT_GRACE_S)
         MPI.COMM_WORLD.Abort(1)
     finally:
+        for beat in beats:
+            beat.close()
+        if beats:
+            from libra_hpc.runtime.heartbeat import ignore_failure_notice
+
+            ignore_failure_notice()
         if runlog is not None:
             runlog.close()
     return 0
+
+
+def _start_heartbeats(world, cfg: ExperimentConfig, folder: Path, runlog) -> list:
+    """This rank's heartbeat; on rank 0 also the watchdog over the workers, which ends
+    the world when one falls silent (:mod:`libra_hpc.runtime.heartbeat`)."""
+    import os
+    import threading
+
+    from mpi4py import MPI
+
+    from libra_hpc.runtime.heartbeat import Heartbeat, Watchdog, describe_lost, install_failure_notice
+    from libra_hpc.runtime.resume import ask_requeue, requeue_refusal
+
+    install_failure_notice()
+    where = folder / "heartbeats"
+    job = cfg.job
+    slot = "controller" if world.rank == 0 else str(world.topology.place_of(world.rank).slot)
+    beats = [Heartbeat(where, world.rank, job.heartbeat_s, job.heartbeat_timeout_s, slot=slot).start()]
+    if world.rank != 0:
+        return beats
+
+    def describe(rank: int) -> dict:
+        place = world.topology.place_of(rank)
+        return {"slot": str(place.slot), "node": place.slot.node}
+
+    said = threading.Lock()
+
+    def lost(what: dict) -> None:
+        if not said.acquire(blocking=False):  # the watchdog and the main thread's error path both saw it
+            return
+        line = describe_lost(what)
+        log.error("%s; ending the job", line)
+        refusal = requeue_refusal(os.environ, cfg.cluster.requeue, cfg.cluster.max_requeues)
+        runlog.event("rank_lost", **what, line=line, requeue=refusal is None,
+                     **({"requeue_refused": refusal} if refusal else {}))
+        if refusal is None:
+            ask_requeue(folder, f"job {os.environ['SLURM_JOB_ID']}: {line}")
+        runlog.event("failure", rank=what["rank"], error=f"RankLost: {line}")
+        MPI.COMM_WORLD.Abort(1)
+
+    beats.append(Watchdog(where, world.workers, describe, job.heartbeat_s, job.heartbeat_timeout_s, lost).start())
+    return beats
 
 
 def run_job(world, cfg: ExperimentConfig, runlog, stop) -> None:

@@ -41,15 +41,23 @@ OVERRIDES=(--set "cluster.nodes=$NODES" --set "cluster.gpus_per_node=$GPUS")
 for kv in "$@"; do OVERRIDES+=(--set "$kv"); done
 
 echo "libra: job $SLURM_JOB_ID, $NODES nodes x $GPUS GPUs, config $CONFIG, log folder $LOG_DIR"
+STATUS=0
 srun --mpi=pmi2 --overcommit --kill-on-bad-exit=1 \
     --nodes="$NODES" --ntasks=$(( NODES * GPUS + 1 )) \
-    "$PYTHON" -m libra_hpc.run --config "$CONFIG" --log-dir "$LOG_DIR" "${OVERRIDES[@]}"
+    "$PYTHON" -m libra_hpc.run --config "$CONFIG" --log-dir "$LOG_DIR" "${OVERRIDES[@]}" || STATUS=$?
 
-# The time-limit warning (USR2) stopped the run after a checkpoint, and the controller
-# found requeues left (cluster.max_requeues): come back as the same job, which resumes
-# from the newest checkpoint in $LOG_DIR.
+# A rank that died ended the world: name it (rank, role, node, last activity) from srun's
+# report and the heartbeats, and ask for a requeue while requeues are left.
+if [ "$STATUS" -ne 0 ]; then
+    "$PYTHON" -m libra_hpc.runtime.heartbeat "$LOG_DIR" "$LOG_DIR/$OUT_NAME" || true
+fi
+
+# The time-limit warning (USR2) stopped the run after a checkpoint, or a rank was lost,
+# and the controller found requeues left (cluster.max_requeues): come back as the same
+# job, which resumes from the newest checkpoint in $LOG_DIR.
 if [ -f "$LOG_DIR/REQUEUE" ]; then
     echo "libra: $(cat "$LOG_DIR/REQUEUE"); requeueing job $SLURM_JOB_ID"
     rm -f "$LOG_DIR/REQUEUE"
     scontrol requeue "$SLURM_JOB_ID"
 fi
+exit "$STATUS"

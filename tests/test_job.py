@@ -304,7 +304,7 @@ def test_a_pipeline_parallel_export_gets_an_index_and_a_missing_stage_is_named(t
     assert not (tmp_path / "x").exists()
 
 
-RESUME = ("--set", "rl.steps=8", "--set", "job.checkpoint_every_steps=2", "--set", "rl.update_epochs={0: 1}")
+RESUME = ("--set", "rl.steps=8", "--set", "job.checkpoint_every_steps=1", "--set", "rl.update_epochs={0: 1}")
 
 
 def _expected_prompts(steps: int) -> list[list[str]]:
@@ -318,59 +318,87 @@ def _expected_prompts(steps: int) -> list[list[str]]:
     return [sorted(p.pid for p in sampler.next(cfg.rl.prompts_per_step)) for _ in range(steps)]
 
 
-@pytest.mark.mpi
-def test_a_stopped_run_resumes_from_its_newest_valid_checkpoint(small_run, tmp_path):
-    """Slurm's time-limit warning (USR2 to every rank) mid-run: the step in progress
-    finishes, a checkpoint is saved, the run stops (not under Slurm: no requeue, the
-    resume command is logged). The newest checkpoint is then damaged (one bit flipped):
-    ``launch.py --resume`` rejects it, resumes from the one before, and finishes. From the
-    logs: every step index once, every trajectory trained once, and each batch trained on
-    the prompts an uninterrupted run draws for it."""
-    _, cache = small_run
-    common = ("--set", f"job.cache_dir={cache}", *RESUME)
-    first = subprocess.Popen([sys.executable, str(ROOT / "launch.py"), "--config", str(SMALL), "--executor", "local",
-                              "--set", f"logging.dir={tmp_path}", *common], stdout=subprocess.PIPE,
-                             stderr=subprocess.STDOUT, text=True, cwd=ROOT, start_new_session=True)
+def _run_until_killed(argv: list[str], folder_of, ready, role: str, timeout: float = 400) -> tuple[str, dict, float]:
+    """Start launch.py; once ``ready(events)`` holds, ``kill -9`` a rank of ``role`` (found by
+    its heartbeat file); its output, the victim's beat and the time of the kill."""
+    process = subprocess.Popen([sys.executable, str(ROOT / "launch.py"), *argv], stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True, cwd=ROOT, start_new_session=True)
     try:
-        deadline = time.monotonic() + 400
-        while time.monotonic() < deadline and first.poll() is None:
-            folders = list(tmp_path.glob("libra-*"))
-            if folders and sum(m["kind"] == "step" for m in read_jsonl(folders[0] / "metrics.jsonl")) >= 3:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and process.poll() is None:
+            folder = folder_of()
+            if folder is not None and ready(read_jsonl(folder / "events.jsonl")):
                 break
             time.sleep(0.5)
-        folder = only_log_folder(tmp_path)
-        ranks = _rank_pids(str(folder))
-        assert len(ranks) == 9, ranks
-        for pid in ranks.values():
-            os.kill(pid, signal.SIGUSR2)
-        out = first.communicate(timeout=300)[0]
+        assert process.poll() is None, process.communicate()[0][-4000:]
+        beats = [json.loads(p.read_text()) for p in sorted((folder / "heartbeats").glob("rank-*.json"))]
+        victim = next(b for b in beats if b["role"] == role)
+        os.kill(victim["pid"], signal.SIGKILL)
+        killed_at = time.time()
+        out = process.communicate(timeout=120)[0]
     finally:
-        if first.poll() is None:
-            os.killpg(first.pid, signal.SIGKILL)
-            first.wait()
-    assert first.returncode == 0, out[-4000:]
-    events = read_jsonl(folder / "events.jsonl")
-    [stop] = [e for e in events if e["kind"] == "stop_requested"]
-    saved = [e["version"] for e in events if e["kind"] == "checkpoint_saved"]
-    assert stop["signal"] == "SIGUSR2" and saved[-1] == stop["version"] and 3 <= stop["version"] < 8, (stop, saved)
-    [told] = [e for e in events if e["kind"] == "requeue_not_requested"]
-    assert told["reason"] == "not under Slurm" and told["resume_by_hand"] == f"python launch.py --resume {folder}"
-    assert not (folder / "REQUEUE").exists()
-    newest, previous = sorted((folder / "checkpoints").iterdir())[::-1]
-    assert newest.name == f"step-{stop['version']:06d}"
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+    assert process.returncode == 1, out[-4000:]
+    return out, victim, killed_at
+
+
+def _since_last_start(events: list[dict]) -> list[dict]:
+    starts = [i for i, e in enumerate(events) if e["kind"] == "world_started"]
+    return events[starts[-1]:] if starts else []
+
+
+@pytest.mark.mpi
+def test_killed_ranks_are_named_and_the_run_resumes_from_its_newest_valid_checkpoint(small_run, tmp_path):
+    """``kill -9`` of a training rank: the job ends at once, naming the rank, its role, slot
+    and last activity (``rank_lost``, and the launcher's output). Its newest checkpoint is
+    then damaged (one bit flipped): ``launch.py --resume`` rejects it and resumes from the
+    one before. ``kill -9`` of a rollout leader in that run: named the same way; a second
+    resume finishes. From the logs: every step index once, every trajectory trained once,
+    and each batch on the prompts an uninterrupted run draws for it."""
+    _, cache = small_run
+    common = ("--set", f"job.cache_dir={cache}", *RESUME)
+
+    def folder_of():
+        found = list(tmp_path.glob("libra-*"))
+        return found[0] if found else None
+
+    out, victim, killed_at = _run_until_killed(
+        ["--config", str(SMALL), "--executor", "local", "--set", f"logging.dir={tmp_path}", *common], folder_of,
+        lambda ev: sum(e["kind"] == "checkpoint_saved" for e in ev) >= 3, "trainer")
+    folder = folder_of()
+    [lost] = [e for e in read_jsonl(folder / "events.jsonl") if e["kind"] == "rank_lost"]
+    assert lost["rank"] == victim["rank"] and lost["role"] == "trainer" and lost["slot"] == victim["slot"]
+    assert lost["last_activity"].startswith("trainer") and lost["t"] - killed_at < 60
+    assert f"lost: rank {victim['rank']} (trainer on slot {victim['slot']}" in out
+    assert f"resume with: python launch.py --resume {folder}" in out
+
+    newest, previous = sorted((folder / "checkpoints").glob("step-*"))[::-1]
     shard = max((p for p in (newest / "train").rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
     data = bytearray(shard.read_bytes())
     data[len(data) // 2] ^= 0x10
     shard.write_bytes(bytes(data))
+    rows_before = sum(m["kind"] == "step" for m in read_jsonl(folder / "metrics.jsonl"))
 
-    done = launch("--resume", str(folder), *common, timeout=500)
-    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    out, victim, killed_at = _run_until_killed(
+        ["--resume", str(folder), *common], folder_of,
+        lambda ev: sum(e["kind"] == "world_started" for e in ev) == 2
+        and any(e["kind"] == "checkpoint_saved" for e in _since_last_start(ev)), "leader")
     events = read_jsonl(folder / "events.jsonl")
     [rejected] = [e for e in events if e["kind"] == "checkpoint_rejected"]
     assert rejected["path"] == str(newest) and "SHA-256" in rejected["reason"]
     [resumed] = [e for e in events if e["kind"] == "resumed"]
     back_to = int(previous.name.split("-")[1])
-    assert resumed["version"] == back_to and resumed["metric_rows_dropped"] == stop["version"] - back_to
+    assert resumed["version"] == back_to and resumed["metric_rows_dropped"] == rows_before - back_to
+    [lost] = [e for e in _since_last_start(events) if e["kind"] == "rank_lost"]
+    assert lost["rank"] == victim["rank"] and lost["role"] == "leader" and lost["t"] - killed_at < 60
+    assert lost["last_activity"].startswith("rollout leader of instance")
+
+    done = launch("--resume", str(folder), *common, timeout=500)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    events = read_jsonl(folder / "events.jsonl")
+    assert [e["kind"] for e in events].count("resumed") == 2
     metrics = [m for m in read_jsonl(folder / "metrics.jsonl") if m["kind"] == "step"]
     assert [m["step"] for m in metrics] == list(range(8)) and [m["version"] for m in metrics] == list(range(1, 9))
     summary = json.loads((folder / "summary.json").read_text())

@@ -23,7 +23,10 @@ def mpiexec_command(cfg: ExperimentConfig, config_path: Path, log_dir: Path, pyt
     if mpiexec is None:
         raise LocalExecutorError("mpiexec is not on PATH: install the MPI wheels with scripts/install.sh")
     world = cfg.cluster.total_gpus + 1
-    return [mpiexec, "-n", str(world), python, "-m", "libra_hpc.run", "--config", str(config_path), "--log-dir", str(log_dir)]
+    # -disable-auto-cleanup: a rank that dies does not take the others with it at once, so
+    # rank 0's watchdog can name it before it ends the world (libra_hpc/runtime/heartbeat.py)
+    return [mpiexec, "-disable-auto-cleanup", "-n", str(world), python, "-m", "libra_hpc.run", "--config",
+            str(config_path), "--log-dir", str(log_dir)]
 
 
 def start(command: list[str], log_dir: Path, detach: bool) -> subprocess.Popen:

@@ -122,16 +122,31 @@ def run_world_step(command: list[str], logs_root: str | None = None) -> int:
     this job: it comes back with the same id and log folder and resumes."""
     logging.basicConfig(level=logging.INFO)
     log.info("starting the MPI world: %s", " ".join(command))
-    code = subprocess.run(command).returncode
-    if code != 0:
-        raise RuntimeError(f"the MPI world step exited with status {code}: {' '.join(command)}")
+    process = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, errors="replace")
+    said = []
+    for line in process.stderr:  # passed through, and kept for the post-mortem (srun names a dead task)
+        sys.stderr.write(line)
+        said.append(line)
+    code = process.wait()
     job, name = os.environ.get("SLURM_JOB_ID"), os.environ.get("SLURM_JOB_NAME")
     if logs_root and job and name:
-        marker = Path(logs_root) / f"{name}-{job}" / "REQUEUE"
+        folder = Path(logs_root) / f"{name}-{job}"
+        if code != 0 and (folder / "config.yaml").is_file():
+            from libra_hpc.config import load_config
+            from libra_hpc.runtime.heartbeat import post_mortem
+
+            cfg = load_config(str(folder / "config.yaml"), [])
+            lost = post_mortem(folder, "".join(said[-200:]), dict(os.environ), cfg.cluster.requeue,
+                               cfg.cluster.max_requeues)
+            if lost:
+                log.error("%s", lost)
+        marker = folder / "REQUEUE"
         if marker.is_file():
             log.info("%s; requeueing job %s", marker.read_text().strip(), job)
             marker.unlink()
             subprocess.run(["scontrol", "requeue", job], check=True)
+    if code != 0:
+        raise RuntimeError(f"the MPI world step exited with status {code}: {' '.join(command)}")
     return code
 
 

@@ -19,6 +19,7 @@ from libra_hpc.cluster.layout import Layout, layout_from_config, lend_hybrid_to_
 from libra_hpc.cluster.world import World
 from libra_hpc.config import ExperimentConfig
 from libra_hpc.metrics.runlog import RunLog
+from libra_hpc.runtime.heartbeat import stand_down
 from libra_hpc.runtime.signals import StopRequest
 
 log = logging.getLogger(__name__)
@@ -68,6 +69,7 @@ def run_controller(world: World, cfg: ExperimentConfig, runlog: RunLog, stop: St
             probe_ms_max=max(r.get("torch_ms", r["mpi_ms"]) for r in reports),
         )
         steps_done = step + 1
+    stand_down()  # ranks that exit from here on are not lost
     world.command({"op": "stop"})
     runlog.event("shutdown", steps=steps_done, of=cfg.rl.steps, final_layout_version=layout.version)
 

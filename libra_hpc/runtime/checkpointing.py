@@ -38,10 +38,9 @@ import time
 from typing import Any
 
 from libra_hpc.cluster.messages import COMMAND
-from libra_hpc.runtime.resume import CheckpointStore, Loaded
+from libra_hpc.runtime.resume import CheckpointStore, Loaded, ask_requeue, requeue_refusal
 
 log = logging.getLogger(__name__)
-REQUEUE_FILE = "REQUEUE"
 
 
 class CheckpointDriver:
@@ -169,18 +168,11 @@ class CheckpointDriver:
         first step); else say how to resume by hand."""
         c = self.c
         folder = c.runlog.folder
-        restarts = int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0)
-        job = os.environ.get("SLURM_JOB_ID")
-        if job is None:
-            why = "not under Slurm"
-        elif not c.cfg.cluster.requeue:
-            why = "cluster.requeue is off"
-        elif restarts >= c.cfg.cluster.max_requeues:
-            why = f"requeued {restarts} times already (cluster.max_requeues={c.cfg.cluster.max_requeues})"
-        else:
+        why = requeue_refusal(os.environ, c.cfg.cluster.requeue, c.cfg.cluster.max_requeues)
+        if why is None:
+            job, restarts = os.environ["SLURM_JOB_ID"], int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0)
             start = "the start" if self.saved_version is None else self.store.path(self.saved_version)
-            (folder / REQUEUE_FILE).write_text(f"job {job}: stopped by {c.stop.signal} at version {c.version}; "
-                                               f"resume from {start}\n")
+            ask_requeue(folder, f"job {job}: stopped by {c.stop.signal} at version {c.version}; resume from {start}")
             c.runlog.event("requeue_requested", job=job, restart_count=restarts, version=self.saved_version)
             return
         c.runlog.event("requeue_not_requested", reason=why, version=self.saved_version,

@@ -36,6 +36,7 @@ from libra_hpc.config_learning import epochs_at
 from libra_hpc.cluster.messages import COMMAND, QUEUE_REQUEST, REPORT
 from libra_hpc.runtime.checkpointing import CheckpointDriver
 from libra_hpc.runtime.episodes import batch_of, group_of, trajectory_id
+from libra_hpc.runtime.heartbeat import stand_down
 from libra_hpc.runtime.hybrid import HybridDriver
 from libra_hpc.runtime.partial import PartialDriver
 from libra_hpc.runtime.planning import PlannerDriver
@@ -127,6 +128,7 @@ class JobController:
                 self.runlog.event("stop_requested", signal=self.stop.signal, phase=self.phase, version=self.version)
                 self.checkpoints.after_stop()
         finally:
+            stand_down()  # ranks that exit from here on are not lost
             self.world.command({"op": "stop"})
             self.orchestrator.close()
         return self._finish()

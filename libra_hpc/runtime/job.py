@@ -20,6 +20,7 @@ import traceback
 from typing import Any
 
 from libra_hpc.cluster.messages import REPORT
+from libra_hpc.runtime.heartbeat import note
 
 log = logging.getLogger(__name__)
 CONTROLLER = 0
@@ -77,6 +78,7 @@ def _run_role(job: Any, start: dict) -> None:
     try:
         while True:
             started = time.perf_counter()
+            note(f"{job.role}: joining its group and starting its engine", role=job.role)
             worker.apply(job.roles.layout)  # forms this rank's group; trainers start their torch world
             if job.role == "trainer":
                 command = _train(job, worker, command, inbox, discarded, started,

@@ -31,6 +31,29 @@ from pathlib import Path
 MANIFEST = "MANIFEST.json"
 STATE = "state.json"
 PREFIX = "step-"
+REQUEUE_FILE = "REQUEUE"
+
+
+def requeue_refusal(environ: dict, requeue: bool, max_requeues: int) -> str | None:
+    """Why this job must not ask Slurm for a requeue now, or None when it may: it runs
+    under Slurm (``SLURM_JOB_ID``), ``cluster.requeue`` is on, and ``SLURM_RESTART_COUNT``
+    is below ``cluster.max_requeues`` (a job that fails the same way every time stops)."""
+    restarts = int(environ.get("SLURM_RESTART_COUNT", "0") or 0)
+    if environ.get("SLURM_JOB_ID") is None:
+        return "not under Slurm"
+    if not requeue:
+        return "cluster.requeue is off"
+    if restarts >= max_requeues:
+        return f"requeued {restarts} times already (cluster.max_requeues={max_requeues})"
+    return None
+
+
+def ask_requeue(folder: Path, why: str) -> Path:
+    """The marker ``sbatch/libra.sh`` (and the submitit step) read after the world ends:
+    ``scontrol requeue`` this job."""
+    marker = Path(folder) / REQUEUE_FILE
+    marker.write_text(why.rstrip() + "\n")
+    return marker
 
 
 class CheckpointInvalid(ValueError):

@@ -34,6 +34,7 @@ from typing import Any
 
 from libra_hpc.cluster.messages import COMMAND, EPISODE, EPISODE_ASK, REPORT, TRAJECTORY, Backoff
 from libra_hpc.runtime.episodes import MIN_TURN, LiveEpisode, batch_of
+from libra_hpc.runtime.heartbeat import note
 from libra_hpc.runtime.tools import ToolProxy
 from libra_hpc.runtime.weights import WeightReceiver
 
@@ -92,6 +93,8 @@ class RolloutLeader:
             worked |= self._exchange()
             if self.stopped:
                 break
+            note(f"rollout leader of instance {self.instance}: policy v{self.version}, "
+                 f"{len(self.running)} turns decoding, {len(self.in_tools)} in tools")
             worked |= self._engine_step()
             self.sends = [r for r in self.sends if not r.Test()]
             self._load_report()

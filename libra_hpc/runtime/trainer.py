@@ -25,6 +25,7 @@ from typing import Any
 
 from libra_hpc.cluster.messages import COMMAND, TRAJECTORY, Backoff
 from libra_hpc.runtime.episodes import group_of
+from libra_hpc.runtime.heartbeat import note
 from libra_hpc.runtime.weights import WeightSender
 
 log = logging.getLogger(__name__)
@@ -103,6 +104,7 @@ class Trainer:
         from libra_hpc.engines.train.checkpoint import save_checkpoint
 
         started = time.perf_counter()
+        note(f"trainer: saving the checkpoint of version {command['version']}")
         save_checkpoint(self.engine, command["path"])
         rng = Path(command["rng"])
         rng.mkdir(parents=True, exist_ok=True)
@@ -162,7 +164,9 @@ class Trainer:
         from libra_hpc.config_learning import epochs_at
         from libra_hpc.rl.step import BatchReport
 
+        note(f"trainer (DP replica {self.replica}): waiting for batch {batch}'s {len(groups)} groups")
         received = self._wait_for(batch, groups) if groups else []
+        note(f"trainer (DP replica {self.replica}): training batch {batch}")
         trajectories = [t for _, t in received]
         started = time.perf_counter()
         mbs, pad = self.cfg.training.micro_batch_size, self.job.codec.pad_id
@@ -193,6 +197,7 @@ class Trainer:
         if self.first_of_replica:
             out["tids"] = [tid for tid, _ in received]
         self.wait_s = 0.0
+        note(f"trainer (DP replica {self.replica}): waiting for a command after batch {batch}")
         return out
 
     def _export(self, path: str) -> dict:
