@@ -328,12 +328,32 @@ class SchedulerConfig(_Section):
     always the least loaded. Every policy but ``fifo``."""
 
 
+class ChaosConfig(_Section):
+    """Fault injection for soak runs (``benchmarks/bench_soak.py``): a share of tool calls,
+    drawn from a seeded generator, fails or hangs before it reaches its runner. Off by
+    default; the faults injected are counted in ``summary.json`` (``tool_faults_injected``)."""
+
+    fail_rate: float = Field(0.0, ge=0, le=1)
+    """Share of calls whose runner raises (the model reads an error; status ``failure``)."""
+    hang_rate: float = Field(0.0, ge=0, le=1)
+    """Share of calls that hold their unit without answering for ``tools.call_timeout_s`` + 5 s
+    (the model reads a timeout at ``tools.call_timeout_s``; the unit is then released)."""
+    seed: int = 0
+    """Seed of the draws."""
+
+
 class ToolsConfig(_Section):
     """Sandboxed tool execution (libra_hpc/tools/sandbox.py, isolation.py) and action-level
     orchestration of tool resources (libra_hpc/tools/scheduling.py)."""
 
     wall_time_s: float = Field(10.0, gt=0)
     """Wall-clock limit of one tool call, in seconds; the whole process tree is killed at it."""
+    call_timeout_s: float = Field(60.0, gt=0)
+    """Seconds a turn waits for one call's result (queueing included) before the model reads
+    a timeout for it; the episode goes on. A call still running is left to finish (or to be
+    killed at ``wall_time_s``) and its result is dropped."""
+    chaos: ChaosConfig = ChaosConfig()
+    """Leave it off in real runs; ``configs/soak.yaml`` turns it on."""
     max_workers: int = Field(4, ge=1)
     """Upper bound of the CPU sandbox pool (concurrent sandboxed calls)."""
     min_workers: int = Field(0, ge=0)

@@ -33,4 +33,6 @@ def task_from_config(cfg) -> Task:
     """The task of an experiment config (``rl.task``, ``rl.seed``, ``tasks``)."""
     spec = cfg.rl.task
     options = getattr(cfg.tasks, spec).model_dump() if spec in TASKS else dict(cfg.tasks.plugin)
-    return make_task(spec, seed=cfg.rl.seed, options=options)
+    task = make_task(spec, seed=cfg.rl.seed, options=options)
+    task.call_timeout_s = cfg.tools.call_timeout_s
+    return task

@@ -424,6 +424,8 @@ class JobController:
             moves=sum(r["migrations"] for r in rows),
             staleness_max=max(lags), staleness_mean=round(statistics.fmean(lags), 3),
             tool_calls=sum(r["tool_calls"] for r in rows), tool_s=round(sum(r["tool_s"] for r in rows), 3),
+            tool_failures=sum(r.get("tool_failures", 0) for r in rows),
+            tool_timeouts=sum(r.get("tool_timeouts", 0) for r in rows),
             turns=round(statistics.fmean(r["turns"] for r in rows), 3),
             idle_s={"rollout": round(self.idle_rollout_s, 3), "training": round(max(r["wait_s"] for r in reports), 3)},
             loss=reports[0]["loss"], grad_norm=reports[0]["grad_norm"],
@@ -503,6 +505,11 @@ class JobController:
         gen = sum(m["gen_tokens"] for m in metrics)
         busy = sum(m["rollout_s"] for m in metrics)
         s["tokens_per_s"] = round(gen / busy, 1) if busy else 0.0
+        s["tool_timeouts"] = sum(m.get("tool_timeouts", 0) for m in metrics)  # the model read a timeout
+        chaos = [r.injected for r in getattr(getattr(self, "orchestrator", None), "runners", {}).values()
+                 if hasattr(r, "injected")]
+        if chaos:
+            s["tool_faults_injected"] = {k: sum(c[k] for c in chaos) for k in ("fail", "hang")}
         s["peak_rss_mb_by_role"] = self._rss_by_role()
         if self.partial is not None:
             s["partial_rollout"] = self.partial.summary()

@@ -51,6 +51,8 @@ class LiveEpisode:
     tool_calls: int = 0
     tool_s: float = 0.0
     migrations: int = 0
+    tool_failures: int = 0
+    tool_timeouts: int = 0
     pending: Any = None
     """The running turn's :class:`~libra_hpc.envs.task.PendingTurn` (tool calls out)."""
     turn_tokens: int = 0
@@ -105,7 +107,8 @@ class LiveEpisode:
         episode = {k: v for k, v in vars(self.episode).items() if k not in ("task", "_pending")}
         return {"tid": self.tid, "episode": episode, "tokens": self.tokens, "generated": self.generated,
                 "logprobs": self.logprobs, "versions": self.versions, "turns": self.turns,
-                "tool_calls": self.tool_calls, "tool_s": self.tool_s, "migrations": self.migrations}
+                "tool_calls": self.tool_calls, "tool_s": self.tool_s, "migrations": self.migrations,
+                "tool_failures": self.tool_failures, "tool_timeouts": self.tool_timeouts}
 
     @classmethod
     def from_state(cls, task: Task, state: dict) -> LiveEpisode:
@@ -113,4 +116,5 @@ class LiveEpisode:
         episode = task.episode(saved["prompt"], state["tid"])
         vars(episode).update(saved)
         return cls(state["tid"], episode, state["tokens"], state["generated"], state["logprobs"], state["versions"],
-                   state["turns"], state["tool_calls"], state["tool_s"], state["migrations"])
+                   state["turns"], state["tool_calls"], state["tool_s"], state["migrations"],
+                   state.get("tool_failures", 0), state.get("tool_timeouts", 0))

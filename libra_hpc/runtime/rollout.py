@@ -251,6 +251,8 @@ class RolloutLeader:
             result = episode.episode.finish(episode.pending)
             episode.pending = None
             episode.tool_s += time.perf_counter() - episode.tool_started
+            episode.tool_failures += sum(r.status == "failure" for r in result.returns)
+            episode.tool_timeouts += sum(r.status == "timeout" for r in result.returns)
             if episode.tid in self.aborted:
                 self._abort(self.leases.pop(episode.tid), episode.tid, episode)
                 continue
@@ -289,6 +291,7 @@ class RolloutLeader:
         self.job.report({"op": "traj", "tid": tid, "instance": self.instance, "reward": trajectory.reward,
                          "tokens": len(trajectory.tokens), "gen_tokens": len(generated), "turns": episode.turns,
                          "tool_calls": episode.tool_calls, "tool_s": round(episode.tool_s, 4),
+                         "tool_failures": episode.tool_failures, "tool_timeouts": episode.tool_timeouts,
                          "migrations": episode.migrations, "finish_reason": trajectory.finish_reason,
                          "min_version": min(generated, default=self.version),
                          "max_version": max(generated, default=self.version)})

@@ -245,6 +245,43 @@ class ToolOrchestrator:
                 pass
 
 
+class ChaosRunner:
+    """Fault injection around a runner (``tools.chaos``): each call, drawn from a seeded
+    generator, fails (raises :class:`InjectedFault`) with ``fail_rate``, or holds its unit
+    for ``hang_s`` and then fails with ``hang_rate``; the rest run as usual. Thread-safe."""
+
+    def __init__(self, inner: Runner, fail_rate: float, hang_rate: float, hang_s: float, seed: int = 0):
+        import random
+
+        if fail_rate + hang_rate > 1:
+            raise ValueError(f"tools.chaos: fail_rate {fail_rate} + hang_rate {hang_rate} > 1")
+        self.inner, self.fail_rate, self.hang_rate, self.hang_s = inner, fail_rate, hang_rate, hang_s
+        self._rng = random.Random(seed)
+        self._lock = threading.Lock()
+        self.injected = {"fail": 0, "hang": 0}
+
+    def run(self, unit: int, payload: Any) -> Any:
+        with self._lock:
+            draw = self._rng.random()
+        if draw < self.fail_rate:
+            self.injected["fail"] += 1
+            raise InjectedFault("tools.chaos: injected failure")
+        if draw < self.fail_rate + self.hang_rate:
+            self.injected["hang"] += 1
+            time.sleep(self.hang_s)
+            raise InjectedFault(f"tools.chaos: injected hang of {self.hang_s:g} s")
+        return self.inner.run(unit, payload)
+
+    def close(self) -> None:
+        close = getattr(self.inner, "close", None)
+        if close is not None:
+            close()
+
+
+class InjectedFault(RuntimeError):
+    """A tool call made to fail by ``tools.chaos``."""
+
+
 def limits_from_config(tools) -> SandboxLimits:
     """SandboxLimits from a ``tools`` config section."""
     return SandboxLimits(wall_time_s=tools.wall_time_s, cpu_time_s=tools.cpu_time_s, memory_mb=tools.memory_mb,
@@ -292,6 +329,10 @@ def orchestrator_from_config(tools, scheduler_cfg=None, clock: Callable[[], floa
             raise ValueError(f"orchestrator: the task's runner {kind!r} clashes with a resource of the tools section")
         resources.append(ResourceSpec(kind, extra_units, 0, tools.idle_timeout_s))
         runners[kind] = runner
+    chaos = tools.chaos
+    if chaos.fail_rate or chaos.hang_rate:
+        runners = {kind: ChaosRunner(runner, chaos.fail_rate, chaos.hang_rate, tools.call_timeout_s + 5.0,
+                                     seed=chaos.seed + k) for k, (kind, runner) in enumerate(sorted(runners.items()))}
     scheduler = make_scheduler(tools.policy, resources, quotas=tools.quotas, now=0.0, aging_rate=tools.aging_rate,
                                estimator=DurationEstimator(tools.expected_s, tools.default_expected_s))
     return ToolOrchestrator(scheduler, runners, clock)
