@@ -114,25 +114,37 @@ PARTIAL = ("--set", "rl.partial_rollout=true", "--set", "rl.partial_waste_budget
 
 
 @pytest.mark.mpi
-def test_partial_rollout_trains_every_group_once_within_the_staleness_bound(small_run, tmp_path):
+def test_partial_rollout_trains_every_group_once_within_the_staleness_bound_across_a_resume(small_run, tmp_path):
     """``rl.partial_rollout`` in the live job: steps train the groups that finish first,
-    from any batch in flight. Recomputed from the logs: every submitted group (its key:
-    the id it was first submitted under) trained exactly once and whole, every trained
-    token within ``rl.max_staleness``; a regenerated group trains only under its new id,
-    each of its old trajectories ended once (aborted at a leader or finished and routed
-    nowhere); the wasted share and the length p90s are reported. (Six groups of two per
-    step and a wide waste budget make regenerations likely; whether one happens depends on
-    the 2-core timings, so the last checks hold for as many as the run made.)"""
+    from any batch in flight. Midway, Slurm's time-limit warning (USR2 to every rank) stops
+    the run at a checkpoint that keeps the groups in flight; ``launch.py --resume``
+    generates them again and finishes. Recomputed from the logs of both runs: every
+    submitted group (its key: the id it was first submitted under) trained exactly once and
+    whole, every step once, every trained token within ``rl.max_staleness``; a regenerated
+    group trains only under its new id, each of its old trajectories ended once (aborted at
+    a leader, finished and routed nowhere, or gone with the stopped world); the wasted
+    share and the length p90s are reported. (Six groups of two per step and a wide waste
+    budget make regenerations likely; whether one happens depends on the 2-core timings,
+    so the last checks hold for as many as the run made.)"""
     _, cache = small_run
-    done = launch("--config", str(SMALL), "--executor", "local", "--set", f"logging.dir={tmp_path}",
-                  "--set", f"job.cache_dir={cache}", *PARTIAL, timeout=500)
+    common = ("--set", f"job.cache_dir={cache}", "--set", "job.checkpoint_every_steps=3", *PARTIAL)
+    folder_of = lambda: _log_folder_if_any(tmp_path)  # noqa: E731
+    out, status, _ = _run_and_interrupt(
+        ["--config", str(SMALL), "--executor", "local", "--set", f"logging.dir={tmp_path}", *common], folder_of,
+        lambda ev: sum(e["kind"] == "step" for e in read_jsonl(folder_of() / "metrics.jsonl")) >= 4,
+        _time_limit_warning)
+    folder = folder_of()
+    assert status == 0, out[-4000:]
+    done = launch("--resume", str(folder), *common, timeout=500)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
-    folder = only_log_folder(tmp_path)
     summary = json.loads((folder / "summary.json").read_text())
     events = read_jsonl(folder / "events.jsonl")
     assert summary["completed"] and summary["steps"] == STEPS
+    [stop] = [e for e in events if e["kind"] == "stop_requested"]
+    [resumed] = [e for e in events if e["kind"] == "resumed"]
+    assert resumed["version"] == stop["version"] and resumed["regenerate"] > 0
     assert summary["trajectories_lost"] == 0 and summary["trajectories_duplicated"] == 0
-    trained = next(e for e in events if e["kind"] == "trained_trajectories")["tids"]
+    trained = [e for e in events if e["kind"] == "trained_trajectories"][-1]["tids"]  # the books of both runs
     groups = Counter(t.rsplit("/", 1)[0] for t in trained)
     assert set(groups.values()) == {2}  # whole groups
     regenerated = [e for e in events if e["kind"] == "regenerated"]
@@ -146,11 +158,13 @@ def test_partial_rollout_trains_every_group_once_within_the_staleness_bound(smal
     keys = Counter(key(g) for g in groups)
     assert len(keys) == 6 * STEPS and set(keys.values()) == {1}  # every group once, under one id
     metrics = [m for m in read_jsonl(folder / "metrics.jsonl") if m["kind"] == "step"]
+    assert [m["step"] for m in metrics] == list(range(STEPS))
     assert all(m["trajectories"] == 12 and m["staleness_max"] <= 1 and m["dropped_stale"] == 0 for m in metrics)
     assert all(b <= m["step"] + 1 for m in metrics for b in m["partial"]["batches"])
     partial = summary["partial_rollout"]
     assert partial["regenerated"] == len(regenerated) and partial["unresolved_aborts"] == 0
-    assert partial["aborted_trajectories"] + partial["late_finishes"] == sum(e["running"] for e in regenerated)
+    assert (partial["aborted_trajectories"] + partial["late_finishes"] + partial["aborts_gone_with_a_stopped_world"]
+            == sum(e["running"] for e in regenerated))
     for e in regenerated:
         assert e["group"] not in groups and groups[e["again_as"]] == 2
     assert 0.0 <= partial["dropped_token_share"] <= 0.5
@@ -318,9 +332,10 @@ def _expected_prompts(steps: int) -> list[list[str]]:
     return [sorted(p.pid for p in sampler.next(cfg.rl.prompts_per_step)) for _ in range(steps)]
 
 
-def _run_until_killed(argv: list[str], folder_of, ready, role: str, timeout: float = 400) -> tuple[str, dict, float]:
-    """Start launch.py; once ``ready(events)`` holds, ``kill -9`` a rank of ``role`` (found by
-    its heartbeat file); its output, the victim's beat and the time of the kill."""
+def _run_and_interrupt(argv: list[str], folder_of, ready, interrupt, timeout: float = 400) -> tuple[str, int, object]:
+    """Start launch.py; once ``ready(events)`` holds, call ``interrupt(folder)`` (a signal to
+    some ranks) and wait for the launcher: its output, exit status and what ``interrupt``
+    returned."""
     process = subprocess.Popen([sys.executable, str(ROOT / "launch.py"), *argv], stdout=subprocess.PIPE,
                                stderr=subprocess.STDOUT, text=True, cwd=ROOT, start_new_session=True)
     try:
@@ -331,17 +346,35 @@ def _run_until_killed(argv: list[str], folder_of, ready, role: str, timeout: flo
                 break
             time.sleep(0.5)
         assert process.poll() is None, process.communicate()[0][-4000:]
-        beats = [json.loads(p.read_text()) for p in sorted((folder / "heartbeats").glob("rank-*.json"))]
-        victim = next(b for b in beats if b["role"] == role)
-        os.kill(victim["pid"], signal.SIGKILL)
-        killed_at = time.time()
-        out = process.communicate(timeout=120)[0]
+        said = interrupt(folder)
+        out = process.communicate(timeout=300)[0]
     finally:
         if process.poll() is None:
             os.killpg(process.pid, signal.SIGKILL)
             process.wait()
-    assert process.returncode == 1, out[-4000:]
-    return out, victim, killed_at
+    return out, process.returncode, said
+
+
+def _kill_one(role: str):
+    """``kill -9`` of the first rank of ``role`` (found by its heartbeat file): its beat and
+    the time of the kill."""
+    def interrupt(folder):
+        beats = [json.loads(p.read_text()) for p in sorted((folder / "heartbeats").glob("rank-*.json"))]
+        victim = next(b for b in beats if b["role"] == role)
+        os.kill(victim["pid"], signal.SIGKILL)
+        return victim, time.time()
+    return interrupt
+
+
+def _log_folder_if_any(root: Path) -> Path | None:
+    found = list(root.glob("libra-*"))
+    return found[0] if found else None
+
+
+def _time_limit_warning(folder) -> None:
+    """Slurm's warning before the time limit: USR2 to every rank of the step."""
+    for pid in _rank_pids(str(folder)).values():
+        os.kill(pid, signal.SIGUSR2)
 
 
 def _since_last_start(events: list[dict]) -> list[dict]:
@@ -359,14 +392,12 @@ def test_killed_ranks_are_named_and_the_run_resumes_from_its_newest_valid_checkp
     and each batch on the prompts an uninterrupted run draws for it."""
     _, cache = small_run
     common = ("--set", f"job.cache_dir={cache}", *RESUME)
+    folder_of = lambda: _log_folder_if_any(tmp_path)  # noqa: E731
 
-    def folder_of():
-        found = list(tmp_path.glob("libra-*"))
-        return found[0] if found else None
-
-    out, victim, killed_at = _run_until_killed(
+    out, status, (victim, killed_at) = _run_and_interrupt(
         ["--config", str(SMALL), "--executor", "local", "--set", f"logging.dir={tmp_path}", *common], folder_of,
-        lambda ev: sum(e["kind"] == "checkpoint_saved" for e in ev) >= 3, "trainer")
+        lambda ev: sum(e["kind"] == "checkpoint_saved" for e in ev) >= 3, _kill_one("trainer"))
+    assert status == 1, out[-4000:]
     folder = folder_of()
     [lost] = [e for e in read_jsonl(folder / "events.jsonl") if e["kind"] == "rank_lost"]
     assert lost["rank"] == victim["rank"] and lost["role"] == "trainer" and lost["slot"] == victim["slot"]
@@ -381,10 +412,11 @@ def test_killed_ranks_are_named_and_the_run_resumes_from_its_newest_valid_checkp
     shard.write_bytes(bytes(data))
     rows_before = sum(m["kind"] == "step" for m in read_jsonl(folder / "metrics.jsonl"))
 
-    out, victim, killed_at = _run_until_killed(
+    out, status, (victim, killed_at) = _run_and_interrupt(
         ["--resume", str(folder), *common], folder_of,
         lambda ev: sum(e["kind"] == "world_started" for e in ev) == 2
-        and any(e["kind"] == "checkpoint_saved" for e in _since_last_start(ev)), "leader")
+        and any(e["kind"] == "checkpoint_saved" for e in _since_last_start(ev)), _kill_one("leader"))
+    assert status == 1, out[-4000:]
     events = read_jsonl(folder / "events.jsonl")
     [rejected] = [e for e in events if e["kind"] == "checkpoint_rejected"]
     assert rejected["path"] == str(newest) and "SHA-256" in rejected["reason"]

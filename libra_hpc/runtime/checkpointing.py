@@ -12,7 +12,10 @@ the save on the trainers, not on the controller.
 in flight at version ``v``: their trajectories are not kept. The prompt stream's
 position is the one before batch ``v`` was drawn, so a resumed run draws the same
 prompts for the same batch indices and generates them again (``regenerate`` in
-``state.json`` lists the trajectory ids this throws away). The books (trajectories
+``state.json`` lists the trajectory ids this throws away). With ``rl.partial_rollout`` the
+groups in flight come from several batches: the checkpoint lists each one not trained
+yet (batch, prompt, regeneration tag), the resumed run generates them again from scratch
+under the same ids, and the stream goes on after the last prompt drawn. The books (trajectories
 trained) come back with the checkpoint, so ``summary.json``'s lost and duplicated
 counts cover the whole run across restarts.
 
@@ -51,10 +54,7 @@ class CheckpointDriver:
         self.every = cfg.checkpoint_every_steps
         self.pending: dict | None = None
         self.saved_version: int | None = None
-        self.refused: str | None = None  # why this run cannot checkpoint (said once)
-        if controller.cfg.rl.partial_rollout:
-            self.refused = ("rl.partial_rollout: the groups in flight come from several batches, which the stream "
-                            "position alone cannot regenerate; this run writes no checkpoint")
+        self.partial_state: dict | None = None  # a resumed run's partial-rollout groups, relaunched when it starts
 
     # ------------------------------------------------------------------ resume
 
@@ -67,9 +67,9 @@ class CheckpointDriver:
         for path, why in rejected:
             log.warning("checkpoint %s rejected: %s", path, why)
             self.c.runlog.event("checkpoint_rejected", path=str(path), reason=why)
-        if loaded is not None and self.refused:
-            raise ValueError(f"{loaded.path}: a checkpoint to resume from, but {self.refused.split(':')[0]} is on; "
-                             "resume with the configuration that wrote it")
+        if loaded is not None and ("partial" in loaded.state) != bool(self.c.cfg.rl.partial_rollout):
+            raise ValueError(f"{loaded.path}: written with rl.partial_rollout="
+                             f"{str('partial' in loaded.state).lower()}; resume with the configuration that wrote it")
         if loaded is not None and loaded.version > self.c.cfg.rl.steps:
             raise ValueError(f"{loaded.path}: checkpoint at version {loaded.version}, past rl.steps="
                              f"{self.c.cfg.rl.steps}: raise rl.steps or start in another log folder")
@@ -91,6 +91,7 @@ class CheckpointDriver:
         c.trained_tids = list(state["trained_tids"])
         c.summary.update(state["summary"])
         c.migrations_before = state.get("migrations", 0)
+        self.partial_state = state.get("partial")
         router = state.get("router")
         if router is not None and hasattr(c.router, "load_state_dict"):
             c.router.load_state_dict(router)
@@ -109,19 +110,23 @@ class CheckpointDriver:
         """A periodic checkpoint is due at the version just reached."""
         v = self.c.version
         return (self.every > 0 and v % self.every == 0 and 0 < v < self.c.cfg.rl.steps
-                and self.saved_version != v and self.pending is None and self.refused is None)
+                and self.saved_version != v and self.pending is None)
 
     def save(self) -> None:
         c = self.c
         v = c.version
         stage = self.store.staging(v)
-        state = {"sampler": c.sampler_at.get(v, c.sampler.state()), "trained_tids": list(c.trained_tids),
+        partial = c.partial is not None  # every group drawn so far is trained or kept in the checkpoint
+        state = {"sampler": c.sampler.state() if partial else c.sampler_at.get(v, c.sampler.state()),
+                 "trained_tids": list(c.trained_tids),
                  "summary": {k: c.summary[k] for k in ("eval_success_warmstart", "eval_prompts", "warmstart_build_s")
                              if k in c.summary},
                  "migrations": c.migrations_before + c.service.stats()["migrations"],
                  "router": c.router.state_dict() if hasattr(c.router, "state_dict") else None,
-                 "regenerate": sorted(t for b in c.batches if b >= v for t in c.batch_tids(b)),
-                 "saved_at": time.time(), "layout": c.layout.summary()}
+                 "regenerate": c.partial.in_flight_tids() if partial
+                 else sorted(t for b in c.batches if b >= v for t in c.batch_tids(b)),
+                 "saved_at": time.time(), "layout": c.layout.summary(),
+                 **({"partial": c.partial.state()} if partial else {})}
         self.pending = {"version": v, "stage": stage, "state": state, "waiting": len(c.roles.trainers),
                         "started": time.perf_counter()}
         command = {"op": "checkpoint", "path": str(stage / "train"), "rng": str(stage / "rng"), "version": v}
@@ -153,7 +158,7 @@ class CheckpointDriver:
         c = self.c
         if not c.stop:
             return False
-        if c.phase != "rl" or not c.cfg.job.checkpoint_on_stop or self.refused or c.version == 0:
+        if c.phase != "rl" or not c.cfg.job.checkpoint_on_stop or c.version == 0:
             return True
         if c.training or self.pending is not None or (c.hybrid is not None and c.hybrid.relaying):
             return False  # a step, a save or a training world re-forming finishes first

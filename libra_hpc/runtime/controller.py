@@ -266,8 +266,12 @@ class JobController:
         staleness bound lets run ahead are submitted."""
         self.phase = "rl"
         self.rl_started = time.perf_counter()
-        for b in range(self.version, min(self.version + self.cfg.rl.max_staleness + 1, self.cfg.rl.steps)):
-            self._submit(b)
+        kept = self.checkpoints.partial_state
+        if kept is not None:  # partial rollout resumed: the checkpoint's groups in flight, generated again
+            self.partial.restore(kept, self.version)
+        else:
+            for b in range(self.version, min(self.version + self.cfg.rl.max_staleness + 1, self.cfg.rl.steps)):
+                self._submit(b)
         if self.version >= self.cfg.rl.steps:  # resumed from the last step's checkpoint
             self._start_eval("final")
 

@@ -50,6 +50,7 @@ class PartialDriver:
         self.trained_lengths: list[int] = []
         self.aborted_count = 0
         self.late_finishes = 0  # a regenerated group's trajectory that finished before its abort arrived
+        self.abandoned = 0  # aborts still outstanding when the run stopped at a checkpoint (gone with its world)
 
     # ------------------------------------------------------------------ submission
 
@@ -172,6 +173,53 @@ class PartialDriver:
     def step_record(self, step: int) -> dict:
         return self.steps.pop(step)
 
+    # ------------------------------------------------------------------ checkpoint
+
+    def _parts(self, key: str) -> tuple[int, str]:
+        """(batch, tag) of group ``key``'s live id ``b<batch>/<pid><tag>``."""
+        group = self.groups[key]
+        head, rest = group["live"].split("/", 1)
+        return int(head[1:]), rest[len(group["pid"]):]
+
+    def in_flight_tids(self) -> list[str]:
+        """Every trajectory id of the groups not trained yet."""
+        out = []
+        for key, group in sorted(self.groups.items()):
+            b, tag = self._parts(key)
+            out += [trajectory_id(b, group["pid"] + tag, s) for s in range(self.size)]
+        return out
+
+    def state(self) -> dict:
+        """What a checkpoint keeps: the groups not trained yet (each generated again from
+        scratch on resume, under the same ids), and the counters the summary reports."""
+        stats = self.decoupler.stats
+        groups = []
+        for key, group in sorted(self.groups.items()):
+            b, tag = self._parts(key)
+            groups.append({"key": key, "batch": b, "pid": group["pid"], "tag": tag, "floor": group["floor"],
+                           "regenerations": group["regenerations"]})
+        return {"groups": groups, "regenerated_keys": sorted(self.decoupler.regenerated),
+                "stats": {"generated_tokens": stats.generated_tokens, "wasted_tokens": stats.wasted_tokens,
+                          "regenerated": stats.regenerated, "waits": stats.waits},
+                "finished_lengths": list(self.finished_lengths), "trained_lengths": list(self.trained_lengths),
+                "aborted_count": self.aborted_count, "late_finishes": self.late_finishes,
+                "abandoned": self.abandoned + len(self.aborting)}
+
+    def restore(self, state: dict, version: int) -> None:
+        """Resume at ``version``: every group the checkpoint had in flight starts again
+        from scratch (its tokens now come from policy ``version`` at the earliest: its
+        floor), and the counters go on from where they were."""
+        stats = self.decoupler.stats
+        for name, value in state["stats"].items():
+            setattr(stats, name, value)
+        self.decoupler.regenerated = set(state["regenerated_keys"])
+        self.finished_lengths, self.trained_lengths = list(state["finished_lengths"]), list(state["trained_lengths"])
+        self.aborted_count, self.late_finishes = state["aborted_count"], state["late_finishes"]
+        self.abandoned = state["abandoned"]
+        for g in state["groups"]:
+            self._launch(g["key"], g["batch"], g["pid"], floor=max(g["floor"], version), tag=g["tag"])
+            self.groups[g["key"]]["regenerations"] = g["regenerations"]
+
     # ------------------------------------------------------------------ state
 
     def in_flight(self) -> bool:
@@ -187,6 +235,7 @@ class PartialDriver:
         generated_p90 = p90(self.finished_lengths)
         return {"regenerated": stats.regenerated, "aborted_trajectories": self.aborted_count,
                 "late_finishes": self.late_finishes, "unresolved_aborts": len(self.aborting),
+                "aborts_gone_with_a_stopped_world": self.abandoned,
                 "waits": stats.waits, "generated_tokens": stats.generated_tokens,
                 "wasted_tokens": stats.wasted_tokens, "dropped_token_share": round(stats.wasted_share, 4),
                 "trained_p90_over_generated_p90": round(p90(self.trained_lengths) / generated_p90, 3)
