@@ -129,7 +129,9 @@ class JobController:
                 self.checkpoints.after_stop()
         finally:
             stand_down()  # ranks that exit from here on are not lost
-            self.world.command({"op": "stop"})
+            # the last policy posted: leaders take it before they exit, so that no send of it
+            # is left unmatched (MPI_Finalize would wait for it)
+            self.world.command({"op": "stop", "version": self.version})
             self.orchestrator.close()
         return self._finish()
 

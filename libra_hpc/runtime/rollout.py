@@ -139,6 +139,7 @@ class RolloutLeader:
                 self.leaving, self.until_version = True, command["until_version"]
                 self.leave_asked = time.perf_counter()
             elif op == "stop":
+                self._drain_weights(command.get("version", 0))
                 self.stopped = True
                 return True
             else:
@@ -171,6 +172,22 @@ class RolloutLeader:
         return worked
 
     # ------------------------------------------------------------------ weights
+
+    def _drain_weights(self, version: int, timeout_s: float = 30.0) -> None:
+        """Before this rank exits: receive the policies posted to it up to ``version`` (not
+        loaded), so that no trainer's send to it is left unmatched; a run stopped mid-way
+        (Slurm's time-limit warning) may still have one on the way."""
+        have = max(self.version, self.update[0] if self.update is not None else 0)
+        deadline = time.monotonic() + timeout_s
+        while have < version and time.monotonic() < deadline:
+            arrived = self.weights.poll()
+            if arrived is not None:
+                have = max(have, arrived[0])
+            else:
+                time.sleep(0.005)
+        if have < version:
+            log.warning("rank %d: stopping without policy v%d (have v%d after %.0f s)", self.rank, version, have,
+                        timeout_s)
 
     def _weights(self) -> bool:
         arrived = self.weights.poll()
@@ -341,6 +358,7 @@ class RolloutLeader:
             if command is not None:
                 payload = command.recv()
                 if payload["op"] == "stop":
+                    self._drain_weights(payload.get("version", 0))
                     self.stopped = True
                     return None
                 self.deferred.append(payload)

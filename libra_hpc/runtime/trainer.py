@@ -68,6 +68,11 @@ class Trainer:
                 command = message.recv()
                 if command["op"] == "stop":
                     self.stopped = True
+                    if self.sender is not None:  # the leaders take what was posted before they exit
+                        try:
+                            self.sender.finish(self.cfg.scheduler.lease_s)
+                        except TimeoutError as exc:
+                            log.warning("rank %d: a posted policy was not taken before the stop: %s", self.rank, exc)
                     break
                 if command["op"] == "relayout":
                     return self._leave_world(command)
