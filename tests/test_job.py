@@ -110,7 +110,9 @@ def test_eval_only_scores_the_exported_checkpoint(small_run, tmp_path):
 
 
 PARTIAL = ("--set", "rl.partial_rollout=true", "--set", "rl.partial_waste_budget=0.5",
-           "--set", "rl.prompts_per_step=6", "--set", "rl.group_size=2")
+           "--set", "rl.prompts_per_step=6", "--set", "rl.group_size=2", "--set", "rl.steps=8",
+           "--set", "rl.update_epochs={0: 1}")
+PARTIAL_STEPS = 8
 
 
 @pytest.mark.mpi
@@ -139,7 +141,7 @@ def test_partial_rollout_trains_every_group_once_within_the_staleness_bound_acro
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
     summary = json.loads((folder / "summary.json").read_text())
     events = read_jsonl(folder / "events.jsonl")
-    assert summary["completed"] and summary["steps"] == STEPS
+    assert summary["completed"] and summary["steps"] == PARTIAL_STEPS
     [stop] = [e for e in events if e["kind"] == "stop_requested"]
     [resumed] = [e for e in events if e["kind"] == "resumed"]
     assert resumed["version"] == stop["version"] and resumed["regenerate"] > 0
@@ -156,9 +158,9 @@ def test_partial_rollout_trains_every_group_once_within_the_staleness_bound_acro
         return group
 
     keys = Counter(key(g) for g in groups)
-    assert len(keys) == 6 * STEPS and set(keys.values()) == {1}  # every group once, under one id
+    assert len(keys) == 6 * PARTIAL_STEPS and set(keys.values()) == {1}  # every group once, under one id
     metrics = [m for m in read_jsonl(folder / "metrics.jsonl") if m["kind"] == "step"]
-    assert [m["step"] for m in metrics] == list(range(STEPS))
+    assert [m["step"] for m in metrics] == list(range(PARTIAL_STEPS))
     assert all(m["trajectories"] == 12 and m["staleness_max"] <= 1 and m["dropped_stale"] == 0 for m in metrics)
     assert all(b <= m["step"] + 1 for m in metrics for b in m["partial"]["batches"])
     partial = summary["partial_rollout"]

@@ -92,19 +92,20 @@ def cache(tmp_path_factory) -> Path:
 
 
 def test_sbatch_runs_the_rl_job_with_least_load_routing(slurm_cluster, tmp_path, cache):
-    """The RL job itself under Slurm (the small config, the script's 4 × 2 header), with
-    the trivial routing policy C-MLFQ is compared with; the report says which ran."""
+    """The RL job itself under Slurm (the small config, the script's 4 × 2 header, four
+    one-pass steps), with the trivial routing policy C-MLFQ is compared with; the report
+    says which ran."""
     (tmp_path / "logs").mkdir()
     job_id = subprocess.run(
         ["sbatch", "--parsable", f"--chdir={tmp_path}", str(ROOT / "sbatch" / "libra.sh"),
-         str(ROOT / "tests" / "data" / "job_small.yaml"), "scheduler.policy=least_load",
-         f"job.cache_dir={cache}"],
+         str(ROOT / "tests" / "data" / "job_small.yaml"), "scheduler.policy=least_load", "rl.steps=4",
+         "rl.update_epochs={0: 1}", f"job.cache_dir={cache}"],
         capture_output=True, text=True, check=True, env=_env(slurm_cluster)).stdout.strip()
     state = slurm_cluster.wait_job(job_id, timeout_s=600)
     folder = tmp_path / "logs" / f"libra-{job_id}"
     assert state == "COMPLETED", (folder / "slurm.out").read_text() if (folder / "slurm.out").exists() else state
     summary = json.loads((folder / "summary.json").read_text())
-    assert summary["completed"] and summary["steps"] == 10 and summary["scheduler_policy"] == "least_load"
+    assert summary["completed"] and summary["steps"] == 4 and summary["scheduler_policy"] == "least_load"
     assert summary["trajectories_lost"] == 0 and summary["trajectories_duplicated"] == 0
     assert "least_load" in (folder / "report.md").read_text()
     assert (folder / "checkpoint" / "model.safetensors").is_file()
