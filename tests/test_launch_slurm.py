@@ -149,7 +149,7 @@ def test_a_job_requeued_by_its_time_limit_and_by_scontrol_resumes_and_finishes(s
     from test_job import SMALL, _expected_prompts
 
     (tmp_path / "logs").mkdir()
-    steps = 12  # ten passes a step: about 9 s each here, so the warning comes before the last step
+    steps = 16  # ten passes a step, 7-9 s each here: the warning (at about 150 s) comes before the last step
     job_id = subprocess.run(
         ["sbatch", "--parsable", f"--chdir={tmp_path}", "--time=5", "--signal=USR2@150", str(ROOT / "sbatch" / "libra.sh"),
          str(SMALL), f"rl.steps={steps}", "rl.update_epochs={0: 10}", "job.checkpoint_every_steps=2",
