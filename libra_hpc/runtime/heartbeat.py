@@ -262,19 +262,12 @@ def dead_rank(folder: Path, launcher_output: str) -> dict | None:
     if srun is None:
         return None
     host, rank, said = srun.group(1), int(srun.group(2)), srun.group(3).strip()
-    beat = _read(beat_path(Path(folder), rank))
+    beat = read_beat(Path(folder), rank)
     if beat is None:
         return None
     now = time.time()
     return {"rank": rank, "slot": beat.get("slot"), "node": _node_of(beat.get("slot")),
             "how": f"died ({said}, reported by srun on {host})", "silent_s": None, **_from_beat(beat, now)}
-
-
-def _read(path: Path) -> dict | None:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
 
 
 def _node_of(slot: str | None) -> int | None:
