@@ -41,7 +41,7 @@ import time
 from typing import Any
 
 from libra_hpc.cluster.messages import COMMAND
-from libra_hpc.runtime.resume import CheckpointStore, Loaded, ask_requeue, requeue_refusal
+from libra_hpc.runtime.resume import CheckpointStore, Loaded, ask_requeue, requeue_refusal, restart_count
 
 log = logging.getLogger(__name__)
 
@@ -99,7 +99,7 @@ class CheckpointDriver:
         self.saved_version = loaded.version
         c.runlog.event("resumed", version=loaded.version, path=str(loaded.path), metric_rows_dropped=dropped,
                        regenerate=len(state.get("regenerate", [])),
-                       restart_count=int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0),
+                       restart_count=restart_count(os.environ),
                        saved_at=state.get("saved_at"))
         log.info("resumed from %s at version %d (%d metric rows of later steps dropped)", loaded.path,
                  loaded.version, dropped)
@@ -175,7 +175,7 @@ class CheckpointDriver:
         folder = c.runlog.folder
         why = requeue_refusal(os.environ, c.cfg.cluster.requeue, c.cfg.cluster.max_requeues)
         if why is None:
-            job, restarts = os.environ["SLURM_JOB_ID"], int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0)
+            job, restarts = os.environ["SLURM_JOB_ID"], restart_count(os.environ)
             start = "the start" if self.saved_version is None else self.store.path(self.saved_version)
             ask_requeue(folder, f"job {job}: stopped by {c.stop.signal} at version {c.version}; resume from {start}")
             c.runlog.event("requeue_requested", job=job, restart_count=restarts, version=self.saved_version)

@@ -34,11 +34,16 @@ PREFIX = "step-"
 REQUEUE_FILE = "REQUEUE"
 
 
+def restart_count(environ: dict) -> int:
+    """How many times Slurm has requeued this job (``SLURM_RESTART_COUNT``; 0 if unset)."""
+    return int(environ.get("SLURM_RESTART_COUNT", "0") or 0)
+
+
 def requeue_refusal(environ: dict, requeue: bool, max_requeues: int) -> str | None:
     """Why this job must not ask Slurm for a requeue now, or None when it may: it runs
     under Slurm (``SLURM_JOB_ID``), ``cluster.requeue`` is on, and ``SLURM_RESTART_COUNT``
     is below ``cluster.max_requeues`` (a job that fails the same way every time stops)."""
-    restarts = int(environ.get("SLURM_RESTART_COUNT", "0") or 0)
+    restarts = restart_count(environ)
     if environ.get("SLURM_JOB_ID") is None:
         return "not under Slurm"
     if not requeue:
