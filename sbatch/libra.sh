@@ -41,6 +41,9 @@ OVERRIDES=(--set "cluster.nodes=$NODES" --set "cluster.gpus_per_node=$GPUS")
 for kv in "$@"; do OVERRIDES+=(--set "$kv"); done
 
 echo "libra: job $SLURM_JOB_ID, $NODES nodes x $GPUS GPUs, config $CONFIG, log folder $LOG_DIR"
+# A requeue marker is this run's to write: one an earlier run left (its script was killed
+# before it read it) would requeue a job that finished.
+rm -f "$LOG_DIR/REQUEUE"
 STATUS=0
 srun --mpi=pmi2 --overcommit --kill-on-bad-exit=1 \
     --nodes="$NODES" --ntasks=$(( NODES * GPUS + 1 )) \

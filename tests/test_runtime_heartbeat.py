@@ -93,6 +93,25 @@ def test_the_post_mortem_names_the_task_srun_reports_dead(tmp_path):
     assert hb.post_mortem(tmp_path, output, {}, True, 3) == line and len(read_jsonl(tmp_path / "events.jsonl")) == 3
 
 
+def test_the_post_mortem_asks_no_requeue_when_slurm_itself_ended_the_world(tmp_path):
+    """``scontrol requeue`` (or the time limit, or scancel) kills every task: srun then
+    reports them as Terminated. Naming one as lost and asking for a requeue would requeue
+    the job a second time, after its next run finished (CI saw a job run four times)."""
+    for r in range(3):
+        _beat(tmp_path / "heartbeats", r)
+    (tmp_path / "events.jsonl").write_text(json.dumps({"kind": "world_started"}) + "\n")
+    output = ("srun: Job step aborted: Waiting up to 7 seconds for job step to finish.\n"
+              "slurmstepd-node1: error: *** JOB 17 ON node1 CANCELLED AT 2026-11-26T04:49:12 DUE TO JOB REQUEUE ***\n"
+              "srun: error: node1: task 2: Terminated\n")
+    line = hb.post_mortem(tmp_path, output, {"SLURM_JOB_ID": "17", "SLURM_RESTART_COUNT": "1"}, True, 3)
+    assert line.startswith("Slurm ended the world (JOB REQUEUE)")
+    assert not (tmp_path / "REQUEUE").exists()
+    assert [e["kind"] for e in read_jsonl(tmp_path / "events.jsonl")] == ["world_started", "stopped_by_slurm"]
+    assert hb.slurm_ended("*** STEP 5.0 ON n1 CANCELLED AT 2026-11-26T04:49:12 ***") == "cancelled"
+    assert hb.slurm_ended("*** JOB 5 ON n1 CANCELLED AT 2026-11-26T04:49:12 DUE TO TIME LIMIT ***") == "TIME LIMIT"
+    assert hb.slurm_ended("srun: error: node1: task 2: Killed") is None
+
+
 def test_the_post_mortem_adds_nothing_when_the_run_said_why(tmp_path):
     _beat(tmp_path / "heartbeats", 1)
     (tmp_path / "events.jsonl").write_text(

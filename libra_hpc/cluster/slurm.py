@@ -121,6 +121,10 @@ def run_world_step(command: list[str], logs_root: str | None = None) -> int:
     requeue (``REQUEUE`` in its log folder, as ``sbatch/libra.sh`` reads it), requeue
     this job: it comes back with the same id and log folder and resumes."""
     logging.basicConfig(level=logging.INFO)
+    job, name = os.environ.get("SLURM_JOB_ID"), os.environ.get("SLURM_JOB_NAME")
+    folder = Path(logs_root) / f"{name}-{job}" if logs_root and job and name else None
+    if folder is not None:  # this run's to write: an earlier run's would requeue a finished job
+        (folder / "REQUEUE").unlink(missing_ok=True)
     log.info("starting the MPI world: %s", " ".join(command))
     process = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, errors="replace")
     said = []
@@ -128,9 +132,7 @@ def run_world_step(command: list[str], logs_root: str | None = None) -> int:
         sys.stderr.write(line)
         said.append(line)
     code = process.wait()
-    job, name = os.environ.get("SLURM_JOB_ID"), os.environ.get("SLURM_JOB_NAME")
-    if logs_root and job and name:
-        folder = Path(logs_root) / f"{name}-{job}"
+    if folder is not None:
         if code != 0 and (folder / "config.yaml").is_file():
             from libra_hpc.config import load_config
             from libra_hpc.runtime.heartbeat import post_mortem

@@ -252,6 +252,18 @@ def describe_lost(lost: dict) -> str:
 
 
 _SRUN = re.compile(r"srun: error: (\S+): tasks? (\d+)(?:-\d+)?: (.+)")
+_SLURM_ENDED = re.compile(r"\*\*\* (?:JOB|STEP) \S+ ON \S+ CANCELLED AT \S+(?: DUE TO ([A-Z_ ]+?))? \*\*\*")
+
+
+def slurm_ended(launcher_output: str) -> str | None:
+    """Why Slurm itself ended the world, as slurmstepd says it (``JOB REQUEUE``,
+    ``TIME LIMIT``, ``PREEMPTION``; ``cancelled`` for ``scancel``), or None. Ranks killed
+    that way are not lost: nothing needs naming, and Slurm already decided what happens to
+    the job (a requeue it started must not be asked for twice)."""
+    found = _SLURM_ENDED.search(launcher_output)
+    if found is None:
+        return None
+    return (found.group(1) or "cancelled").strip()
 
 
 def dead_rank(folder: Path, launcher_output: str) -> dict | None:
@@ -285,7 +297,10 @@ def post_mortem(log_dir: Path, launcher_output: str, environ: dict, requeue: boo
     run wrote it already (rank 0's watchdog saw it), that line; if the run wrote nothing
     (no ``rank_lost``, ``failure`` or ``shutdown``) and ``srun`` named a dead task, append
     ``rank_lost`` and ``failure`` to the run's events and, under Slurm with requeues left,
-    ask for a requeue. None when there is nothing to say (a rank that raised named itself
+    ask for a requeue. When Slurm ended the world itself (``scontrol requeue``, the time
+    limit, preemption, ``scancel``: :func:`slurm_ended`), a ``stopped_by_slurm`` event
+    instead, and no requeue: one asked for then would run the job once more after it
+    finishes. None when there is nothing to say (a rank that raised named itself
     in a ``failure`` event)."""
     from libra_hpc.metrics.runlog import JsonlWriter, read_jsonl
     from libra_hpc.runtime.resume import ask_requeue, requeue_refusal
@@ -293,9 +308,18 @@ def post_mortem(log_dir: Path, launcher_output: str, environ: dict, requeue: boo
     events = read_jsonl(log_dir / "events.jsonl")
     starts = [i for i, e in enumerate(events) if e["kind"] == "world_started"]
     this_run = events[starts[-1]:] if starts else events
-    said = [e["line"] for e in this_run if e["kind"] == "rank_lost"]
+    said = [e["line"] for e in this_run if e["kind"] in ("rank_lost", "stopped_by_slurm")]
     if said or any(e["kind"] in ("failure", "shutdown") for e in this_run):
         return said[0] if said else None
+    ended = slurm_ended(launcher_output)
+    if ended is not None:
+        line = f"Slurm ended the world ({ended}); no rank was lost, and no requeue is asked for"
+        writer = JsonlWriter(log_dir / "events.jsonl")
+        try:
+            writer.write("stopped_by_slurm", reason=ended, line=line)
+        finally:
+            writer.close()
+        return line
     lost = dead_rank(log_dir / "heartbeats", launcher_output)
     if lost is None:
         return None
