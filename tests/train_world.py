@@ -3,7 +3,7 @@
 ``tp2`` (2 ranks): both ranks form the training torch world at TP=2. Log-probs of a fixed
 batch before and after ``STEPS`` policy-gradient steps, the step losses, and the
 exported HF weights' log-probs under plain transformers (rank 0); then a dist checkpoint
-(OUT/ckpt) that the test loads at TP=1. The same processes then re-initialise megatron as
+(OUT/ckpt) that the test loads at TP=1, and the log-probs after one more step from it. The same processes then re-initialise megatron as
 PP=2 (load that checkpoint, one step, per-stage export) and as DP=2 (half the batch per
 rank, with the plain and with the distributed optimizer, whose checkpoint is reloaded).
 
@@ -83,12 +83,24 @@ def _training(comm, model_dir: Path, *, tp: int = 2, pp: int = 1):
     return engine, tokens, before, stats, after
 
 
+def _one_more_step(engine, tokens: torch.Tensor, before: torch.Tensor) -> torch.Tensor:
+    """One more step on the fixed batch (old log-probs ``before``); the log-probs after it.
+    Its update depends on the Adam moments and step count: a load that lost either gives
+    other log-probs."""
+    from libra_hpc.engines.train.loss import PolicyBatch
+
+    _, mask, advantages = fixed_batch(engine.shape.vocab_size)
+    engine.train_step(PolicyBatch(tokens, mask, advantages, old_logprobs=before))
+    return engine.logprobs(tokens)
+
+
 def scenario_tp2(comm, model_dir: Path, out: Path) -> None:
     from libra_hpc.engines.train.checkpoint import save_checkpoint
 
     engine, tokens, before, stats, after = _training(comm, model_dir)
     exported = engine.export_hf()
     save_checkpoint(engine, out / "ckpt")
+    continued = _one_more_step(engine, tokens, before)  # what a re-sharded load must reproduce
     placement = engine.placement
     engine.shutdown()
     pp2 = _pp2(model_dir, out / "ckpt", tokens, after)
@@ -101,7 +113,7 @@ def scenario_tp2(comm, model_dir: Path, out: Path) -> None:
             "init_vs_hf": (before - hf_logprobs(model_dir, tokens)).abs().max().item(),
             "export_vs_hf": (after - hf_logprobs(model_dir, tokens, exported)).abs().max().item(),
             "moved": (after - before).abs().max().item(),
-            "before": before.tolist(), "after": after.tolist(),
+            "before": before.tolist(), "after": after.tolist(), "continued": continued.tolist(),
         }
         (out / "result.json").write_text(json.dumps(result))
 
