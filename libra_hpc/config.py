@@ -258,6 +258,43 @@ class PlannerConfig(_Section):
     had; null: keep it lent. Must come after ``borrow_at_step``."""
 
 
+class ParallelConfig(_Section):
+    """EARL: the TP size of training chosen from the context lengths it runs, and how
+    rollout outputs reach the training ranks (``libra_hpc/parallel/``)."""
+
+    on_memory: Literal["reshard", "replan"] = "reshard"
+    """When contexts outgrow the training shape's memory (``planner.memory_headroom``):
+    ``reshard`` moves training to the TP size on the same GPUs that fits and is fastest
+    (from a checkpoint, resharded; rollout goes on), and re-plans the whole split only when
+    no TP size fits; ``replan`` re-plans the whole split at once (rollout drains first)."""
+    training_tp_by_context: dict[int, int] | None = None
+    """A measured table for the training TP size: ``{0: 1, 8192: 2}`` means TP 1 until
+    the p90 context of the observed trajectories (prompt, tool outputs and generated
+    tokens) reaches 8192 tokens, TP 2 from there (DP shrinks to keep the GPUs). The job
+    re-shards training when the table says so, through a checkpoint and without losing a
+    step (a ``tp_reshard`` event says why). null: the TP size changes only for memory
+    (``on_memory``). On CPU every measured table says TP 1; a table here checks the mechanism."""
+    hysteresis: float = Field(0.1, ge=0, lt=1)
+    """A move to a smaller TP waits until the context is this share below the threshold
+    that raised it; by cost, another TP size must be this share faster."""
+    confirm_checks: int = Field(2, ge=1)
+    """Consecutive checks (one per RL step) that must agree before the TP size changes
+    (a shape that does not fit changes at once)."""
+    dispatch: Literal["direct", "gather_scatter"] = "direct"
+    """How a finished trajectory reaches the training ranks of its DP replica: ``direct``
+    from the rollout leader to each of them; ``gather_scatter`` through the first training
+    rank (the single-controller baseline, for comparison: ``benchmarks/bench_dispatch.py``)."""
+
+    @field_validator("training_tp_by_context")
+    @classmethod
+    def _table(cls, v: dict[int, int] | None) -> dict[int, int] | None:
+        if v is not None:
+            from libra_hpc.parallel.selector import TpTable
+
+            TpTable.from_mapping(v)  # raises with the reason
+        return v
+
+
 class SchedulerConfig(_Section):
     """Routing of trajectory turns to rollout buckets (C-MLFQ) and the queue service
     (``libra_hpc.scheduler``)."""
@@ -473,6 +510,7 @@ class ExperimentConfig(_Section):
     training: TrainingConfig = TrainingConfig()
     rollout: RolloutConfig = RolloutConfig()
     planner: PlannerConfig = PlannerConfig()
+    parallel: ParallelConfig = ParallelConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
     tools: ToolsConfig = ToolsConfig()
     rl: RLConfig = RLConfig()

@@ -56,3 +56,61 @@ def test_a_fixed_policy_that_overflows_is_reported_with_its_step_not_raised(grow
     assert result.runs["async_static"].summary["steps"] == oom["step"]  # every step before it ran
     assert result.ratio("libra", "async_static") is None and result.vs_bound("async_static") is None
     assert any(f"out of memory at step {oom['step']}" in line for line in table(result))
+
+
+def test_growing_contexts_re_shard_training_to_a_larger_tp_without_draining_rollout(growth):
+    """EARL's selector (``parallel.on_memory: reshard``): when the running shape cannot
+    hold the sequences the batch may reach, training moves to a larger TP size on the same
+    GPUs, the rollout instances stay as they were, and no step is lost."""
+    cfg, result = growth
+    libra = result.runs["libra"]
+    [reshard] = [e for e in libra.events if e["kind"] == "reshard_check" and e["trigger"] == "memory"]
+    assert reshard["apply"] and reshard["to_tp"] > reshard["from_tp"]
+    moved = [e for e in libra.events if e["kind"] == "tp_reshard"]
+    assert [e["step"] for e in moved] == [reshard["step"]]
+    allocations = [e for e in libra.events if e["kind"] == "allocation"]
+    at = next(i for i, e in enumerate(allocations) if e["why"] == "re-shard")
+    rollout = [allocations[i]["describe"].split("| rollout")[1].split(", hybrid")[0] for i in (at - 1, at)]
+    assert rollout[0] == rollout[1]  # (the hybrid pool may not form around the new replica shape)
+    assert allocations[at]["describe"].startswith(f"train TP{reshard['to_tp']} ")
+    assert libra.summary["steps"] == cfg.rl.steps
+
+
+def _loop(table):
+    from libra_hpc.planner.control import ControlLoop, ControlOptions, feasible_tps
+    from libra_hpc.planner.costs import Calibration
+
+    q14, a800 = load_model("qwen3-14b"), load_hardware("a800-80g")
+    tps = feasible_tps(q14, a800, (8, 4, 2, 1), Calibration())
+    options = ControlOptions(nodes=2, gpus_per_node=8, global_batch=64, seq_len=65536, max_staleness=1,
+                             rollout_tps=tps, hybrid=False, replan=False, tp_table=table, tp_confirm=2, window=64)
+    loop = ControlLoop(q14, a800, options)
+    loop.initial()
+    return loop
+
+
+def _after(loop, step: int, context: int):
+    loop.observe([LengthSample(context // 2, context - context // 2, 4, 10.0)] * 64)
+    return loop.after_rollout(step, 100.0 * step, 60.0, 50.0).change
+
+
+def test_a_measured_table_re_shards_down_as_contexts_shrink_and_up_as_they_grow():
+    """``parallel.training_tp_by_context``: two checks in a row below a threshold move
+    training down (DP grows on the same GPUs); back above it two checks move it up; near
+    the threshold (within the hysteresis) it stays."""
+    start = _loop(None).plan.train
+    assert start.tp >= 2, start  # the planner's first shape for this batch; the table halves it below 6000
+    loop = _loop(((0, start.tp // 2), (6000, start.tp)))
+    assert _after(loop, 1, 9000) is None
+    assert _after(loop, 2, 2000) is None  # one check is not enough
+    down = _after(loop, 3, 2000)
+    assert down is not None and down.reshard and down.plan.train.tp == start.tp // 2
+    assert down.plan.train.gpus == start.gpus and down.plan.train.dp == 2 * start.dp
+    assert down.plan.rollout == loop.plan.rollout and "the table says" in down.reason
+    loop.apply(down)
+    assert _after(loop, 4, 2000) is None and _after(loop, 5, 2000) is None
+    assert _after(loop, 6, 9000) is None  # TP1 still holds 9000 tokens: no forced move, one check
+    up = _after(loop, 7, 9000)
+    assert up is not None and up.reshard and up.plan.train.tp == start.tp
+    loop.apply(up)
+    assert _after(loop, 8, 5500) is None and _after(loop, 9, 5500) is None  # within 10% of 6000: stays

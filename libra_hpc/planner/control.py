@@ -50,6 +50,8 @@ from libra_hpc.planner.search import (
     reprice,
 )
 from libra_hpc.planner.search import RolloutInstance as PlanInstance
+from libra_hpc.parallel.selector import TpSelector, TpTable, choose_by_cost, context_percentile
+from libra_hpc.planner.reshard import resharded, tp_options
 
 log = logging.getLogger(__name__)
 
@@ -95,6 +97,13 @@ class ControlOptions:
     length_aware_routing: bool = False
     """The router places turns by (true or predicted) length, so plans may count on the
     long trajectories reaching the fast instances (``PlannerOptions.length_aware``)."""
+    on_memory: str = "reshard"
+    """Contexts outgrew the training shape: ``reshard`` (training to another TP size on the
+    same GPUs, :mod:`libra_hpc.parallel.selector`) before ``replan`` (the whole split)."""
+    tp_table: tuple[tuple[int, int], ...] | None = None
+    """A measured training TP table (context tokens from which → TP size); None: by cost."""
+    tp_hysteresis: float = 0.1
+    tp_confirm: int = 2
 
     @property
     def gpus(self) -> int:
@@ -117,6 +126,10 @@ class ControlOptions:
             gate=GateOptions(every_steps=p.every_steps, margin_s=p.margin_s, confirm_checks=p.confirm_checks,
                              min_dwell_steps=p.min_dwell_steps, min_gain=p.min_gain),
             hybrid_margin=p.hybrid_margin, memory_headroom=p.memory_headroom,
+            on_memory=cfg.parallel.on_memory, tp_hysteresis=cfg.parallel.hysteresis,
+            tp_confirm=cfg.parallel.confirm_checks,
+            tp_table=tuple(sorted(cfg.parallel.training_tp_by_context.items()))
+            if cfg.parallel.training_tp_by_context else None,
             **{"length_aware_routing": cfg.scheduler.policy in ("oracle", "length_aware"), **setup})
 
 
@@ -133,6 +146,9 @@ class LayoutChange:
     """Predicted step-time saving against the current plan (None for the first layout)."""
     result: PlanResult | None = None
     """The search behind it (runners-up, time spent)."""
+    reshard: bool = False
+    """Only the training TP size changes (same GPUs, same rollout instances): rollout
+    need not drain; training reloads its checkpoint at the new shape."""
 
     def describe(self) -> str:
         pool = f", hybrid pool {len(self.pool.all_replicas())} replica(s)" if self.pool else ""
@@ -229,6 +245,9 @@ class ControlLoop:
         self.scale = (1.0, 1.0)
         """Measured over predicted training and rollout time of the running plan at the
         last check (:meth:`pooled_objective` weighs a hybrid replica's move with it)."""
+        self.tp = TpSelector(current=0, confirm=options.tp_confirm)
+        """Training's TP size over time (EARL's selector; set by :meth:`apply`)."""
+        self.tp_table = TpTable(options.tp_table) if options.tp_table else None
         self.journal: list[dict] | None = None
         """Set to a list to record every call (inputs and decisions as plain data); off by
         default, since the samples of a long run add up."""
@@ -415,6 +434,7 @@ class ControlLoop:
     def apply(self, change: LayoutChange) -> None:
         """The driver runs ``change`` from now on (after draining what it had to)."""
         self.layout, self.plan, self.pool = change.layout, change.plan, change.pool
+        self.tp.applied(change.plan.train.tp)
         if change.step:
             self._log("apply", {"step": change.step}, None)
 
@@ -442,10 +462,13 @@ class ControlLoop:
     # ------------------------------------------------------------------ internals
     def _consider(self, step: int, pressure: dict,
                   future: Callable[[], LengthProfile | None] | None) -> LayoutChange | None:
-        if not self.o.replan or not self.window or self.plan is None:
+        if not self.window or self.plan is None:
             return None
         observed = length_profile(list(self.window), self.o.global_batch)
         short = self.memory_short(observed)  # checked after every batch: the next may not fit
+        change = self._reshard(step, observed, short)  # a re-shard moves no GPU between roles
+        if change is not None or not self.o.replan:
+            return change
         if short is None and (step - self.last_check < self.min_gap or not self.gate.due(step, pressure)):
             return None  # pressure checks at most every every_steps // 5 steps (each costs a plan search)
         self.last_check = step
@@ -487,6 +510,47 @@ class ControlLoop:
         if not decision.apply:
             return None
         return self._change(step, candidate, decision.reason, now_plan.objective - candidate.plan.objective)
+
+    def _reshard(self, step: int, lengths: LengthProfile, short: str | None) -> LayoutChange | None:
+        """EARL's selector on training: a move to another TP size on the same GPUs, when
+        the running one cannot hold the sequences the batch may reach (``short``, with
+        ``on_memory: reshard``), or when the measured table says so (two checks in a row
+        agreeing). None while hybrid replicas are lent or in transit (their shape is the
+        running one's), or when no TP size fits (a re-plan's turn)."""
+        if self.pool is not None and len(self.pool.in_state("rollout")) != len(self.pool.all_replicas()):
+            return None
+        if short is not None and self.o.on_memory != "reshard":
+            return None
+        if short is None and self.tp_table is None:
+            return None
+        base = self.plan.train
+        options = tp_options(self.model, self.hw, base, self.memory_need(lengths), math.ceil(lengths.mean_seq_tokens),
+                             self.cal)
+        if short is not None:
+            choice = choose_by_cost({tp: s for tp, (s, _) in options.items()}, base.tp, self.o.tp_hysteresis)
+            trigger = "memory"
+        else:
+            context = context_percentile([s.prompt_len + s.gen_len for s in self.window])
+            choice = self.tp_table.choose(context, base.tp, self.o.tp_hysteresis)
+            trigger = "table"
+            if choice.tp not in options or options[choice.tp][1] is None:
+                self.considered.append({"step": step, "kind": "reshard_check", "trigger": trigger, "apply": False,
+                                        "reason": f"{choice.reason}, but TP{choice.tp} cannot run here "
+                                                  f"({self.o.gpus_per_node} GPUs per node, {base.gpus} training GPUs)"})
+                return None
+        if not choice.fits or self.tp.consider(choice, must=short is not None) is None:
+            return None
+        seconds, shape = options[choice.tp]
+        reason = f"{short or choice.reason}; re-shard training TP{base.tp} → TP{choice.tp} (DP{shape.dp}, same GPUs)"
+        plan_, layout, pool = self._allocation(resharded(self.plan, shape, seconds), reason, resplit=False)
+        if plan_.rollout != self.plan.rollout:
+            return None  # the pool would move rollout instances: not a re-shard
+        self.considered.append({"step": step, "kind": "reshard_check", "trigger": trigger, "apply": True,
+                                "reason": reason, "from_tp": base.tp, "to_tp": choice.tp})
+        change = LayoutChange(step, replace(layout, version=self.layout.version + 1), plan_, pool, reason, None,
+                              PlanResult(plan_, (), 0, 0.0), reshard=True)
+        self._log("reshard", {"step": step, "trigger": trigger}, change)
+        return change
 
     def _hybrid_decide(self, now: float, t_train: float, t_roll: float) -> list[PoolEvent] | None:
         """Borrow or release a hybrid replica; None (nothing considered) when training is

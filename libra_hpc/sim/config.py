@@ -38,6 +38,9 @@ class CostSpec(_Section):
     rollout engine (offload/reload, resharding, KV cache re-allocation), both ways."""
     reconfig_s: float = Field(30.0, ge=0)
     """Seconds a plan change stalls rollout and training (engines restarted, groups rebuilt)."""
+    reshard_s: float = Field(20.0, ge=0)
+    """Seconds training stalls to move to another TP size on the same GPUs (EARL's
+    re-shard: checkpoint saved, reloaded at the new shape); rollout goes on meanwhile."""
     hybrid_fetch_s: float | None = Field(None, ge=0)
     """Seconds a hybrid replica spends fetching weights and optimizer shards; null:
     bf16 weights + fp32 grads + Adam shard bytes of one replica over one inter-node link."""

@@ -117,6 +117,7 @@ class PolicyRun:
         self.synced = 0  # weight version the rollout instances hold
         self.blocked_until = 0.0  # after a plan change nothing restarts before this
         self.pending: LayoutChange | None = None  # a layout waiting for rollout to drain
+        self.reshard_due_s = 0.0  # a re-shard's pause, paid by the next training step
         self.last = {"rollout_s": None, "train_s": None}
         self.fetching: set[int] = set()
         self.finished_traj: dict[str, object] = {}  # partial rollout: finished, not trained yet
@@ -322,7 +323,8 @@ class PolicyRun:
         return events + self._train(j, batch, now)
 
     def _train(self, j: int, batch, now: float) -> list[Event]:
-        start = max(now, self.blocked_until)
+        start = max(now, self.blocked_until) + self.reshard_due_s
+        self.reshard_due_s = 0.0
         mean_tokens = sum(t.total_tokens for t in batch) / len(batch)
         shape = self._shape()
         try:
@@ -360,6 +362,8 @@ class PolicyRun:
         future = ((lambda: length_profile(samples_of(self.ctx.batch(nxt)), self.cfg.batch_size) if nxt < self.cfg.rl.steps else None)
                   if self.setup.clairvoyant else None)
         out = self.control.after_rollout(step, now, self.last["rollout_s"], self.last["train_s"], future)
+        if out.change is not None and out.change.reshard:
+            return self._apply_reshard(out.change, now)
         if out.change is not None:
             self.pending = out.change
             return self._apply_pending(now)
@@ -376,6 +380,16 @@ class PolicyRun:
         self.rollout.configure(self._instances(), now, list(self.recent))
         self.blocked_until = now + self.cfg.costs.reconfig_s
         self._record_allocation(now, "replan")
+        return []
+
+    def _apply_reshard(self, change, now: float) -> list[Event]:
+        """Training to another TP size on the same GPUs: rollout goes on; the next training
+        step starts ``costs.reshard_s`` late (checkpoint saved, reloaded resharded)."""
+        self.control.apply(change)
+        self.layout, self.train = change.layout, change.plan.train
+        self.reshard_due_s += self.cfg.costs.reshard_s
+        self.rec.events.append({"kind": "tp_reshard", "t": now, "step": change.step, "reason": change.reason})
+        self._record_allocation(now, "re-shard")
         return []
 
     def _carry_out(self, now: float, pool_events: list[PoolEvent]) -> list[Event]:
