@@ -39,6 +39,7 @@ from libra_hpc.runtime.episodes import batch_of, group_of, trajectory_id
 from libra_hpc.runtime.heartbeat import stand_down
 from libra_hpc.runtime.hybrid import HybridDriver
 from libra_hpc.runtime.partial import PartialDriver
+from libra_hpc.parallel.dispatch import least_loaded, make_dispatcher
 from libra_hpc.runtime.planning import PlannerDriver
 from libra_hpc.runtime.roles import Roles, roles_from_layout
 
@@ -319,16 +320,26 @@ class JobController:
         batch["rows"].append(message)
         batch["done"] += 1
         self.service.drain_finished()
-        self._send(source, {"op": "route", "tid": tid, "dest": list(self.roles.replicas[dest]), "replica": dest})
+        self.route(source, tid, dest)
         if batch["done"] == self.cfg.batch_size:
             batch["complete"] = time.perf_counter()
             self._maybe_train()
 
     def pick_replica(self, tokens: dict[int, int]) -> int:
         """The DP replica a new group goes to: of those training may route to (not one the
-        hybrid pool is about to return), the one with the fewest ``tokens`` so far."""
+        hybrid pool is about to return), the one with the fewest ``tokens`` so far
+        (:func:`~libra_hpc.parallel.dispatch.least_loaded`)."""
         open_ = [d for d in range(len(self.roles.replicas)) if self.hybrid is None or d not in self.hybrid.no_route]
-        return min(open_, key=lambda d: tokens.get(d, 0))
+        return least_loaded(tokens, open_)
+
+    def route(self, source: int, tid: str, replica: int) -> None:
+        """Tell leader ``source`` where trajectory ``tid`` goes: every rank of DP
+        ``replica``, by the path of ``parallel.dispatch`` (direct, or through the first
+        training rank, which forwards: the ``forward`` hops)."""
+        hub = self.roles.replicas[0][0]
+        hops = make_dispatcher(self.cfg.parallel.dispatch, hub).path(source, self.roles.replicas[replica])
+        self._send(source, {"op": "route", "tid": tid, "dest": list(hops[0].dests), "replica": replica,
+                            "forward": [[h.source, list(h.dests)] for h in hops[1:]]})
 
     def _on_aborted(self, message: dict, source: int) -> None:
         if self.partial is None:
@@ -438,6 +449,7 @@ class JobController:
             groups=sum(r["groups"] for r in reports if "tids" in r),
             groups_filtered=sum(r["filtered_groups"] for r in reports if "tids" in r),
             dropped_stale=sum(sum(r["dropped_stale"].values()) for r in reports if "tids" in r),
+            forwarded=sum(r.get("forwarded", 0) for r in reports),
             scheduler_policy=self.cfg.scheduler.policy, **({"partial": batch["partial"]} if "partial" in batch else {}))
         self.idle_rollout_s = 0.0
         self.migrations_seen = stats["migrations"]
@@ -502,8 +514,11 @@ class JobController:
                  tool_calls=self.tools.calls if hasattr(self, "tools") else 0,
                  tool_failures=self.tools.failures if hasattr(self, "tools") else 0,
                  migrations=self.migrations_before + self.service.stats()["migrations"] if hasattr(self, "service") else 0,
-                 layouts_applied_by_planner=(self.hybrid.applied + self.planner.replans) if self.hybrid else 0,
+                 layouts_applied_by_planner=(self.hybrid.applied + self.planner.replans + self.planner.reshards)
+                 if self.hybrid else 0,
                  replans_applied=self.planner.replans if self.planner else 0,
+                 reshards_applied=self.planner.reshards if self.planner else 0,
+                 dispatch=self.cfg.parallel.dispatch,
                  hybrid_switches=self.hybrid.applied if self.hybrid else 0,
                  hybrid_pauses_s=self.hybrid.pauses if self.hybrid else [], checkpoint=self.exported,
                  completed=self.phase == "done")

@@ -92,7 +92,7 @@ class PartialDriver:
         self.untrained_tokens[dest] = self.untrained_tokens.get(dest, 0) + message["tokens"]
         group["rows"].append(message)
         group["pending"].discard(tid)
-        c._send(source, {"op": "route", "tid": tid, "dest": list(c.roles.replicas[dest]), "replica": dest})
+        c.route(source, tid, dest)
         if not group["pending"]:
             self.decoupler.finish(key, sum(r["gen_tokens"] for r in group["rows"]), time.perf_counter())
             c._maybe_train()

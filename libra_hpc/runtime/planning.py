@@ -27,6 +27,11 @@ What it decides, and who carries it out:
   held batches go in. The pipeline bubble is the price, and the gate's
   ``reconfig_s`` (``planner.reconfig_s``) weighs it.
 
+A re-shard (:mod:`libra_hpc.parallel.selector`: training to another TP size on the same
+GPUs, for memory or from ``parallel.training_tp_by_context``) goes the same way: its
+``tp_reshard`` event says from which TP to which and why; the training ranks save their
+checkpoint and load it resharded (the step counter and the optimizer state go with it).
+
 Every decision is an event: ``plan_considered`` (each replan check, with the current and
 the candidate plan's predicted step and why it was kept or applied), ``layout_applied``
 (``by: planner (replan)``, the pause and the predicted gain), ``calibration`` (what the
@@ -85,7 +90,7 @@ class PlannerDriver:
         self.running: dict[int, list[int]] = {}
         self.pending = None  # a LayoutChange waiting for the pipeline to drain
         self.held: list[int] = []  # batches not submitted while a replan waits
-        self.replans = 0
+        self.replans = self.reshards = 0
         self.times: list[tuple[int, float, float]] = []  # (step, batch rollout s, training s)
         self.t0 = time.monotonic()
 
@@ -162,10 +167,15 @@ class PlannerDriver:
         c = self.c
         self.pending = change
         self.decided = time.perf_counter()
-        c.runlog.event("replan", step=c.version, plan=change.plan.describe(), reason=change.reason,
-                       predicted_gain_s=None if change.gain_s is None else round(change.gain_s, 3),
-                       calibration=self.control.cal.note)
-        c.runlog.event("progress", line=f"replan decided at step {c.version}: {change.plan.describe()} "
+        what = "re-shard" if change.reshard else "replan"
+        if change.reshard:  # EARL's selector: training to another TP size, the same GPUs
+            c.runlog.event("tp_reshard", step=c.version, from_tp=c.layout.training.tp, to_tp=change.plan.train.tp,
+                           plan=change.plan.describe(), reason=change.reason)
+        else:
+            c.runlog.event("replan", step=c.version, plan=change.plan.describe(), reason=change.reason,
+                           predicted_gain_s=None if change.gain_s is None else round(change.gain_s, 3),
+                           calibration=self.control.cal.note)
+        c.runlog.event("progress", line=f"{what} decided at step {c.version}: {change.plan.describe()} "
                                          f"({change.reason}); draining the batches in flight")
         self.maybe_apply()
 
@@ -185,10 +195,14 @@ class PlannerDriver:
         c = self.c
         change, self.pending = self.pending, None
         self.control.apply(change)
-        self.replans += 1
+        if change.reshard:
+            self.reshards += 1
+        else:
+            self.replans += 1
         record.update(predicted_gain_s=None if change.gain_s is None else round(change.gain_s, 3),
                       decided_to_applied_s=round(time.perf_counter() - self.decided, 3))
-        c.runlog.event("layout_applied", step=c.version, by="planner (replan)", plan=change.plan.describe(),
+        c.runlog.event("layout_applied", step=c.version, by="planner (re-shard)" if change.reshard else "planner (replan)",
+                       plan=change.plan.describe(),
                        **c.layout.summary(), **record)
         held, self.held = self.held, []
         for b in held:

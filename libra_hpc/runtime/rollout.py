@@ -127,7 +127,8 @@ class RolloutLeader:
             op = command["op"]
             if op == "route":
                 trajectory = self.outbox.pop(command["tid"])
-                payload = {"tid": command["tid"], "trajectory": trajectory.to_dict()}
+                payload = {"tid": command["tid"], "trajectory": trajectory.to_dict(), "replica": command["replica"],
+                           "forward": command.get("forward", [])}
                 self.sends += [self.data.isend(payload, dest=r, tag=TRAJECTORY) for r in command["dest"]]
             elif op == "abort":
                 self.aborted.update(command["tids"])

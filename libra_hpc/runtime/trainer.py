@@ -47,6 +47,12 @@ class Trainer:
         self.discarded: set[str] = set()  # groups regenerated (partial rollout): never trained
         self.wait_s = 0.0
         self.stopped = False
+        self.forwards: list[Any] = []  # sends of trajectories this rank passes on (gather_scatter)
+        self.forwarded = 0
+        self.relayed: dict[str, int] = {}  # group → its trajectories passed on to another replica
+        self.hub = job.cfg.parallel.dispatch == "gather_scatter" and roles.replicas[0][0] == self.rank
+        """The gather rank: it must have passed on every trajectory of a step before the
+        step's collectives, or the replicas waiting for them would wait forever."""
 
     def run(self) -> dict | None:
         """Serve until ``stop`` (returns None) or ``relayout`` (returns the command, after
@@ -63,11 +69,13 @@ class Trainer:
                 worked = True
             if self.sender is not None:
                 self.sender.progress()
+            self.forwards = [r for r in self.forwards if not r.Test()]
             message = self.comm.improbe(source=CONTROLLER, tag=COMMAND)
             if message is not None:
                 command = message.recv()
                 if command["op"] == "stop":
                     self.stopped = True
+                    MPI.Request.Waitall(self.forwards)
                     if self.sender is not None:  # the leaders take what was posted before they exit
                         try:
                             self.sender.finish(self.cfg.scheduler.lease_s)
@@ -92,8 +100,11 @@ class Trainer:
         weights still going out completed."""
         from libra_hpc.engines.train.checkpoint import save_checkpoint
 
+        from mpi4py import MPI
+
         started = time.perf_counter()
         save_checkpoint(self.engine, command["checkpoint"])
+        MPI.Request.Waitall(self.forwards)
         if self.sender is not None:
             self.sender.finish(self.cfg.scheduler.lease_s)
         command["saved_s"] = time.perf_counter() - started
@@ -120,6 +131,14 @@ class Trainer:
         from libra_hpc.rl.trajectory import Trajectory
 
         tid = payload["tid"]
+        hops = payload.get("forward", [])
+        if hops and hops[0][0] == self.rank:  # the gather rank of parallel.dispatch: gather_scatter
+            onward = {**payload, "forward": hops[1:]}
+            self.forwards += [self.data.isend(onward, dest=d, tag=TRAJECTORY) for d in hops[0][1]]
+            self.forwarded += 1
+        if payload.get("replica", self.replica) != self.replica:
+            self.relayed[group_of(tid)] = self.relayed.get(group_of(tid), 0) + 1
+            return
         group = group_of(tid)
         if group not in self.discarded:
             self.inbox.setdefault(group, []).append((tid, Trajectory.from_dict(payload["trajectory"])))
@@ -130,7 +149,10 @@ class Trainer:
             for group in command.get("discard", ()):
                 self.discarded.add(group)
                 self.inbox.pop(group, None)
-            self.job.report(self._train(command["batch"], command["groups"].get(self.replica, []), command["leaders"]))
+                self.relayed.pop(group, None)
+            relay = [g for r, gs in command["groups"].items() if r != self.replica for g in gs] if self.hub else []
+            self.job.report(self._train(command["batch"], command["groups"].get(self.replica, []), command["leaders"],
+                                        relay))
         elif op == "export":
             self.job.report(self._export(command["path"]))
         elif op == "checkpoint":
@@ -138,15 +160,17 @@ class Trainer:
         else:
             raise ValueError(f"rank {self.rank} (trainer): unknown command {op!r}")
 
-    def _wait_for(self, step: int, groups: list[str]) -> list:
+    def _wait_for(self, step: int, groups: list[str], relay: list[str] = ()) -> list:
         """Every trajectory of this replica's ``groups`` for ``step`` (the leaders may
-        still be sending), in the order the groups were named."""
+        still be sending), in the order the groups were named; the gather rank also waits
+        until it has passed on every trajectory of the other replicas' groups (``relay``)."""
         from mpi4py import MPI
 
         need = self.cfg.rl.group_size
         backoff = Backoff(1e-4, 0.01)
         deadline = time.monotonic() + self.cfg.scheduler.lease_s
-        while missing := [g for g in groups if len(self.inbox.get(g, ())) < need]:
+        while missing := [g for g in groups if len(self.inbox.get(g, ())) < need] + \
+                [g for g in relay if self.relayed.get(g, 0) < need]:
             message = self.data.improbe(source=MPI.ANY_SOURCE, tag=TRAJECTORY)
             if message is not None:
                 self._receive(message.recv())
@@ -156,13 +180,15 @@ class Trainer:
                                    f"{missing[:5]} not complete ({need} trajectories each) within "
                                    f"{self.cfg.scheduler.lease_s} s")
             backoff.sleep()
+        for g in relay:
+            del self.relayed[g]
         got = [self.inbox.pop(g) for g in groups]
         if any(len(members) != need for members in got):
             raise RuntimeError(f"rank {self.rank}: step {step}: groups of {[len(m) for m in got]} trajectories "
                                f"arrived, {need} each expected")
         return [item for members in got for item in members]
 
-    def _train(self, batch: int, groups: list[str], leaders: list[int]) -> dict:
+    def _train(self, batch: int, groups: list[str], leaders: list[int], relay: list[str] = ()) -> dict:
         from libra_hpc.rl.grpo import build_batch
         from libra_hpc.rl.step import grpo_step, prepare_batch
 
@@ -170,7 +196,7 @@ class Trainer:
         from libra_hpc.rl.step import BatchReport
 
         note(f"trainer (DP replica {self.replica}): waiting for batch {batch}'s {len(groups)} groups")
-        received = self._wait_for(batch, groups) if groups else []
+        received = self._wait_for(batch, groups, relay) if groups or relay else []
         note(f"trainer (DP replica {self.replica}): training batch {batch}")
         trajectories = [t for _, t in received]
         started = time.perf_counter()
@@ -198,10 +224,10 @@ class Trainer:
                "pack_s": round(pack_s, 4), "wait_s": round(self.wait_s, 4), "loss": stats.loss,
                "grad_norm": stats.grad_norm, "tokens": stats.tokens, "clipped": stats.clipped_fraction,
                "dropped_stale": dict(report.dropped_stale), "max_lag": report.max_lag,
-               "groups": report.groups, "filtered_groups": report.filtered_groups}
+               "groups": report.groups, "filtered_groups": report.filtered_groups, "forwarded": self.forwarded}
         if self.first_of_replica:
             out["tids"] = [tid for tid, _ in received]
-        self.wait_s = 0.0
+        self.wait_s, self.forwarded = 0.0, 0
         note(f"trainer (DP replica {self.replica}): waiting for a command after batch {batch}")
         return out
 
