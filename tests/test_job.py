@@ -444,33 +444,3 @@ def test_killed_ranks_are_named_and_the_run_resumes_from_its_newest_valid_checkp
     assert [by_batch[b] for b in range(8)] == _expected_prompts(8)
     assert (folder / "checkpoint" / "model.safetensors").is_file()
 
-
-@pytest.mark.mpi
-def test_a_context_table_re_shards_training_and_gather_scatter_delivers_every_trajectory(small_run, tmp_path):
-    """EARL in the job. ``parallel.training_tp_by_context`` says TP 1 below 100k tokens:
-    after two checks agree, training moves from TP2 DP2 to TP1 on the same four GPUs
-    through its checkpoint (resharded), with the reason in a ``tp_reshard`` event and no
-    step lost. Meanwhile ``parallel.dispatch: gather_scatter`` sends every trajectory
-    through the first training rank, which forwards it: each is still trained once."""
-    _, cache = small_run
-    done = launch("--config", str(SMALL), "--executor", "local", "--set", f"logging.dir={tmp_path}",
-                  "--set", f"job.cache_dir={cache}", "--set", "parallel.training_tp_by_context={0: 1, 100000: 2}",
-                  "--set", "parallel.dispatch=gather_scatter", "--set", "planner.hybrid_nodes=0",
-                  "--set", "rl.update_epochs={0: 1}", "--set", "rl.steps=5", "--set", "job.eval_prompts=0",
-                  timeout=500)
-    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
-    folder = only_log_folder(tmp_path)
-    events = read_jsonl(folder / "events.jsonl")
-    summary = json.loads((folder / "summary.json").read_text())
-    assert summary["completed"] and summary["steps"] == 5 and summary["reshards_applied"] == 1
-    assert summary["trajectories_lost"] == 0 and summary["trajectories_duplicated"] == 0
-    assert summary["trajectories_trained"] == 12 * 5 and summary["dispatch"] == "gather_scatter"
-    [reshard] = [e for e in events if e["kind"] == "tp_reshard"]
-    assert reshard["from_tp"] == 2 and reshard["to_tp"] == 1 and "the table says TP1 from 0" in reshard["reason"]
-    [applied] = [e for e in events if e["kind"] == "layout_applied" and e.get("by") == "planner (re-shard)"]
-    assert applied["plan"].startswith("train TP1 PP1 DP4") and applied["pause_s"] > 0
-    metrics = [m for m in read_jsonl(folder / "metrics.jsonl") if m["kind"] == "step"]
-    assert [m["step"] for m in metrics] == list(range(5))
-    # the hub forwards what the other training ranks train: 12 trajectories a step, to
-    # 3 other ranks at TP2 DP2 (its TP partner and the other replica's two), fewer at TP1
-    assert all(m["forwarded"] > 0 for m in metrics)

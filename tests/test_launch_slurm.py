@@ -91,15 +91,21 @@ def cache(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("cache")
 
 
-def test_sbatch_runs_the_rl_job_with_least_load_routing(slurm_cluster, tmp_path, cache):
+def test_sbatch_runs_the_rl_job_with_least_load_routing_gather_scatter_dispatch_and_a_tp_reshard(
+        slurm_cluster, tmp_path, cache):
     """The RL job itself under Slurm (the small config, the script's 4 × 2 header, four
-    one-pass steps), with the trivial routing policy C-MLFQ is compared with; the report
-    says which ran."""
+    one-pass steps) with the options the defaults are compared with: the trivial routing
+    policy C-MLFQ beats (the report says which ran), and EARL's gather-then-scatter
+    dispatch through the first training rank (every trajectory still trained once). And
+    EARL's selector: a context table that says TP 1 re-shards training from TP2 DP2 to
+    TP1 DP4 on the same GPUs through its checkpoint, with the reason in a ``tp_reshard``
+    event, and no step lost."""
     (tmp_path / "logs").mkdir()
     job_id = subprocess.run(
         ["sbatch", "--parsable", f"--chdir={tmp_path}", str(ROOT / "sbatch" / "libra.sh"),
          str(ROOT / "tests" / "data" / "job_small.yaml"), "scheduler.policy=least_load", "rl.steps=4",
-         "rl.update_epochs={0: 1}", f"job.cache_dir={cache}"],
+         "rl.update_epochs={0: 1}", f"job.cache_dir={cache}", "parallel.dispatch=gather_scatter",
+         "parallel.training_tp_by_context={0: 1, 100000: 2}", "parallel.confirm_checks=1", "planner.hybrid_nodes=0"],
         capture_output=True, text=True, check=True, env=_env(slurm_cluster)).stdout.strip()
     state = slurm_cluster.wait_job(job_id, timeout_s=600)
     folder = tmp_path / "logs" / f"libra-{job_id}"
@@ -107,8 +113,21 @@ def test_sbatch_runs_the_rl_job_with_least_load_routing(slurm_cluster, tmp_path,
     summary = json.loads((folder / "summary.json").read_text())
     assert summary["completed"] and summary["steps"] == 4 and summary["scheduler_policy"] == "least_load"
     assert summary["trajectories_lost"] == 0 and summary["trajectories_duplicated"] == 0
+    assert summary["trajectories_trained"] == 12 * 4 and summary["dispatch"] == "gather_scatter"
     assert "least_load" in (folder / "report.md").read_text()
     assert (folder / "checkpoint" / "model.safetensors").is_file()
+    events = read_jsonl(folder / "events.jsonl")
+    [reshard] = [e for e in events if e["kind"] == "tp_reshard"]
+    assert reshard["from_tp"] == 2 and reshard["to_tp"] == 1 and "the table says TP1 from 0" in reshard["reason"]
+    [applied] = [e for e in events if e["kind"] == "layout_applied" and e.get("by") == "planner (re-shard)"]
+    assert applied["plan"].startswith("train TP1 PP1 DP4") and summary["reshards_applied"] == 1
+    metrics = [m for m in read_jsonl(folder / "metrics.jsonl") if m["kind"] == "step"]
+    assert [m["step"] for m in metrics] == list(range(4))
+    # the gather rank (the first training rank) passed on every trajectory at TP2 DP2 (to
+    # its TP partner or to the other replica), and at TP1 DP4 those of the groups it does
+    # not train: three groups a batch go to replicas 0, 1, 2 (least tokens, ties to the
+    # lowest), so 8 of 12. Batches from the re-shard's version on ran at TP1.
+    assert sum(m["forwarded"] for m in metrics) == 12 * applied["step"] + 8 * (4 - applied["step"])
 
 
 def _job_state(cluster, job_id: str) -> tuple[str, int]:
