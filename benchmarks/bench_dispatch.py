@@ -4,8 +4,9 @@ EARL's figure 4: with one rank gathering every rollout output and scattering it 
 training ranks, dispatch latency grows with context length and that rank carries the whole
 batch. Here, under ``mpiexec -n 8`` (the script re-launches itself): ranks 4-7 are rollout
 leaders, ranks 0-3 the training world, 2 DP replicas × TP 2 (replica 0 = ranks 0, 1;
-replica 1 = ranks 2, 3). Each leader holds a quarter of a batch of trajectories (token ids
-int32 + log-probs float32, lengths drawn log-normal), assigned to replicas by
+replica 1 = ranks 2, 3). Each leader holds about a quarter of a batch of trajectories
+(token ids int32 + log-probs float32, lengths drawn log-normal; ``--leaders round_robin``
+deals them out regardless of length instead), assigned to replicas by
 :func:`libra_hpc.parallel.dispatch.balance` (tokens balanced). Every TP rank of a replica
 needs every trajectory of it. The paths are the job's
 (:mod:`libra_hpc.parallel.dispatch`):
@@ -19,7 +20,7 @@ the last training rank holding its whole share (the median of ``--repeats`` runs
 paths interleaved). Bytes: payload bytes in + out of each rank, the largest over ranks, as
 counted while sending (and checked against :func:`~libra_hpc.parallel.dispatch.traffic`).
 
-    python benchmarks/bench_dispatch.py [--sizes-mb 1 4 16 64] [--repeats 5] [--units 64]
+    python benchmarks/bench_dispatch.py [--sizes-mb 1 4 16 64] [--repeats 5] [--units 64] [--leaders balanced]
 
 Prints a table; the last line is JSON with ``latency_ratio`` and ``max_rank_bytes_ratio``
 (gather_scatter over direct) at the largest size.
@@ -48,14 +49,21 @@ TAG = 0x4001  # the job's TRAJECTORY tag
 BYTES_PER_TOKEN = 8  # int32 token id + float32 log-prob
 
 
-def make_batch(total_bytes: int, units: int, seed: int) -> dict[str, tuple[int, int]]:
-    """Trajectory id → (leader, tokens): log-normal lengths scaled to ``total_bytes``."""
+def make_batch(total_bytes: int, units: int, seed: int, leaders: str) -> dict[str, tuple[int, int]]:
+    """Trajectory id → (leader, tokens): log-normal lengths scaled to ``total_bytes``.
+    ``leaders``: ``balanced`` gives each leader about a quarter of the tokens (as the
+    queue's least-load routing of turns does in the job); ``round_robin`` deals the
+    trajectories out in turn, whatever their length."""
     import random
 
     rng = random.Random(seed)
     raw = [rng.lognormvariate(0.0, 0.8) for _ in range(units)]
     scale = total_bytes / BYTES_PER_TOKEN / sum(raw)
-    return {f"t{i:03d}": (LEADERS[i % len(LEADERS)], max(1, round(r * scale))) for i, r in enumerate(raw)}
+    tokens = {f"t{i:03d}": max(1, round(r * scale)) for i, r in enumerate(raw)}
+    if leaders == "balanced":
+        where = balance(tokens, len(LEADERS))
+        return {uid: (LEADERS[where[uid]], n) for uid, n in tokens.items()}
+    return {uid: (LEADERS[i % len(LEADERS)], n) for i, (uid, n) in enumerate(tokens.items())}
 
 
 def payload(uid: str, tokens: int):
@@ -107,7 +115,7 @@ def mpi_part(args) -> None:
     dispatchers = [DirectDispatch(), GatherScatterDispatch(hub=HUB)]
     rows = []
     for size_mb in args.sizes_mb:
-        batch = make_batch(int(size_mb * (1 << 20)), args.units, seed=int(size_mb * 10))
+        batch = make_batch(int(size_mb * (1 << 20)), args.units, seed=int(size_mb * 10), leaders=args.leaders)
         dest = balance({uid: n for uid, (_, n) in batch.items()}, len(REPLICAS))
         times: dict[str, list[float]] = {d.name: [] for d in dispatchers}
         bytes_: dict[str, int] = {}
@@ -140,19 +148,22 @@ def main() -> None:
     parser.add_argument("--sizes-mb", type=float, nargs="+", default=[1, 4, 16, 64])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--units", type=int, default=64, help="trajectories per batch")
+    parser.add_argument("--leaders", choices=("balanced", "round_robin"), default="balanced",
+                        help="how the batch's trajectories are spread over the leaders that produced them")
     parser.add_argument("--mpi-part", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.mpi_part:
         return mpi_part(args)
     command = ["mpiexec", "-n", "8", sys.executable, "-m", "mpi4py", str(Path(__file__).resolve()), "--mpi-part",
-               "--repeats", str(args.repeats), "--units", str(args.units),
+               "--repeats", str(args.repeats), "--units", str(args.units), "--leaders", args.leaders,
                "--sizes-mb", *[str(s) for s in args.sizes_mb]]
     done = subprocess.run(command, capture_output=True, text=True, timeout=1200, check=False)
     lines = [line for line in done.stdout.splitlines() if line.startswith("MPI_RESULT ")]
     if done.returncode != 0 or not lines:
         raise SystemExit(f"the MPI part failed (exit {done.returncode}):\n{done.stdout}\n{done.stderr}")
     rows = json.loads(lines[-1].removeprefix("MPI_RESULT "))
-    print(f"8 ranks: leaders {LEADERS} → DP replicas {REPLICAS} (TP 2); gather rank {HUB}; median of {args.repeats}")
+    print(f"8 ranks: leaders {LEADERS} ({args.leaders}) → DP replicas {REPLICAS} (TP 2); gather rank {HUB}; "
+          f"median of {args.repeats}")
     print(f"{'batch MB':>8} {'trajs':>5} {'direct ms':>10} {'gather ms':>10} {'latency x':>9} "
           f"{'direct max MB':>13} {'gather max MB':>13} {'bytes x':>7} {'replica tokens':>16}")
     for r in rows:
@@ -161,7 +172,7 @@ def main() -> None:
               f"{r['gather_scatter_max_rank_mb']:>13.1f} "
               f"{r['gather_scatter_max_rank_mb'] / r['direct_max_rank_mb']:>7.2f} {str(r['replica_tokens']):>16}")
     last = rows[-1]
-    print(json.dumps({"ranks": 8, "size_mb": last["size_mb"], "direct_ms": round(last["direct_s"] * 1e3, 2),
+    print(json.dumps({"ranks": 8, "leaders": args.leaders, "size_mb": last["size_mb"], "direct_ms": round(last["direct_s"] * 1e3, 2),
                       "gather_scatter_ms": round(last["gather_scatter_s"] * 1e3, 2),
                       "latency_ratio": round(last["gather_scatter_s"] / last["direct_s"], 3),
                       "max_rank_bytes_ratio": round(last["gather_scatter_max_rank_mb"] / last["direct_max_rank_mb"], 3),
