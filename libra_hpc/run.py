@@ -121,16 +121,18 @@ def _start_heartbeats(world, cfg: ExperimentConfig, folder: Path, runlog) -> lis
     said = threading.Lock()
 
     def lost(what: dict) -> None:
-        if not said.acquire(blocking=False):  # the watchdog and the main thread's error path both saw it
+        if not said.acquire(blocking=False):  # the watchdog and the main thread's error path both saw it:
+            time.sleep(ABORT_GRACE_S)  # the first one writes the events and aborts; do not abort before it
             return
         line = describe_lost(what)
-        log.error("%s; ending the job", line)
         refusal = requeue_refusal(os.environ, cfg.cluster.requeue, cfg.cluster.max_requeues)
+        # the events first: the world may be torn down any moment now
         runlog.event("rank_lost", **what, line=line, requeue=refusal is None,
                      **({"requeue_refused": refusal} if refusal else {}))
+        runlog.event("failure", rank=what["rank"], error=f"RankLost: {line}")
         if refusal is None:
             ask_requeue(folder, f"job {os.environ['SLURM_JOB_ID']}: {line}")
-        runlog.event("failure", rank=what["rank"], error=f"RankLost: {line}")
+        log.error("%s; ending the job", line)
         MPI.COMM_WORLD.Abort(1)
 
     beats.append(Watchdog(where, world.workers, describe, job.heartbeat_s, job.heartbeat_timeout_s, lost).start())

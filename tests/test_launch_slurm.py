@@ -145,8 +145,8 @@ def _wait_for_event(cluster, job_id: str, folder: Path, until, timeout_s: float,
         if until(events):
             return events
         state, _ = _job_state(cluster, job_id)
-        if state in ("FAILED", "TIMEOUT", "CANCELLED", "NODE_FAIL", "OUT_OF_MEMORY"):
-            break
+        if state in ("COMPLETED", "FAILED", "TIMEOUT", "CANCELLED", "NODE_FAIL", "OUT_OF_MEMORY"):
+            break  # over: say so now, before Slurm forgets the job
         time.sleep(1.0)
     pytest.fail(f"job {job_id}: no {what} within {timeout_s} s; state {_job_state(cluster, job_id)}; "
                 f"events: {[e['kind'] for e in read_jsonl(folder / 'events.jsonl')][-30:]}")
@@ -168,10 +168,14 @@ def test_a_job_requeued_by_its_time_limit_and_by_scontrol_resumes_and_finishes(s
     from test_job import SMALL, _expected_prompts
 
     (tmp_path / "logs").mkdir()
-    steps = 16  # ten passes a step, 7-9 s each here: the warning (at about 150 s) comes before the last step
+    # Thirty passes a step, about 20 s each here, after about 60 s of start-up: the warning
+    # (150 s after the start) comes near step 4. The test needs it before step 9 (run 2
+    # must save a periodic checkpoint before the last step), so steps up to twice as fast
+    # still pass. (Ten passes and 16 steps did not: a quiet CI machine reached step 14.)
+    steps = 10
     job_id = subprocess.run(
         ["sbatch", "--parsable", f"--chdir={tmp_path}", "--time=5", "--signal=USR2@150", str(ROOT / "sbatch" / "libra.sh"),
-         str(SMALL), f"rl.steps={steps}", "rl.update_epochs={0: 10}", "job.checkpoint_every_steps=2",
+         str(SMALL), f"rl.steps={steps}", "rl.update_epochs={0: 30}", "job.checkpoint_every_steps=1",
          "cluster.max_requeues=4", f"job.cache_dir={cache}"],
         capture_output=True, text=True, check=True, env=_env(slurm_cluster)).stdout.strip()
     folder = tmp_path / "logs" / f"libra-{job_id}"

@@ -10,6 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from libra_hpc.runtime.controller import JobController
 from libra_hpc.runtime.episodes import group_of
 from libra_hpc.runtime.partial import PartialDriver
 
@@ -30,7 +31,8 @@ class FakeController:
 
     def __init__(self, prompts_per_step=2, group_size=2, k=1, budget=0.5):
         self.cfg = SimpleNamespace(rl=SimpleNamespace(max_staleness=k, group_size=group_size,
-                                                      prompts_per_step=prompts_per_step, partial_waste_budget=budget))
+                                                      prompts_per_step=prompts_per_step, partial_waste_budget=budget),
+                                   parallel=SimpleNamespace(dispatch="direct"))
         self.service = FakeService()
         self.roles = SimpleNamespace(leaders={0: 10, 1: 11}, replicas=[[20], [21]])
         self.sent: list[tuple[int, dict]] = []
@@ -41,6 +43,8 @@ class FakeController:
 
     def _send(self, rank: int, message: dict) -> None:
         self.sent.append((rank, message))
+
+    route = JobController.route  # the real one: the command a leader gets
 
     def pick_replica(self, tokens: dict) -> int:
         return min(range(2), key=lambda d: tokens.get(d, 0))
