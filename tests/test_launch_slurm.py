@@ -168,14 +168,14 @@ def test_a_job_requeued_by_its_time_limit_and_by_scontrol_resumes_and_finishes(s
     from test_job import SMALL, _expected_prompts
 
     (tmp_path / "logs").mkdir()
-    # Thirty passes a step, about 20 s each here, after about 60 s of start-up: the warning
-    # (150 s after the start) comes near step 4. The test needs it before step 9 (run 2
-    # must save a periodic checkpoint before the last step), so steps up to twice as fast
-    # still pass. (Ten passes and 16 steps did not: a quiet CI machine reached step 14.)
+    # Twenty passes a step: 14 s each on a quiet machine, 25 s in CI, after 40-70 s of
+    # start-up: the warning (150 s after the start) comes at step 3-7. The test needs it
+    # before step 9 (run 2 must save a periodic checkpoint before the last step). (Ten
+    # passes and 16 steps did not: a quiet CI machine reached step 14.)
     steps = 10
     job_id = subprocess.run(
         ["sbatch", "--parsable", f"--chdir={tmp_path}", "--time=5", "--signal=USR2@150", str(ROOT / "sbatch" / "libra.sh"),
-         str(SMALL), f"rl.steps={steps}", "rl.update_epochs={0: 30}", "job.checkpoint_every_steps=1",
+         str(SMALL), f"rl.steps={steps}", "rl.update_epochs={0: 20}", "job.checkpoint_every_steps=1",
          "cluster.max_requeues=4", f"job.cache_dir={cache}"],
         capture_output=True, text=True, check=True, env=_env(slurm_cluster)).stdout.strip()
     folder = tmp_path / "logs" / f"libra-{job_id}"
