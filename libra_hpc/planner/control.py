@@ -524,14 +524,18 @@ class ControlLoop:
         if short is None and self.tp_table is None:
             return None
         base = self.plan.train
+        if short is None:  # the table's answer first: most checks keep the running size, with nothing to price
+            context = context_percentile([s.prompt_len + s.gen_len for s in self.window])
+            choice = self.tp_table.choose(context, base.tp, self.o.tp_hysteresis)
+            if choice.tp == base.tp:
+                self.tp.consider(choice)
+                return None
         options = tp_options(self.model, self.hw, base, self.memory_need(lengths), math.ceil(lengths.mean_seq_tokens),
                              self.cal)
         if short is not None:
             choice = choose_by_cost({tp: s for tp, (s, _) in options.items()}, base.tp, self.o.tp_hysteresis)
             trigger = "memory"
         else:
-            context = context_percentile([s.prompt_len + s.gen_len for s in self.window])
-            choice = self.tp_table.choose(context, base.tp, self.o.tp_hysteresis)
             trigger = "table"
             if choice.tp not in options or options[choice.tp][1] is None:
                 self.considered.append({"step": step, "kind": "reshard_check", "trigger": trigger, "apply": False,

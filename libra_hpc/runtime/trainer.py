@@ -131,15 +131,15 @@ class Trainer:
         from libra_hpc.rl.trajectory import Trajectory
 
         tid = payload["tid"]
+        group = group_of(tid)
         hops = payload.get("forward", [])
         if hops and hops[0][0] == self.rank:  # the gather rank of parallel.dispatch: gather_scatter
             onward = {**payload, "forward": hops[1:]}
             self.forwards += [self.data.isend(onward, dest=d, tag=TRAJECTORY) for d in hops[0][1]]
             self.forwarded += 1
         if payload.get("replica", self.replica) != self.replica:
-            self.relayed[group_of(tid)] = self.relayed.get(group_of(tid), 0) + 1
+            self.relayed[group] = self.relayed.get(group, 0) + 1
             return
-        group = group_of(tid)
         if group not in self.discarded:
             self.inbox.setdefault(group, []).append((tid, Trajectory.from_dict(payload["trajectory"])))
 
