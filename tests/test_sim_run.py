@@ -116,3 +116,43 @@ def test_the_rollout_model_prices_the_tail_under_load_like_the_simulator():
         assert model == pytest.approx(sim, rel=0.2), (scenario, model, sim)
         worse += abs(fixed - sim) > abs(model - sim)
     assert worse >= 1
+
+
+def test_the_rollout_model_counts_tool_outputs_as_they_arrive():
+    """Where tools return much (context-growth's coding agent, grown fivefold), a generated
+    token sees half of what its trajectory's tools return, not all of it from the first
+    turn: the model is within 20% of the simulated makespans with ``tool_tokens`` and
+    further off without them (counted as prompt from the start, as before)."""
+    from libra_hpc.planner.costs import LengthProfile, LengthSample, rollout_makespan
+    from libra_hpc.sim.context import Context, samples_of
+    from libra_hpc.sim.controller import PolicyRun
+    from libra_hpc.sim.policies import SETUPS
+    from libra_hpc.sim.training import best_shape
+
+    cfg = load_sim_config(ROOT / "configs" / "sim" / "context-growth.yaml",
+                          {"rl.steps": 6, "workload.drift.peak_step": 2})
+    ctx = Context(cfg)
+    shape = best_shape(ctx.model, ctx.hw, 8, cfg.batch_size, 8192, ctx.cal)
+    layout = ctx.static_layout(shape, 8)
+    rec = PolicyRun(ctx, SETUPS["async_static"], layout, shape, cfg.rl.steps, train_time=lambda s, tokens: 30.0).run()
+    rows = rec.rows[2:-1]  # grown, and another batch in flight beside each (the last has none)
+    sim = sum(r["rollout_s"] for r in rows) / len(rows)
+    pools = [(ctx.rollout_costs[8], 1)]
+    samples = [samples_of(ctx.batch(r["step"])) for r in rows]
+    assert all(sum(x.tool_tokens for x in s) > 0.3 * sum(x.prompt_len for x in s) for s in samples)  # tools return much
+
+    def model(batches):
+        return sum(rollout_makespan(pools, LengthProfile.from_samples(s, cfg.batch_size),
+                                    in_flight=cfg.rl.max_staleness + 1).makespan_s for s in batches) / len(batches)
+
+    arrived = model(samples)
+    upfront = model([[LengthSample(*x[:4]) for x in s] for s in samples])
+    assert arrived == pytest.approx(sim, rel=0.2), (arrived, upfront, sim)
+    assert abs(upfront - sim) > abs(arrived - sim), (upfront, arrived, sim)
+
+
+def test_a_samples_decode_context_counts_half_of_what_its_tools_return():
+    from libra_hpc.planner.costs import LengthSample
+
+    assert LengthSample(1000, 400, 3, 2.0).decode_context == 1200
+    assert LengthSample(3000, 400, 3, 2.0, tool_tokens=2000).decode_context == 1000 + 1000 + 200

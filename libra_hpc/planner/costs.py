@@ -272,19 +272,35 @@ class RolloutCost:
         at most ``max_num_seqs``."""
         return max(0, min(self.cal.max_num_seqs, int(self.kv_capacity_tokens // max(1.0, mean_seq_tokens))))
 
-    def serial_s(self, prompt_len: float, gen_len: float, tool_time_s: float) -> float:
+    def serial_s(self, prompt_len: float, gen_len: float, tool_time_s: float, context: float | None = None) -> float:
         """One trajectory alone on this instance: prefill, then its decode steps one after
-        another (batch 1, its own mean context), then its tool time."""
-        return self.prefill_s(prompt_len) + gen_len * self.decode_step_s(1, prompt_len + gen_len / 2) + tool_time_s
+        another (batch 1, its own mean ``context``: by default ``prompt_len + gen_len / 2``),
+        then its tool time."""
+        context = prompt_len + gen_len / 2 if context is None else context
+        return self.prefill_s(prompt_len) + gen_len * self.decode_step_s(1, context) + tool_time_s
 
 
 class LengthSample(NamedTuple):
-    """One observed trajectory: prompt and generated tokens (all turns), turns, tool seconds."""
+    """One observed trajectory: prompt and generated tokens (all turns), turns, tool seconds,
+    and ``tool_tokens``, the part of ``prompt_len`` that tools returned between turns."""
 
     prompt_len: float
     gen_len: float
     turns: int
     tool_time_s: float
+    tool_tokens: float = 0.0
+
+    @property
+    def decode_context(self) -> float:
+        """Mean KV context a generated token of this trajectory sees: the first prompt, half
+        of what it generates and half of what its tools return (both arrive turn by turn,
+        so the average token sees half of each). Counting every tool output from the start
+        overpredicts decode steps where tools return much (measured: 2× on context-growth)."""
+        return self.prompt_len - self.tool_tokens / 2 + self.gen_len / 2
+
+    def serial_s(self, cost: RolloutCost) -> float:
+        """This trajectory alone on ``cost``'s instance (:meth:`RolloutCost.serial_s`)."""
+        return cost.serial_s(self.prompt_len, self.gen_len, self.tool_time_s, self.decode_context)
 
 
 @dataclass(frozen=True)
@@ -303,6 +319,8 @@ class LengthProfile:
     mean_seq_tokens: float
     mean_context: float
     max_seq_tokens: float
+    context: tuple[float, ...] = ()
+    """Per bucket: the mean KV context a generated token sees (:attr:`LengthSample.decode_context`)."""
 
     @classmethod
     def from_samples(cls, samples: Sequence[LengthSample], batch_size: int, buckets: int = 32) -> LengthProfile:
@@ -323,8 +341,9 @@ class LengthProfile:
                    tool_s=tuple(mean(g, "tool_time_s") for g, _ in keep), count=tuple(c for _, c in keep),
                    extremes=tuple(extremes),
                    mean_seq_tokens=sum(x.prompt_len + x.gen_len for x in s) / len(s),
-                   mean_context=sum(x.prompt_len + x.gen_len / 2 for x in s) / len(s),
-                   max_seq_tokens=max(x.prompt_len + x.gen_len for x in s))
+                   mean_context=sum(x.decode_context for x in s) / len(s),
+                   max_seq_tokens=max(x.prompt_len + x.gen_len for x in s),
+                   context=tuple(mean(g, "decode_context") for g, _ in keep))
 
     @property
     def batch_size(self) -> int:
@@ -412,14 +431,14 @@ def rollout_makespan(pools: Sequence[tuple[RolloutCost, int]], lengths: LengthPr
     if not live:
         why = "; ".join(reasons) or "no rollout instances"
         return RolloutEstimate(math.inf, math.inf, why)
-    bound = max(min(c.serial_s(x.prompt_len, x.gen_len, x.tool_time_s) for c, _, _ in live) for x in lengths.extremes)
+    bound = max(min(x.serial_s(c) for c, _, _ in live) for x in lengths.extremes)
     total_lanes = sum(n * conc for _, n, conc in live)
     per_pool = []
     for cost, n, conc in live:
         batch = max(1, min(conc, math.ceil(lengths.batch_size * conc / total_lanes)))
         base = (batch - 1) * lengths.mean_context
-        durations = [cost.prefill_s(p) + g * cost.decode_step_s(batch, base + p + g / 2) + t
-                     for p, g, t in zip(lengths.prompt, lengths.gen, lengths.tool_s)]
+        durations = [cost.prefill_s(p) + g * cost.decode_step_s(batch, base + c) + t
+                     for p, g, t, c in zip(lengths.prompt, lengths.gen, lengths.tool_s, lengths.context)]
         per_pool.append((cost, n, conc, batch, durations))
     lanes = [(n * batch, d) for _, n, _, batch, d in per_pool]
     blind = not length_aware and len(per_pool) > 1
@@ -445,7 +464,8 @@ def _loaded_s(cost: RolloutCost, instances: int, conc: int, counts: Sequence[int
     instances (a pipeline with staleness k keeps k + 1 in flight, so the next batch's work
     runs beside this one's tail), so an instance holds on average in_flight × (its
     trajectory-seconds per batch) / makespan trajectories, of which the ones not in a
-    tool call decode, with their time-weighted KV context; above its concurrency they
+    tool call decode, with their decode-time-weighted KV context (a sequence waiting for a
+    tool is not in the running batch, so its KV is not read); above its concurrency they
     queue for seats; decoding stalls while the instance prefills joining sequences (the
     share of its time the batches' prefills take). The longest chain (prefill + decode steps + tool time) at that step
     time, or the seats' throughput, sets the makespan.
@@ -461,7 +481,7 @@ def _loaded_s(cost: RolloutCost, instances: int, conc: int, counts: Sequence[int
     if not live:
         return 0.0, math.inf
     gen, tool = lengths.gen, lengths.tool_s
-    ctx = [lengths.prompt[k] + gen[k] / 2 for k in range(len(n))]
+    ctx = lengths.context
     pre = {k: cost.prefill_s(lengths.prompt[k]) for k in live}
     prefill_work = sum(n[k] * pre[k] for k in live)
     others = max(0.0, 1.0 - 1.0 / (in_flight * sum(n[k] for k in live)))  # a lone sequence waits for no one
@@ -473,7 +493,7 @@ def _loaded_s(cost: RolloutCost, instances: int, conc: int, counts: Sequence[int
         makespan = max(max(dur), in_flight * work / conc)
         seated = min(in_flight * work / makespan, conc)  # trajectories held at once, on average (Little)
         decoding = seated * sum(n[k] * gen[k] * sigma for k in live) / work
-        kv = seated * sum(n[k] * d * ctx[k] for k, d in zip(live, dur)) / work
+        kv = seated * sum(n[k] * gen[k] * sigma * ctx[k] for k in live) / work  # decoding ones only: tools hold no seat in the batch
         stall = min(0.9, others * in_flight * prefill_work / makespan)  # time spent prefilling
         return makespan, cost.decode_step_s(max(1.0, decoding), kv) / (1.0 - stall)
 

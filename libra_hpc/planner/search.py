@@ -344,7 +344,7 @@ class _Search:
 
     def serial_floor(self) -> float:
         ext = self.lengths.extremes
-        return max(min(c.serial_s(x.prompt_len, x.gen_len, x.tool_time_s) for c in self.costs.values()) for x in ext)
+        return max(min(x.serial_s(c) for c in self.costs.values()) for x in ext)
 
     # training ------------------------------------------------------------------------
     def train_shapes(self) -> Iterator[TrainShape]:

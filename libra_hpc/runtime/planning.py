@@ -109,8 +109,9 @@ class PlannerDriver:
 
     def observe(self, b: int, rows: list[dict], reports: list[dict], epochs: int) -> None:
         """Batch ``b`` was trained: its lengths, and the timing records it gives."""
-        self.control.observe([LengthSample(r["tokens"] - r["gen_tokens"], r["gen_tokens"], r["turns"], r["tool_s"])
-                              for r in rows])
+        self.control.observe([LengthSample(r["tokens"] - r["gen_tokens"], r["gen_tokens"], r["turns"], r["tool_s"],
+                                           r["tokens"] - r["gen_tokens"] - r.get("prompt_tokens", r["tokens"] - r["gen_tokens"]))
+                              for r in rows])  # rows of a checkpoint before prompt_tokens: tool tokens 0
         mean_tokens = statistics.fmean(r["tokens"] for r in rows)
         t = self.c.layout.training
         shape = TrainShape(t.tp, t.pp, t.dp, self.c.cfg.training.micro_batch_size, len(rows), max(1, int(mean_tokens)))

@@ -308,6 +308,8 @@ class RolloutLeader:
         generated = [v for v, g in zip(trajectory.versions, trajectory.generated) if g]
         self.job.report({"op": "traj", "tid": tid, "instance": self.instance, "reward": trajectory.reward,
                          "tokens": len(trajectory.tokens), "gen_tokens": len(generated), "turns": episode.turns,
+                         "prompt_tokens": next((i for i, g in enumerate(trajectory.generated) if g),
+                                               len(trajectory.tokens)),
                          "tool_calls": episode.tool_calls, "tool_s": round(episode.tool_s, 4),
                          "tool_failures": episode.tool_failures, "tool_timeouts": episode.tool_timeouts,
                          "migrations": episode.migrations, "finish_reason": trajectory.finish_reason,

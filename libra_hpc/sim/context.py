@@ -108,9 +108,13 @@ def describe(layout: Layout, train: TrainShape, pool: HybridPool | None = None, 
 
 
 def samples_of(trajectories: list[Trajectory]) -> list[LengthSample]:
-    """The planner's view of finished trajectories (prompt, generated, turns, tool seconds)."""
-    return [LengthSample(t.prompt_tokens + sum(c.output_tokens for c in t.calls), t.gen_tokens, len(t.turns),
-                         t.tool_time_s) for t in trajectories]  # tool outputs are prefilled, not decoded
+    """The planner's view of finished trajectories (prompt, generated, turns, tool seconds,
+    tool-output tokens: prefilled, not decoded, and part of the prompt)."""
+    out = []
+    for t in trajectories:
+        returned = sum(c.output_tokens for c in t.calls)
+        out.append(LengthSample(t.prompt_tokens + returned, t.gen_tokens, len(t.turns), t.tool_time_s, returned))
+    return out
 
 
 def critical_path_s(ctx: Context, trajectories: list[Trajectory]) -> float:
