@@ -281,6 +281,52 @@ def test_tp1_matches_transformers_and_tp2_and_lowers_the_loss(tiny, torch_world,
 
 
 @pytest.mark.mpi
+def test_a_step_accumulated_in_parts_is_the_step_on_the_whole_batch(tp2_world):
+    """Training each group as it arrives (``accumulate``, then ``train_step`` on the rest):
+    the same loss, tokens, gradient norm and policy as the step on the whole batch, with
+    DP=2 replicas accumulating different numbers of parts and with PP=2 (whose first stage
+    has no loss reports)."""
+    result, _ = tp2_world
+    dp2 = result["dp2"]
+    streamed = dp2["streamed"]
+    assert streamed["tokens"] == dp2["tokens"]
+    assert streamed["loss"] == pytest.approx(dp2["loss"], abs=1e-6)
+    assert streamed["grad_norm"] == pytest.approx(dp2["grad_norm"], rel=1e-5)
+    assert streamed["after_vs_whole"] < TOL
+    pp2 = result["pp2_streamed"]
+    assert pp2["tokens"] == pp2["tokens_whole"]
+    assert pp2["loss"] == pytest.approx(result["pp2_loss"], abs=1e-6)
+    assert pp2["grad_norm"] == pytest.approx(pp2["grad_norm_whole"], rel=1e-5)
+    assert pp2["after_vs_whole"] < TOL
+
+
+def test_accumulated_parts_make_one_step_like_the_whole_batch(tiny, torch_world):
+    """One rank: three parts (two accumulated) give the whole batch's step; a part alone
+    would give another (the check can fail)."""
+    from libra_hpc.engines.train.loss import PolicyBatch
+
+    tokens, mask, advantages = fixed_batch(1024)
+    batch = PolicyBatch(tokens, mask, advantages)
+    out = []
+    for parts in ((0, 4), (0, 1, 3, 4), (3, 4)):
+        engine = _engine(tiny, micro_batch_size=1)
+        try:
+            for a, b in itertools.pairwise(parts[:-1]):
+                assert engine.accumulate(batch.slice(a, b)) >= 1
+            stats = engine.train_step(batch.slice(parts[-2], parts[-1]))
+            assert engine.accumulated == 0
+            out.append((stats, engine.logprobs(tokens)))
+        finally:
+            engine.shutdown()
+    (whole, after), (streamed, streamed_after), (alone, alone_after) = out
+    assert streamed.tokens == whole.tokens == int(mask.sum())
+    assert streamed.loss == pytest.approx(whole.loss, abs=1e-6)
+    assert streamed.grad_norm == pytest.approx(whole.grad_norm, rel=1e-5)
+    assert (streamed_after - after).abs().max() < TOL
+    assert (alone_after - after).abs().max() > 100 * TOL
+
+
+@pytest.mark.mpi
 def test_pp2_restores_the_tp2_checkpoint_and_exports_per_stage(tp2_world):
     result, _ = tp2_world
     assert result["pp2_restored_vs_tp2"] < TOL  # TP=2 checkpoint → PP=2 model, same policy

@@ -137,10 +137,22 @@ def _pp2(model_dir: Path, ckpt: Path, tokens: torch.Tensor, trained: torch.Tenso
     parts = [None, None]
     dist.all_gather_object(parts, engine.export_hf())
     engine.shutdown()
+    # the same step in two parts: half accumulated while the rest "arrives", then the step
+    # (the first stage holds no loss reports: it must keep its gradients all the same)
+    engine = MegatronTrainEngine(model_dir, tp=1, pp=2, lr=LR, micro_batch_size=2)
+    load_checkpoint(engine, ckpt)
+    batch = PolicyBatch(tokens, mask, advantages, old_logprobs=restored)
+    engine.accumulate(batch.slice(0, 2))
+    streamed = engine.train_step(batch.slice(2, 4))
+    streamed_after = engine.logprobs(tokens)
+    engine.shutdown()
     if dist.get_rank() != 0:
         return {}
     joined = {**parts[0], **parts[1]}
     return {"pp2_restored_vs_tp2": (restored - trained).abs().max().item(), "pp2_loss": stats.loss,
+            "pp2_streamed": {"loss": streamed.loss, "tokens": streamed.tokens, "tokens_whole": stats.tokens,
+                             "grad_norm": streamed.grad_norm, "grad_norm_whole": stats.grad_norm,
+                             "after_vs_whole": (streamed_after - after).abs().max().item()},
             "pp2_stage_tensors": [len(p) for p in parts],
             "pp2_export_vs_hf": (after - hf_logprobs(model_dir, tokens, joined)).abs().max().item()}
 
@@ -162,9 +174,21 @@ def _dp2(model_dir: Path, tokens: torch.Tensor, out: Path) -> dict:
     _, mask, advantages = fixed_batch(plain.shape.vocab_size)
     half = slice(2 * plain.placement.dp_rank, 2 * plain.placement.dp_rank + 2)
     batch = PolicyBatch(tokens[half], mask[half], advantages[half])
-    stats = [plain.train_step(batch) for _ in range(2)]
+    stats = [plain.train_step(batch)]
+    whole_after = plain.logprobs(tokens)
+    stats.append(plain.train_step(batch))
     dp = plain.placement.dp
     plain.shutdown()
+    # the first step again, with replica 0 accumulating its first row before the rest comes
+    # and replica 1 taking its rows at once: no DP collective until the step
+    streaming = engine(False)
+    if streaming.placement.dp_rank == 0:
+        streaming.accumulate(batch.slice(0, 1))
+        streamed = streaming.train_step(batch.slice(1, 2))
+    else:
+        streamed = streaming.train_step(batch)
+    streamed_after = streaming.logprobs(tokens)
+    streaming.shutdown()
     sharded = engine(True)
     sharded_stats = [sharded.train_step(batch)]
     saved = sharded.logprobs(tokens)
@@ -182,6 +206,8 @@ def _dp2(model_dir: Path, tokens: torch.Tensor, out: Path) -> dict:
     resumed.shutdown()
     return {"dp2": {"dp": dp, "loss": stats[0].loss, "grad_norm": stats[0].grad_norm, "tokens": stats[0].tokens,
                     "grad_norms": [s.grad_norm for s in stats],
+                    "streamed": {"loss": streamed.loss, "tokens": streamed.tokens, "grad_norm": streamed.grad_norm,
+                                 "after_vs_whole": (streamed_after - whole_after).abs().max().item()},
                     "distopt_grad_norms": [s.grad_norm for s in sharded_stats],
                     "distopt_refusal": refusal, "distopt_restored_vs_saved": (restored - saved).abs().max().item()}}
 

@@ -78,6 +78,8 @@ class MegatronTrainEngine:
         self.clip_eps = clip_eps
         self.micro_batch_size = micro_batch_size
         self.steps = 0
+        self.accumulated = 0  # accumulate() calls since the last optimizer step
+        self._earlier: list = []  # their micro-batch reports (on the last pipeline stage; none elsewhere)
         cuda = torch.cuda.is_available()
         self.device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
         with megatron_on_cpu():
@@ -128,13 +130,45 @@ class MegatronTrainEngine:
                            group=ps.get_pipeline_model_parallel_group())
         return result
 
-    def train_step(self, batch: PolicyBatch) -> StepStats:
-        """One optimizer step on this DP replica's share of the global batch (collective)."""
-        start = time.perf_counter()
+    def accumulate(self, batch: PolicyBatch) -> int:
+        """Forward and backward on ``batch`` (part of this DP replica's share of the coming
+        step: the GRPO groups that have arrived) into the gradient buffer, with neither the
+        DP reduction nor the optimizer step: the next :meth:`train_step` adds its own batch
+        and takes the one step over all of them, with the same gradient as if they had come
+        at once (the per-token mean divides by the tokens of every part, over DP, once).
+        Collective over this replica's TP and PP ranks only, so each replica accumulates
+        what it has, as often as it likes. Returns the calls since the last step."""
         with megatron_on_cpu():
-            self.model.zero_grad_buffer()
-            self.optimizer.zero_grad()
-            reports = self._schedule(batch, forward_only=False)
+            if not self.accumulated:
+                self.model.zero_grad_buffer()
+                self.optimizer.zero_grad()
+            finalize, self.config.finalize_model_grads_func = self.config.finalize_model_grads_func, None
+            try:
+                self._earlier += self._schedule(batch, forward_only=False)
+            finally:
+                self.config.finalize_model_grads_func = finalize
+        self.accumulated += 1
+        return self.accumulated
+
+    def train_step(self, batch: PolicyBatch) -> StepStats:
+        """One optimizer step on this DP replica's share of the global batch (collective),
+        together with what :meth:`accumulate` gathered since the last step."""
+        start = time.perf_counter()
+        earlier, accumulated, self._earlier, self.accumulated = self._earlier, self.accumulated, [], 0
+        with megatron_on_cpu():
+            if not accumulated:
+                self.model.zero_grad_buffer()
+                self.optimizer.zero_grad()
+            finalize = self.config.finalize_model_grads_func
+            if accumulated:  # the per-token mean's divisor counts the accumulated tokens too (last stage;
+                before = round(float(sum(r["tokens"] for r in earlier)))  # the others take its count)
+                self.config.finalize_model_grads_func = \
+                    lambda model, num_tokens=None, *a, **kw: finalize(model, None if num_tokens is None else
+                                                                      num_tokens + before, *a, **kw)
+            try:
+                reports = earlier + self._schedule(batch, forward_only=False)
+            finally:
+                self.config.finalize_model_grads_func = finalize
             ok, grad_norm, _ = self.optimizer.step()
         if not ok:
             raise FloatingPointError(f"training step {self.steps}: the optimizer skipped the update (inf/nan "
