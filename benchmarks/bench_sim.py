@@ -1,6 +1,6 @@
 """Cluster simulator: every policy on the paper scenario, and the event loop's speed.
 
-    python benchmarks/bench_sim.py [--config configs/sim/a800-swe.yaml] [--steps N] [--out DIR] [--partial]
+    python benchmarks/bench_sim.py [--config configs/sim/a800-swe.yaml] [--steps N] [--out DIR] [--partial] [--stream]
     python benchmarks/bench_sim.py --engine     # heapq loop vs the alternatives considered
 
 Runs the scenario (48 A800-80G, Qwen3-14B, SWE-style agent, 100 RL steps by default) for
@@ -75,6 +75,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, help="override rl.steps")
     parser.add_argument("--out", default="logs/bench-sim", help="report folder")
     parser.add_argument("--engine", action="store_true", help="only the event-queue micro-benchmark")
+    parser.add_argument("--stream", action="store_true",
+                        help="rl.stream_training=true (asynchronous policies train each group as it finishes)")
     parser.add_argument("--partial", action="store_true",
                         help="rl.partial_rollout=true (asynchronous policies; the static split keeps the better of on/off)")
     args = parser.parse_args()
@@ -87,7 +89,8 @@ def main() -> None:
             print(f"{live:>12} {r['heapq']:>12.0f} {r['bisect_sorted_list']:>12.0f} {r['queue_PriorityQueue']:>14.0f}")
         print(json.dumps({"engine_pairs_per_s": rows}))
         return
-    overrides = {**({"rl.steps": args.steps} if args.steps else {}), **({"rl.partial_rollout": True} if args.partial else {})}
+    overrides = {**({"rl.steps": args.steps} if args.steps else {}), **({"rl.partial_rollout": True} if args.partial else {}),
+                 **({"rl.stream_training": True} if args.stream else {})}
     cfg = load_sim_config(args.config, overrides or None)
     t0 = time.perf_counter()
     result = run_scenario(cfg)
@@ -106,7 +109,7 @@ def main() -> None:
                       "bound_step_s": round(result.bound["bound_step_s"], 1), "bound_binding": result.bound["binding"],
                       **{k: round(libra[k], 3) for k in ("trained_p90_over_generated_p90", "dropped_token_share")
                          if k in libra},
-                      "partial_rollout": cfg.rl.partial_rollout,
+                      "partial_rollout": cfg.rl.partial_rollout, "stream_training": cfg.rl.stream_training,
                       "policies": {n: {"tokens_per_s": round(rec.summary["tokens_per_s"], 1),
                                        "vs_bound": None if result.vs_bound(n) is None else round(result.vs_bound(n), 3),
                                        "out_of_memory_step": (result.oom(n) or {}).get("step"),

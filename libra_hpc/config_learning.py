@@ -40,6 +40,16 @@ class RLConfig(_Section):
     """Partial rollout: the share of all generated tokens that regenerated trajectories may
     have wasted; past it a step waits for its expiring trajectories as whole-trajectory
     rollout would."""
+    stream_training: bool = False
+    """Train each GRPO group of the coming step as soon as it is complete (gradient
+    accumulation, ``MegatronTrainEngine.accumulate``), one optimizer step when the batch
+    is: the same update as the whole batch at once (exactly, with `loss_aggregation:
+    token_mean`; the per-sequence weights of the other two are per part, as they are per
+    DP replica), while the batch's slowest trajectories still generate. Only the last
+    groups and the optimizer step remain when the batch completes, so a rollout-bound
+    pipeline stops paying the whole training step in series with the rollout. Steps with
+    more than one pass (`update_epochs`) train whole; not with `partial_rollout` (its steps
+    choose their groups when they train). In the simulator and the live job."""
     advantage_norm: Literal["group_std", "none"] = "group_std"
     """GRPO advantage of a sample: its reward minus its group's mean, divided by the group's
     (sample) standard deviation plus `advantage_eps` (`group_std`, DeepSeekMath's GRPO) or

@@ -58,6 +58,12 @@ def test_the_job_trains_and_leaves_what_a_user_looks_at(small_run):
     assert [m["step"] for m in metrics] == list(range(STEPS)) and [m["version"] for m in metrics] == list(range(1, STEPS + 1))
     assert all(m["trajectories"] == 12 and m["staleness_max"] <= 1 for m in metrics)
     assert all(sum(m["gpus"].values()) == 8 and m["gpus"]["training"] == 4 for m in metrics)
+    # rl.stream_training: one-pass steps train groups ahead of the step (all three of a
+    # batch at most); the 16-pass steps 1 and 2 train whole
+    streamed = [m["streamed_groups"] for m in metrics]
+    assert streamed[1] == streamed[2] == 0 and all(0 <= n <= 3 for n in streamed), streamed
+    assert sum(streamed) >= 5, streamed
+    assert all(m["stream_s"] > 0 for m in metrics if m["streamed_groups"])  # forward and backward ran ahead
 
 
 @pytest.mark.mpi

@@ -104,6 +104,9 @@ class ControlOptions:
     """A measured training TP table (context tokens from which → TP size); None: by cost."""
     tp_hysteresis: float = 0.1
     tp_confirm: int = 2
+    stream_groups: int = 0
+    """``rl.stream_training``: the GRPO groups of a step, trained as they finish (0: off);
+    the step objective counts only the last one's share of training after the rollout."""
 
     @property
     def gpus(self) -> int:
@@ -128,6 +131,7 @@ class ControlOptions:
             hybrid_margin=p.hybrid_margin, memory_headroom=p.memory_headroom,
             on_memory=cfg.parallel.on_memory, tp_hysteresis=cfg.parallel.hysteresis,
             tp_confirm=cfg.parallel.confirm_checks,
+            stream_groups=cfg.rl.prompts_per_step if cfg.rl.stream_training and not cfg.rl.partial_rollout else 0,
             tp_table=tuple(sorted(cfg.parallel.training_tp_by_context.items()))
             if cfg.parallel.training_tp_by_context else None,
             **{"length_aware_routing": cfg.scheduler.policy in ("oracle", "length_aware"), **setup})
@@ -178,11 +182,17 @@ def feasible_tps(model: ModelProfile, hw: HardwareProfile, tps: Sequence[int], c
     return tuple(sorted(out, reverse=True))
 
 
-def pipelined_step_s(t_train: float, t_rollout: float, k: int) -> float:
+def pipelined_step_s(t_train: float, t_rollout: float, k: int, stream_groups: int = 0) -> float:
     """Steady-state step time of the rollout/training pipeline with staleness ``k``:
     training step ``s`` ends at max(end(s - k - 1) + T_rollout, end(s - 1)) + T_train, so
-    a step takes max(T_train, (T_rollout + T_train) / (k + 1)) (k = 0: their sum)."""
-    return max(t_train, (t_rollout + t_train) / (k + 1))
+    a step takes max(T_train, (T_rollout + T_train) / (k + 1)) (k = 0: their sum).
+
+    ``stream_groups`` > 0 (``rl.stream_training``, that many GRPO groups a step): the
+    trainers work through a batch's groups as they finish, so only the last group's share
+    of the step, T_train / groups, follows the batch's slowest trajectory:
+    max(T_train, (T_rollout + T_train / groups) / (k + 1))."""
+    tail = t_train / stream_groups if stream_groups > 0 else t_train
+    return max(t_train, (t_rollout + tail) / (k + 1))
 
 
 def profiles(cfg: Any) -> tuple[ModelProfile, HardwareProfile]:
@@ -267,7 +277,7 @@ class ControlLoop:
 
     def step_objective(self, t_train: float, t_rollout: float) -> float:
         """:func:`pipelined_step_s` at this run's staleness."""
-        return pipelined_step_s(t_train, t_rollout, self.o.max_staleness)
+        return pipelined_step_s(t_train, t_rollout, self.o.max_staleness, self.o.stream_groups)
 
     def best_plan(self, lengths: LengthProfile, options: PlannerOptions | None = None) -> PlanResult:
         """The better of plan()'s asynchronous and synchronous searches on ``lengths`` under
@@ -413,8 +423,10 @@ class ControlLoop:
 
     def rollout_side_s(self, makespan_s: float) -> float:
         """The rollout time to weigh against the training time: in steady state a step
-        takes max(T, (M + T) / (k + 1)), which is T exactly when T >= M / k."""
-        return makespan_s / max(1, self.o.max_staleness)
+        takes max(T, (M + T) / (k + 1)), which is T exactly when T >= M / k; training
+        streamed over G groups, max(T, (M + T / G) / (k + 1)): T when T >= M / (k + 1 - 1 / G)."""
+        k, g = self.o.max_staleness, self.o.stream_groups
+        return makespan_s / (k + 1 - 1 / g) if g > 0 else makespan_s / max(1, k)
 
     def after_rollout(self, step: int, now: float, makespan_s: float, t_train: float | None,
                       future: Callable[[], LengthProfile | None] | None = None) -> AfterRollout:
@@ -626,8 +638,7 @@ class ControlLoop:
         pool = None
         if o.hybrid and o.hybrid_nodes:
             first = None
-            k = max(1, o.max_staleness)
-            useful = resplit and plan_.t_train * (1 + o.hybrid_margin) >= plan_.t_rollout / k
+            useful = resplit and plan_.t_train * (1 + o.hybrid_margin) >= self.rollout_side_s(plan_.t_rollout)
             splits = sorted((t for t in o.rollout_tps if t < o.gpus_per_node), reverse=True) if useful else []
             for tp in [None, *splits]:
                 candidate = plan_ if tp is None else resplit_hybrid(plan_, tp, o.nodes - o.hybrid_nodes)

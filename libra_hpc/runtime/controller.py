@@ -321,6 +321,10 @@ class JobController:
         batch["done"] += 1
         self.service.drain_finished()
         self.route(source, tid, dest)
+        done = batch.setdefault("group_done", {})
+        done[group] = done.get(group, 0) + 1
+        if done[group] == self.cfg.rl.group_size:
+            self._stream(b)
         if batch["done"] == self.cfg.batch_size:
             batch["complete"] = time.perf_counter()
             self._maybe_train()
@@ -368,6 +372,30 @@ class JobController:
 
     # --- training
 
+    def _stream(self, b: int) -> None:
+        """``rl.stream_training``: batch ``b``'s complete groups go to their replicas'
+        trainers to be trained ahead (``accumulate``), once ``b`` is the next step the
+        trainers take (the one they train now, if any, is ``b - 1``: its command is ahead of
+        these). Steps of several passes train whole. The step's ``train`` still names all
+        its groups: a trainer skips those it accumulated, and trains again those whose
+        gradients a relayout took (runtime/trainer.py)."""
+        cfg = self.cfg
+        if not cfg.rl.stream_training or self.partial is not None or self.stop or b >= cfg.rl.steps:
+            return
+        if b != self.version + (1 if self.training else 0) or epochs_at(cfg.rl.update_epochs, b) > 1 or b not in self.batches:
+            return
+        batch = self.batches[b]
+        sent = batch.setdefault("streamed", set())
+        ready = [g for g, n in batch.get("group_done", {}).items() if n == cfg.rl.group_size and g not in sent]
+        if not ready:
+            return
+        by_replica: dict[int, list[str]] = {}
+        for g in ready:
+            by_replica.setdefault(self.group_dest[g], []).append(g)
+        sent.update(ready)
+        for rank in self.roles.trainers:
+            self._send(rank, {"op": "accumulate", "batch": b, "groups": by_replica})
+
     def _maybe_train(self) -> None:
         if self.hybrid is not None:
             self.hybrid._maybe_relayout()  # a waiting relayout goes first once its moment came
@@ -388,6 +416,7 @@ class JobController:
         leaders = [r for i, r in self.roles.leaders.items() if self.hybrid is None or i not in self.hybrid.leaving]
         for rank in self.roles.trainers:
             self._send(rank, {"op": "train", "batch": b, "groups": groups, "discard": discard, "leaders": leaders})
+        self._stream(b + 1)  # the next batch's groups that are complete already
 
     def _on_trained(self, message: dict, source: int) -> None:
         b = message["batch"]
@@ -450,6 +479,8 @@ class JobController:
             groups_filtered=sum(r["filtered_groups"] for r in reports if "tids" in r),
             dropped_stale=sum(sum(r["dropped_stale"].values()) for r in reports if "tids" in r),
             forwarded=sum(r.get("forwarded", 0) for r in reports),
+            **({"streamed_groups": sum(r.get("streamed_groups", 0) for r in reports if "tids" in r),
+                "stream_s": round(max(r.get("stream_s", 0.0) for r in reports), 3)} if self.cfg.rl.stream_training else {}),
             scheduler_policy=self.cfg.scheduler.policy, **({"partial": batch["partial"]} if "partial" in batch else {}))
         self.idle_rollout_s = 0.0
         self.migrations_seen = stats["migrations"]

@@ -116,7 +116,7 @@ class PlannerDriver:
         t = self.c.layout.training
         shape = TrainShape(t.tp, t.pp, t.dp, self.c.cfg.training.micro_batch_size, len(rows), max(1, int(mean_tokens)))
         cal = self.control.cal
-        per_pass = max(r["train_s"] for r in reports) / max(1, epochs)
+        per_pass = max(r["train_s"] + r.get("stream_s", 0.0) for r in reports) / max(1, epochs)  # streamed parts too
         self.records.append(TimingRecord("train", TrainingCost(self.model, self.hw, shape, cal).components(), per_pass))
         for instance, load in self.c.leader_load.items():
             before = self.last_load.get(instance)

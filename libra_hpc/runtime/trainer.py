@@ -50,6 +50,9 @@ class Trainer:
         self.forwards: list[Any] = []  # sends of trajectories this rank passes on (gather_scatter)
         self.forwarded = 0
         self.relayed: dict[str, int] = {}  # group → its trajectories passed on to another replica
+        self.streamed: dict[str, list] = {}  # rl.stream_training: groups of the coming step already accumulated
+        self.stream_reports: list = []  # their prepare_batch reports
+        self.stream_s = 0.0
         self.hub = job.cfg.parallel.dispatch == "gather_scatter" and roles.replicas[0][0] == self.rank
         """The gather rank: it must have passed on every trajectory of a step before the
         step's collectives, or the replicas waiting for them would wait forever."""
@@ -103,6 +106,7 @@ class Trainer:
         from mpi4py import MPI
 
         started = time.perf_counter()
+        self._unstream()
         save_checkpoint(self.engine, command["checkpoint"])
         MPI.Request.Waitall(self.forwards)
         if self.sender is not None:
@@ -153,6 +157,8 @@ class Trainer:
             relay = [g for r, gs in command["groups"].items() if r != self.replica for g in gs] if self.hub else []
             self.job.report(self._train(command["batch"], command["groups"].get(self.replica, []), command["leaders"],
                                         relay))
+        elif op == "accumulate":
+            self._accumulate(command["batch"], command["groups"].get(self.replica, []))
         elif op == "export":
             self.job.report(self._export(command["path"]))
         elif op == "checkpoint":
@@ -188,6 +194,35 @@ class Trainer:
                                f"arrived, {need} each expected")
         return [item for members in got for item in members]
 
+    def _accumulate(self, batch: int, groups: list[str]) -> None:
+        """``rl.stream_training``: this replica's ``groups`` of the coming step ``batch``
+        (complete at the controller; their trajectories may still be on the way) through
+        forward and backward now, into the gradients the step's ``train`` completes. Other
+        replicas take no part (no DP collective before the step)."""
+        from libra_hpc.rl.step import prepare_batch
+
+        groups = [g for g in groups if g not in self.streamed]
+        if not groups:
+            return
+        received = self._wait_for(batch, groups)
+        started = time.perf_counter()
+        train, report = prepare_batch([t for _, t in received], self.cfg.rl, train_version=batch,
+                                      pad_id=self.job.codec.pad_id, rows_multiple=self.cfg.training.micro_batch_size)
+        if train is not None:
+            self.engine.accumulate(train.to_policy_batch())
+        for g in groups:
+            self.streamed[g] = [item for item in received if group_of(item[0]) == g]
+        self.stream_reports.append(report)
+        self.stream_s += time.perf_counter() - started
+
+    def _unstream(self) -> None:
+        """The training world ends before the step its accumulated groups belong to (a
+        relayout): their gradients go with the engine, their trajectories back to the inbox,
+        and the next world's step trains them whole."""
+        for g, items in self.streamed.items():
+            self.inbox[g] = items
+        self.streamed, self.stream_reports, self.stream_s = {}, [], 0.0
+
     def _train(self, batch: int, groups: list[str], leaders: list[int], relay: list[str] = ()) -> dict:
         from libra_hpc.rl.grpo import build_batch
         from libra_hpc.rl.step import grpo_step, prepare_batch
@@ -195,22 +230,32 @@ class Trainer:
         from libra_hpc.config_learning import epochs_at
         from libra_hpc.rl.step import BatchReport
 
-        note(f"trainer (DP replica {self.replica}): waiting for batch {batch}'s {len(groups)} groups")
-        received = self._wait_for(batch, groups, relay) if groups or relay else []
+        streamed, reports = self.streamed, self.stream_reports
+        self.streamed, self.stream_reports = {}, []
+        rest = [g for g in groups if g not in streamed]
+        note(f"trainer (DP replica {self.replica}): waiting for batch {batch}'s {len(rest)} groups"
+             + (f" ({len(streamed)} trained as they came)" if streamed else ""))
+        received = self._wait_for(batch, rest, relay) if rest or relay else []
         note(f"trainer (DP replica {self.replica}): training batch {batch}")
         trajectories = [t for _, t in received]
         started = time.perf_counter()
         mbs, pad = self.cfg.training.micro_batch_size, self.job.codec.pad_id
+        epochs = epochs_at(self.cfg.rl.update_epochs, batch)
+        if streamed and (epochs > 1 or set(streamed) - set(groups)):
+            raise RuntimeError(f"rank {self.rank}: step {batch}: groups {sorted(streamed)[:4]} were trained as they "
+                               f"came, but the step has {epochs} passes or does not name them all")
         if trajectories:
             train, report = prepare_batch(trajectories, self.cfg.rl, train_version=batch, pad_id=pad, rows_multiple=mbs)
-        else:  # a replica that just joined: one step with zero gradients (the DP all-reduce needs it)
+        else:  # a replica that just joined, or whose groups all came early: the step is still collective
             train, report = None, BatchReport(given=0)
-        if train is None:  # nothing to learn from here; the step is still collective
+        if train is None:  # nothing (more) to learn from here; the step is still collective
             train = build_batch(trajectories or [_empty(pad)], [0.0] * max(len(trajectories), 1), pad_id=pad,
                                 rows_multiple=mbs)
-        for _ in range(epochs_at(self.cfg.rl.update_epochs, batch)):
+        for _ in range(epochs):
             stats = grpo_step(self.engine, train)
         train_s = time.perf_counter() - started
+        report = _merged([*reports, report])
+        received = [item for items in streamed.values() for item in items] + received
         started = time.perf_counter()
         weights = self.engine.iter_hf()
         if self.sender is not None:
@@ -224,10 +269,11 @@ class Trainer:
                "pack_s": round(pack_s, 4), "wait_s": round(self.wait_s, 4), "loss": stats.loss,
                "grad_norm": stats.grad_norm, "tokens": stats.tokens, "clipped": stats.clipped_fraction,
                "dropped_stale": dict(report.dropped_stale), "max_lag": report.max_lag,
-               "groups": report.groups, "filtered_groups": report.filtered_groups, "forwarded": self.forwarded}
+               "groups": report.groups, "filtered_groups": report.filtered_groups, "forwarded": self.forwarded,
+               "streamed_groups": len(streamed), "stream_s": round(self.stream_s, 4)}
         if self.first_of_replica:
             out["tids"] = [tid for tid, _ in received]
-        self.wait_s, self.forwarded = 0.0, 0
+        self.wait_s, self.forwarded, self.stream_s = 0.0, 0, 0.0
         note(f"trainer (DP replica {self.replica}): waiting for a command after batch {batch}")
         return out
 
@@ -259,6 +305,20 @@ class Trainer:
         return {"op": "exported", "path": str(out), "tensors": len(weights), "stage": stage, "stages": stages,
                 "weight_map": dict.fromkeys(weights, name) if stages > 1 else {},
                 "bytes": sum(v.numel() * v.element_size() for v in weights.values())}
+
+
+def _merged(reports: list) -> Any:
+    """One step's :class:`~libra_hpc.rl.step.BatchReport` from those of its parts."""
+    from libra_hpc.rl.step import BatchReport
+
+    out = BatchReport(given=sum(r.given for r in reports))
+    for r in reports:
+        for reason, n in r.dropped_stale.items():
+            out.dropped_stale[reason] = out.dropped_stale.get(reason, 0) + n
+        out.groups += r.groups
+        out.filtered_groups += r.filtered_groups
+        out.max_lag = max(out.max_lag, r.max_lag)
+    return out
 
 
 def _empty(pad: int):

@@ -88,10 +88,12 @@ class PolicyRun:
 
     def __init__(self, ctx: Context, setup: PolicySetup, layout: Layout, train: TrainShape, steps: int,
                  control: ControlLoop | None = None, train_time: Callable[[TrainShape, float], float] | None = None,
-                 colocated: bool = False, partial: bool | None = None):
+                 colocated: bool = False, partial: bool | None = None, stream: bool | None = None):
         """``train_time(shape, mean_tokens)``: seconds of a training step (default: the
         planner's training cost model; tests inject fixed times). ``partial``: tail-decoupled
-        rollout on or off (default: ``rl.partial_rollout``; never for a synchronous policy)."""
+        rollout on or off (default: ``rl.partial_rollout``; never for a synchronous policy).
+        ``stream``: groups trained as they finish (default: ``rl.stream_training``; never
+        synchronous or with partial rollout)."""
         self.ctx, self.setup, self.steps, self.control = ctx, setup, steps, control
         self.layout, self.train, self.colocated = layout, train, colocated
         self.train_time = train_time or (lambda shape, tokens: step_s(ctx.model, ctx.hw, shape, tokens, ctx.cal))
@@ -102,11 +104,18 @@ class PolicyRun:
         self.partial = self.cfg.rl.partial_rollout and not self.sync if partial is None else partial and not self.sync
         self.tail = (TailDecoupler(self.cfg.batch_size, self.k, self.cfg.rl.partial_waste_budget)
                      if self.partial else None)
+        stream = self.cfg.rl.stream_training if stream is None else stream
+        self.stream = stream and not self.sync and not self.partial
+        self.group_left: dict[tuple[int, str], int] = {}  # streaming: (batch, prompt) → members still running
+        self.stream_ready: dict[int, list[float]] = {}  # streaming: a batch's finished groups' work, not begun
+        self.streamed: dict[int, float] = {}  # streaming: work (s) of a batch's groups trained ahead
+        self.stream_busy_until = 0.0  # streaming: when the trainers finish the work begun so far
+        self.train_end = 0.0  # when the running training step ends
         self.rollout = RolloutSide(ctx.step_models, self.cfg.scheduler, self.cfg.costs, setup.router, self.cfg.rl.seed,
                                    self._batch_done, self._drained,
-                                   on_finished=self._finished if self.partial else None,
+                                   on_finished=self._finished if self.partial else self._group_member if self.stream else None,
                                    on_aborted=self._aborted if self.partial else None)
-        self.rec = Recorder(setup.name + ("+partial" if self.partial else ""))
+        self.rec = Recorder(setup.name + ("+partial" if self.partial else "") + ("+stream" if self.stream else ""))
         self.next_submit = 0
         self.in_flight: set[int] = set()
         self.ready: set[int] = set()
@@ -211,7 +220,41 @@ class PolicyRun:
         if self.tail is not None:
             for t in self.ctx.batch(step):
                 self.tail.started(t.tid, self.synced)
+        if self.stream:
+            for t in self.ctx.batch(step):
+                self.group_left[(step, t.prompt_id)] = self.group_left.get((step, t.prompt_id), 0) + 1
         return events + self.rollout.submit(step, self.ctx.batch(step), now)
+
+    # ------------------------------------------------------------------ streamed training
+    def _group_member(self, traj, batch: int, now: float) -> list[Event]:
+        """``rl.stream_training``: one trajectory finished; its group's last one makes the
+        group's share of the training work ready (:meth:`_stream`)."""
+        key = (batch, traj.prompt_id)
+        self.group_left[key] -= 1
+        if self.group_left[key]:
+            return []
+        del self.group_left[key]
+        members = [t for t in self.ctx.batch(batch) if t.prompt_id == traj.prompt_id]
+        try:
+            work = self.train_time(self._shape(), sum(t.total_tokens for t in members) / len(members)) \
+                * len(members) / self.cfg.batch_size
+        except ValueError:  # the shape cannot hold these sequences: the step will say so
+            return []
+        self.stream_ready.setdefault(batch, []).append(work)
+        self._stream(now)
+        return []
+
+    def _stream(self, now: float) -> None:
+        """Begin the ready groups of the batch the trainers take next: the running step's
+        successor queues behind it; a batch further ahead waits (its gradients would mix
+        into another step's). The trainers work through them one after another."""
+        j = self.train_next + (1 if self.training else 0)
+        ready = self.stream_ready.pop(j, [])
+        if not ready:
+            return
+        at = max(now, self.stream_busy_until, self.train_end if self.training else now, self.blocked_until)
+        self.stream_busy_until = at + sum(ready)
+        self.streamed[j] = self.streamed.get(j, 0.0) + sum(ready)
 
     def _new_info(self, now: float) -> dict:
         """A step's bookkeeping from ``now``: start, rollout GPUs, counters to diff later."""
@@ -335,10 +378,20 @@ class PolicyRun:
             log.warning("%s: out of memory at step %d: %s", self.setup.name, j, exc)
             self.rec.events.append({"kind": "out_of_memory", **self.oom})
             return []
+        work, streamed = seconds, self.streamed.pop(j, 0.0)
+        if self.stream:  # the groups trained ahead: the step ends the rest, at least the last group's share
+            self.stream_ready.pop(j, None)
+            start = max(start, self.stream_busy_until)
+            seconds = max(seconds * self.cfg.rl.group_size / self.cfg.batch_size, seconds - streamed)
+            work = streamed + seconds
         self.training = True
-        self.batch_info[j].update(train_start=start, train_s=seconds, train_gpus=shape.gpus,
+        self.train_end = start + seconds
+        self.batch_info[j].update(train_start=start, train_s=work, train_gpus=shape.gpus, streamed_s=streamed,
                                   gen_tokens=sum(t.gen_tokens for t in batch), trajectories=len(batch))
-        return [TrainDone(start + seconds, self._train_done, j)]
+        events: list[Event] = [TrainDone(start + seconds, self._train_done, j)]
+        if self.stream:
+            self._stream(now)  # the next batch's groups that finished already queue behind this step
+        return events
 
     def _train_done(self, now: float, j: int):
         self.training = False
