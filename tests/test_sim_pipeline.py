@@ -151,3 +151,40 @@ def test_hybrid_replica_is_lent_when_training_is_the_bottleneck(tmp_path):
     assert rec.rows[0]["train_gpus"] == 8 and rec.rows[-1]["train_gpus"] == 16
     assert rec.rows[-1]["rollout_gpus"] == 8
     assert statistics.fmean(r["step_s"] for r in rec.rows[-4:]) == pytest.approx(1.5)
+
+
+@pytest.fixture
+def spread_ctx(tmp_path):
+    """Each step: 4 single-trajectory groups of 25, 50, 75 and 100 tokens on one TP1
+    instance of 10 ms steps: they finish 0.25, 0.5, 0.75 and 1.0 s after the batch starts."""
+    trajectories = [Trajectory(f"s{s}/p{i}/0", f"p{i}", s, 0, 10, (25 * (i + 1),), ())
+                    for s in range(12) for i in range(4)]
+    write_trace(tmp_path / "trace.jsonl", trajectories)
+
+    def make(stream):
+        cfg = validate_sim_config({
+            "name": "stream", "trace": str(tmp_path / "trace.jsonl"),
+            "cluster": {"nodes": 2, "gpus_per_node": 8, "hardware": "a800-80g"}, "model": {"name": "qwen3-14b"},
+            "training": {"seq_len": 4096}, "planner": {"min_rollout_gpus": 8},
+            "rl": {"steps": 12, "prompts_per_step": 4, "group_size": 1, "max_staleness": 1,
+                   "stream_training": stream},
+            "costs": {"weight_sync_s": 0.0},
+            "scheduler": {"bucket_token_limits": {1: 1 << 30}, "bucket_limits": "fixed"}})
+        ctx = Context(cfg)
+        ctx.step_models = {1: ConstantStepModel(0.01)}
+        return ctx
+    return make
+
+
+@pytest.mark.parametrize("train_s", [0.5, 0.9, 3.0])
+def test_streamed_training_leaves_only_the_last_groups_share_after_the_rollout(spread_ctx, train_s):
+    """rl.stream_training: the trainers work through each group as it finishes (after the
+    previous step), so a step takes max(T, (M + T / G) / (k + 1)), the planner's
+    pipelined_step_s with stream_groups G; without it max(T, (M + T) / (k + 1))."""
+    from libra_hpc.planner.control import pipelined_step_s
+
+    streamed = steady_step(spread_ctx(True), "async_static", train_s)
+    whole = steady_step(spread_ctx(False), "async_static", train_s)
+    assert whole == pytest.approx(pipelined_step_s(train_s, 1.0, 1))
+    assert streamed == pytest.approx(pipelined_step_s(train_s, 1.0, 1, stream_groups=4), rel=0.01)  # 10 ms steps
+    assert streamed < whole or train_s >= 1.0  # training-bound: nothing to hide

@@ -379,10 +379,10 @@ class PolicyRun:
             self.rec.events.append({"kind": "out_of_memory", **self.oom})
             return []
         work, streamed = seconds, self.streamed.pop(j, 0.0)
-        if self.stream:  # the groups trained ahead: the step ends the rest, at least the last group's share
+        if self.stream:  # the groups trained ahead (the last one too: it finished just now): the step does the rest
             self.stream_ready.pop(j, None)
             start = max(start, self.stream_busy_until)
-            seconds = max(seconds * self.cfg.rl.group_size / self.cfg.batch_size, seconds - streamed)
+            seconds = max(0.0, seconds - streamed)
             work = streamed + seconds
         self.training = True
         self.train_end = start + seconds
