@@ -29,11 +29,7 @@ def check_common(cfg: ExperimentConfig) -> list[str]:
 
 def _check_epochs(cfg: ExperimentConfig) -> list[str]:
     bad = {k: v for k, v in cfg.rl.update_epochs.items() if k < 0 or v < 1}
-    out = [f"rl.update_epochs: {bad}: steps must be >= 0 and passes >= 1"] if bad else []
-    if cfg.rl.stream_training and cfg.rl.partial_rollout:
-        out.append("rl.stream_training and rl.partial_rollout are both on: a partial-rollout step chooses its "
-                   "groups only when it trains, so none can be trained ahead; turn one off")
-    return out
+    return [f"rl.update_epochs: {bad}: steps must be >= 0 and passes >= 1"] if bad else []
 
 
 def check_layout(cfg: ExperimentConfig) -> list[str]:

@@ -48,8 +48,9 @@ class RLConfig(_Section):
     DP replica), while the batch's slowest trajectories still generate. Only the last
     groups and the optimizer step remain when the batch completes, so a rollout-bound
     pipeline stops paying the whole training step in series with the rollout. Steps with
-    more than one pass (`update_epochs`) train whole; not with `partial_rollout` (its steps
-    choose their groups when they train). In the simulator and the live job."""
+    more than one pass (`update_epochs`) train whole; with `partial_rollout` on it does
+    nothing (a partial-rollout step chooses its groups only when it trains). In the
+    simulator and the live job."""
     advantage_norm: Literal["group_std", "none"] = "group_std"
     """GRPO advantage of a sample: its reward minus its group's mean, divided by the group's
     (sample) standard deviation plus `advantage_eps` (`group_std`, DeepSeekMath's GRPO) or

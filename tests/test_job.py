@@ -64,6 +64,7 @@ def test_the_job_trains_and_leaves_what_a_user_looks_at(small_run):
     assert streamed[1] == streamed[2] == 0 and all(0 <= n <= 3 for n in streamed), streamed
     assert sum(streamed) >= 5, streamed
     assert all(m["stream_s"] > 0 for m in metrics if m["streamed_groups"])  # forward and backward ran ahead
+    assert summary["streamed_groups"]["streamed"] == sum(streamed) and summary["streamed_groups"]["of"] == 3 * STEPS
 
 
 @pytest.mark.mpi

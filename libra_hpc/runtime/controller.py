@@ -558,6 +558,11 @@ class JobController:
         busy = sum(m["rollout_s"] for m in metrics)
         s["tokens_per_s"] = round(gen / busy, 1) if busy else 0.0
         s["tool_timeouts"] = sum(m.get("tool_timeouts", 0) for m in metrics)  # the model read a timeout
+        if self.cfg.rl.stream_training and self.partial is None:  # groups trained ahead of their step, of all
+            s["streamed_groups"] = {"streamed": sum(m.get("streamed_groups", 0) for m in metrics),
+                                    "of": len(metrics) * self.cfg.rl.prompts_per_step,
+                                    "ahead_s": round(sum(m.get("stream_s", 0.0) for m in metrics), 1),
+                                    "after_s": round(sum(m["train_s"] for m in metrics), 1)}
         chaos = [r.injected for r in getattr(getattr(self, "orchestrator", None), "runners", {}).values()
                  if hasattr(r, "injected")]
         if chaos:

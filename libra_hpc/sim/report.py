@@ -35,7 +35,10 @@ ASSUMPTIONS = (
     "stragglers, no failures. Asynchronous policies pull new weights once per new version "
     "(`costs.weight_sync_s`, default: bf16 weights over one inter-node link)."),
     ("Asynchronous policies keep trajectories whole (no partial rollouts): batch i starts when training step "
-    "i - k - 1 is done (k = `rl.max_staleness`); colocated pays `costs.colocate_switch_s` per step."),
+    "i - k - 1 is done (k = `rl.max_staleness`); colocated pays `costs.colocate_switch_s` per step. With "
+    "`rl.stream_training` the trainers work through each GRPO group of the batch they take next as it finishes "
+    "(its share of the step's time, at its own mean length), one after another, and the step ends when the "
+    "rest is done."),
     ("A plan change drains rollout and then stalls `costs.reconfig_s`; a hybrid replica drains its instances, "
     "fetches the training state (`costs.hybrid_fetch_s`, default: weights + gradients + Adam shard over one "
     "inter-node link), joins with one zero-gradient step."),
@@ -54,7 +57,8 @@ ASSUMPTIONS = (
     "libra_vs_oracle uses the better of the two."),
     ("plan()'s async objective max(T_train, T_rollout) assumes one batch in flight; the simulated pipeline "
     "overlaps up to k + 1 batches, so the simulator takes the better of plan()'s async and sync plans under the "
-    "pipelined step max(T_train, (T_rollout + T_train) / (k + 1)) (libra_hpc/planner/control.py pipelined_step_s)."),
+    "pipelined step max(T_train, (T_rollout + T_train) / (k + 1)), with streamed training "
+    "max(T_train, (T_rollout + T_train / groups) / (k + 1)) (libra_hpc/planner/control.py pipelined_step_s)."),
     ("The workload is synthetic (libra_hpc/envs/synthetic.py); every number in the scenario file says whether it is "
     "sourced or an assumption."),
 )
