@@ -142,7 +142,8 @@ class PlannerDriver:
     def after_step(self, b: int, reports: list[dict]) -> None:
         """Step ``b`` ended: the loop decides on batch ``b``'s makespan and the step's time."""
         c, hybrid = self.c, self.c.hybrid
-        self.times.append((b, c.last_rollout_s, max(r["train_s"] for r in reports)))
+        # training's whole work, streamed parts included: what the pipelined step weighs (control.rollout_side_s)
+        self.times.append((b, c.last_rollout_s, max(r["train_s"] + r.get("stream_s", 0.0) for r in reports)))
         if hybrid is not None:
             hybrid.after_step(b)
         if self.pending is not None or (hybrid is not None and not hybrid.settled(b)):
