@@ -200,7 +200,8 @@ def _plot_throughput(fig, steps: list[dict], events: list[dict]) -> bool:
         return False
     top, bottom = fig.subplots(2, 1, sharex=True)
     _lines(top, {"tokens/s": _series(steps, "tokens_per_s")}, "tokens/s")
-    phases = {"rollout": "rollout_s", "train": "train_s", "whole step": "step_s"}
+    phases = {"rollout": "rollout_s", "train": "train_s", "trained ahead (streamed groups)": "stream_s",
+              "whole step": "step_s"}  # stream_s: rl.stream_training only (no line without it)
     _lines(bottom, {label: _series(steps, field) for label, field in phases.items()}, "durations")
     top.set(title="Throughput per step", ylabel="generated tokens/s")
     bottom.set(xlabel="step", ylabel="seconds")
