@@ -79,6 +79,12 @@ class RLConfig(_Section):
     task: str = "arithmetic"
     """The agentic task the policy is trained on (libra_hpc/envs/, docs/tasks.md): a built-in task by name (`arithmetic`: word problems solved with a calculator/Python tool in the sandbox; `search`: question answering by searching a generated document collection), configured by its `tasks.<name>` section; or a user's task as `package.module:Factory`, imported from `sys.path` and called with `tasks.plugin` as keyword arguments."""
 
+    @property
+    def stream_groups(self) -> int:
+        """GRPO groups a step trains as they finish (`stream_training`, which
+        `partial_rollout` turns off), or 0."""
+        return self.prompts_per_step if self.stream_training and not self.partial_rollout else 0
+
 
 class _TaskSplits(_Section):
     """What every built-in task has: its two splits and the episode length."""

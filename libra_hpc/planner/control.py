@@ -131,7 +131,7 @@ class ControlOptions:
             hybrid_margin=p.hybrid_margin, memory_headroom=p.memory_headroom,
             on_memory=cfg.parallel.on_memory, tp_hysteresis=cfg.parallel.hysteresis,
             tp_confirm=cfg.parallel.confirm_checks,
-            stream_groups=cfg.rl.prompts_per_step if cfg.rl.stream_training and not cfg.rl.partial_rollout else 0,
+            stream_groups=cfg.rl.stream_groups,
             tp_table=tuple(sorted(cfg.parallel.training_tp_by_context.items()))
             if cfg.parallel.training_tp_by_context else None,
             **{"length_aware_routing": cfg.scheduler.policy in ("oracle", "length_aware"), **setup})

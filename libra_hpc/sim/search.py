@@ -67,7 +67,7 @@ def _score(ctx: Context, layout: Layout, train_shape: TrainShape, steps: list[in
         roll = rollout_makespan(ctx, layout, s)
         train = step_s(ctx.model, ctx.hw, train_shape, mean_tokens, ctx.cal)
         values.append(roll + train + ctx.cfg.costs.colocate_switch_s if sync
-                      else pipelined_step_s(train, roll + ctx.weight_sync_s, ctx.cfg.rl.max_staleness, _streamed(ctx)))
+                      else pipelined_step_s(train, roll + ctx.weight_sync_s, ctx.cfg.rl.max_staleness, ctx.cfg.rl.stream_groups))
     return statistics.fmean(values)
 
 
@@ -82,13 +82,8 @@ def _screen(ctx: Context, layout: Layout, train_shape: TrainShape, step: int, sy
                                  length_profile(samples_of(batch), len(batch))).makespan_s
     train = step_s(ctx.model, ctx.hw, train_shape, statistics.fmean(t.total_tokens for t in batch), ctx.cal)
     return (roll + train + ctx.cfg.costs.colocate_switch_s if sync
-            else pipelined_step_s(train, roll, ctx.cfg.rl.max_staleness, _streamed(ctx)))
+            else pipelined_step_s(train, roll, ctx.cfg.rl.max_staleness, ctx.cfg.rl.stream_groups))
 
-
-def _streamed(ctx: Context) -> int:
-    """The GRPO groups a step streams to training (``rl.stream_training``), or 0."""
-    rl = ctx.cfg.rl
-    return rl.prompts_per_step if rl.stream_training and not rl.partial_rollout else 0
 
 
 def _two_stage(ctx: Context, candidates: list[Candidate], sync: bool) -> tuple[Layout, TrainShape, list[dict]]:
