@@ -68,6 +68,7 @@ class JobController:
         self.leader_load: dict[int, dict] = {}
         self.idle_rollout_s = 0.0
         self.trained_tids: list[str] = []
+        self.duplicate_reports = 0  # trajectories finished twice (an expired lease): the copy dropped
         self.last_step_end = None
         self.exported: str | None = None
         self.rss: dict[str, float] = {}
@@ -307,11 +308,14 @@ class JobController:
                 self.service.submit(trajectory_id(b, p.pid, k), p.pid)
 
     def _on_traj(self, message: dict, source: int) -> None:
+        if not self._first_report(message, source):
+            return
         if self.partial is not None:
             return self.partial.finished(message, source)
         tid = message["tid"]
         b, group = batch_of(tid), group_of(tid)
         batch = self.batches[b]
+        batch.setdefault("tids", set()).add(tid)
         dest = self.group_dest.get(group)
         if dest is None:
             dest = self.group_dest[group] = self.pick_replica(batch["tokens"])
@@ -335,6 +339,27 @@ class JobController:
         (:func:`~libra_hpc.parallel.dispatch.least_loaded`)."""
         open_ = [d for d in range(len(self.roles.replicas)) if self.hybrid is None or d not in self.hybrid.no_route]
         return least_loaded(tokens, open_)
+
+    def _first_report(self, message: dict, source: int) -> bool:
+        """A trajectory reported a second time is dropped at its leader (``route`` nowhere).
+        That happens when a lease expired under a live leader (it stalled past
+        ``scheduler.lease_s``, or its instance was unknown to the queue for that long): the
+        queue ran the turn again elsewhere and both copies finished. The first report
+        counts; its copy may arrive after its batch trained."""
+        tid = message["tid"]
+        if self.partial is not None:
+            seen = self.partial.reported(tid)
+        else:
+            batch = self.batches.get(batch_of(tid))
+            seen = batch is None or tid in batch.get("tids", ())
+        if not seen:
+            return True
+        self.duplicate_reports += 1
+        self.runlog.event("warning", rank=source, role="rollout",
+                          line=f"trajectory {tid} reported again by rank {source} (instance {message.get('instance')}): "
+                               "its lease had expired and the turn ran twice; this copy is dropped")
+        self._send(source, {"op": "route", "tid": tid, "dest": [], "replica": None})
+        return False
 
     def route(self, source: int, tid: str, replica: int) -> None:
         """Tell leader ``source`` where trajectory ``tid`` goes: every rank of DP
@@ -541,6 +566,7 @@ class JobController:
         trained = self.trained_tids
         s.update(steps=self.version, wall_s=round(time.perf_counter() - self.started, 1),
                  trajectories_trained=len(trained), trajectories_duplicated=len(trained) - len(set(trained)),
+                 trajectory_reports_dropped=self.duplicate_reports,
                  trajectories_lost=None if submitted is None else submitted - len(set(trained)),
                  tool_calls=self.tools.calls if hasattr(self, "tools") else 0,
                  tool_failures=self.tools.failures if hasattr(self, "tools") else 0,

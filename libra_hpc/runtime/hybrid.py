@@ -253,6 +253,8 @@ class HybridDriver:
                 c._send(rank, {"op": "roles", "roles": roles})
         self.relaying = set(moved)
         c.layout, c.roles = layout, roles
+        if kind == "replan":  # nothing is in flight: the queue starts over now, so that it knows the new
+            c.rebuild_queue()  # instances as soon as their leaders ask (else it refuses them until all re-form)
         c.runlog.event("progress", line=f"relayout v{layout.version}: {layout.reason}")
 
     def relaid(self, message: dict, source: int) -> None:
@@ -297,8 +299,8 @@ class HybridDriver:
         c._maybe_train()
 
     def _replaced(self, what: tuple, record: dict) -> None:
-        """A replan's ranks re-formed: the queue starts over on the new buckets (nothing is
-        in flight), the pool maps onto the new layout."""
+        """A replan's ranks re-formed (the queue started over on the new buckets when the
+        relayout began): the pool maps onto the new layout."""
         c = self.c
         layout, _, dropped = what
         self.leaving.difference_update(dropped)
@@ -306,7 +308,6 @@ class HybridDriver:
         for instance in dropped:
             c.leader_load.pop(instance, None)
         c.initial = layout
-        c.rebuild_queue()
         done, self.on_replaced = self.on_replaced, None
         done(record)  # the planner adopts the change: its pool is the new layout's
         self._map_pool()

@@ -97,6 +97,14 @@ class PartialDriver:
             self.decoupler.finish(key, sum(r["gen_tokens"] for r in group["rows"]), time.perf_counter())
             c._maybe_train()
 
+    def reported(self, tid: str) -> bool:
+        """``tid`` finished already (counted, or its group trained or regenerated and it is
+        not one whose abort is awaited): a second report of it is a copy."""
+        if tid in self.aborting:
+            return False
+        key = self.key_of.get(group_of(tid))
+        return key is None or tid not in self.groups[key]["pending"]
+
     def aborted(self, message: dict, source: int) -> None:
         """A trajectory of a regenerated group ended at a leader (``aborted``)."""
         tid = message["tid"]
