@@ -176,7 +176,7 @@ def test_partial_rollout_trains_every_group_once_within_the_staleness_bound_acro
 REPLAN = ("--set", "planner.replan=true", "--set", "planner.every_steps=1", "--set", "planner.confirm_checks=1", "--set", "planner.margin_s=0",
           "--set", "planner.reconfig_s=0", "--set", "planner.min_dwell_steps=0", "--set", "planner.min_gain=0",
           "--set", "planner.hybrid_nodes=0",
-          "--set", "rl.update_epochs={0: 1}", "--set", "rl.steps=5")
+          "--set", "rl.update_epochs={0: 1}", "--set", "rl.steps=5", "--set", "rl.stream_training=true")
 
 
 @pytest.mark.mpi
@@ -184,7 +184,11 @@ def test_the_planner_replans_the_layout_and_the_job_carries_it_out(small_run, tm
     """A gate that applies any plan search win at once (no margin, no reconfiguration
     cost): the control loop's first check picks a plan other than the config's hand-made
     one, the pipeline drains, the ranks re-form in the new shape, and the run finishes
-    with every trajectory trained once, the steps after the replan on the new layout."""
+    with every trajectory trained once, the steps after the replan on the new layout. The
+    groups train as they finish (``rl.stream_training``) before and after the relayout, and
+    the queue knows the new instances as soon as their leaders ask (it started over when
+    the relayout began: before, it refused a new leader's every ask until all ranks had
+    re-formed, a thousand refusals in this run)."""
     _, cache = small_run
     done = launch("--config", str(SMALL), "--executor", "local", "--set", f"logging.dir={tmp_path}",
                   "--set", f"job.cache_dir={cache}", *REPLAN, timeout=500)
@@ -204,6 +208,9 @@ def test_the_planner_replans_the_layout_and_the_job_carries_it_out(small_run, tm
     assert after and all(m["gpus"]["training"] == applied["gpus"]["training"] for m in after)
     buckets = [e for e in events if e["kind"] == "buckets"]
     assert len(buckets) == 2  # the queue started over on the new layout's instances
+    refused = [line for line in (folder / "job.out").read_text().splitlines() if "queue refused" in line]
+    assert not refused, refused[:3]
+    assert summary["streamed_groups"]["streamed"] > 0 and summary["trajectory_reports_dropped"] == 0
     # the policy is exported whatever the new shape (a pipeline-parallel one: a shard per
     # stage and an index) and loads whole into transformers
     from transformers import AutoModelForCausalLM
