@@ -25,7 +25,7 @@ class WholeStepController(FakeController):
         self.cfg.rl.stream_training = False
         self.cfg.batch_size = 2
         self.partial = None
-        self.batches = {0: {"done": 0, "tokens": {}, "rows": [], "groups": {}}}
+        self.batches = {0: {"done": 0, "tids": set(), "tokens": {}, "rows": [], "groups": {}}}
         self.group_dest: dict[str, int] = {}
         self.duplicate_reports = 0
         self.streamed: list[int] = []

@@ -301,8 +301,8 @@ class JobController:
         prompts = self.sampler.next(cfg.rl.prompts_per_step, lambda: f"training batch {b}")
         if self.partial is not None:
             return self.partial.submit(b, prompts)
-        self.batches[b] = {"submitted": time.perf_counter(), "done": 0, "tokens": {}, "rows": [], "groups": {},
-                           "pids": [p.pid for p in prompts]}
+        self.batches[b] = {"submitted": time.perf_counter(), "done": 0, "tids": set(), "tokens": {}, "rows": [],
+                           "groups": {}, "pids": [p.pid for p in prompts]}
         for p in prompts:
             for k in range(cfg.rl.group_size):
                 self.service.submit(trajectory_id(b, p.pid, k), p.pid)
@@ -315,7 +315,7 @@ class JobController:
         tid = message["tid"]
         b, group = batch_of(tid), group_of(tid)
         batch = self.batches[b]
-        batch.setdefault("tids", set()).add(tid)
+        batch["tids"].add(tid)
         dest = self.group_dest.get(group)
         if dest is None:
             dest = self.group_dest[group] = self.pick_replica(batch["tokens"])
@@ -351,7 +351,7 @@ class JobController:
             seen = self.partial.reported(tid)
         else:
             batch = self.batches.get(batch_of(tid))
-            seen = batch is None or tid in batch.get("tids", ())
+            seen = batch is None or tid in batch["tids"]
         if not seen:
             return True
         self.duplicate_reports += 1

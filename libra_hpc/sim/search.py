@@ -85,7 +85,6 @@ def _screen(ctx: Context, layout: Layout, train_shape: TrainShape, step: int, sy
             else pipelined_step_s(train, roll, ctx.cfg.rl.max_staleness, ctx.cfg.rl.stream_groups))
 
 
-
 def _two_stage(ctx: Context, candidates: list[Candidate], sync: bool) -> tuple[Layout, TrainShape, list[dict]]:
     steps = sample_steps(ctx)
     middle = steps[len(steps) // 2]
