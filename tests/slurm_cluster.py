@@ -395,7 +395,9 @@ class LocalSlurmCluster:
             "SlurmdParameters": "config_overrides", "ProctrackType": "proctrack/linuxproc",
             "TaskPlugin": "task/none", "JobAcctGatherType": "jobacct_gather/none", **acct,
             "SelectType": "select/cons_tres", "SelectTypeParameters": "CR_Core",
-            "SchedulerParameters": "batch_sched_delay=0",  # start jobs within ~1 s
+            # start a job within ~1 s; a requeued one is eligible cred_expire + 1 s after its
+            # requeue, and only the main loop (every sched_interval) starts it: 60 s by default
+            "SchedulerParameters": "batch_sched_delay=0,sched_interval=2",
             "MpiDefault": "pmi2", "GresTypes": "gpu", "MailProg": "/bin/true",
             "ReturnToService": 2, "MinJobAge": MIN_JOB_AGE_S, "FirstJobId": base * 1000,
             "KillWait": 5, "InactiveLimit": 0,

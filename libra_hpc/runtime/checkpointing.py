@@ -158,11 +158,13 @@ class CheckpointDriver:
         c = self.c
         if not c.stop:
             return False
-        if c.phase != "rl" or not c.cfg.job.checkpoint_on_stop or c.version == 0:
+        if c.phase != "rl":
             return True
         if c.training or self.pending is not None or (c.hybrid is not None and c.hybrid.relaying):
-            return False  # a step, a save or a training world re-forming finishes first
-        if self.saved_version == c.version:
+            # a step, a save or a training world re-forming finishes first, also the first
+            # step: trainers that post a policy nobody takes would hold the world's exit
+            return False
+        if not c.cfg.job.checkpoint_on_stop or c.version == 0 or self.saved_version == c.version:
             return True
         self.save()
         return False

@@ -6,7 +6,9 @@ step boundary (where checkpointing hooks in)."""
 from __future__ import annotations
 
 import logging
+import os
 import signal
+import threading
 
 log = logging.getLogger(__name__)
 
@@ -20,8 +22,10 @@ class StopRequest:
         self.signal: str | None = None
 
     def install(self) -> StopRequest:
+        """Call in the main thread, before any thread or child process starts."""
         for signum in WARNING_SIGNALS:
             signal.signal(signum, self._note)
+        _keep_from_children(WARNING_SIGNALS)
         return self
 
     def _note(self, signum: int, _frame) -> None:
@@ -30,3 +34,58 @@ class StopRequest:
 
     def __bool__(self) -> bool:
         return self.signal is not None
+
+
+def _keep_from_children(signums: tuple[int, ...]) -> None:
+    """Slurm sends the warning to every process of the step, and a process the rank
+    started (vLLM's TP workers, tool workers) would die of it (the default action): a TP 2
+    instance then failed at its next step ("collective_rpc should not be called on follower
+    node") instead of the run saving a checkpoint. A handler does not survive ``exec``; a
+    blocked signal does. So the main thread blocks the warning, and so does every thread and
+    child process started after it; one thread started before keeps it unblocked, so the
+    kernel delivers the rank's warning there, and Python runs the handler in the main
+    thread as it always does."""
+    threading.Thread(target=threading.Event().wait, name="warning-signals", daemon=True).start()
+    signal.pthread_sigmask(signal.SIG_BLOCK, signums)
+
+
+def end_children_with_this_rank() -> None:
+    """On SIGTERM (``scancel``, ``scontrol requeue``, the time limit itself), kill this
+    rank's descendants before the rank dies of the signal. Slurm signals every process of
+    the step, but vLLM's worker processes handle SIGTERM by shutting down, which can block;
+    once their rank has died they are orphans, and Slurm's ``proctrack/linuxproc`` (which
+    finds a step's processes through their parents) no longer sees them when it sends
+    SIGKILL. They then hold the step's output open and the node for a minute (Slurm's
+    "Abandoning IO 60 secs after job shutdown initiated"), which delays a requeued job."""
+    signal.signal(signal.SIGTERM, _terminated)
+
+
+def _terminated(signum: int, _frame) -> None:
+    for pid in descendants(os.getpid()):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+    signal.signal(signum, signal.SIG_DFL)
+    os.kill(os.getpid(), signum)  # die of the signal, as Slurm and the launcher expect
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (children first), from ``/proc``'s parent links."""
+    children: dict[int, list[int]] = {}
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue  # gone meanwhile
+        parent = int(stat[stat.rindex(")") + 2:].split()[1])  # the name may hold spaces and ")"
+        children.setdefault(parent, []).append(int(entry.name))
+    found, todo = [], [pid]
+    while todo:
+        kids = children.get(todo.pop(0), [])
+        found += kids
+        todo += kids
+    return found
