@@ -47,6 +47,13 @@ def _environment_restored_after_the_module():
         os.environ.update(saved)
 
 
+@pytest.fixture(scope="session")
+def job_cache(tmp_path_factory) -> Path:
+    """The model and warm-start cache (``job.cache_dir``) the small RL job's runs share,
+    locally and under Slurm: the first run builds it (tens of seconds), the others load it."""
+    return tmp_path_factory.mktemp("cache")
+
+
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory) -> Path:
     """The tiny local model (libra_hpc/engines/tiny.py, seed 0), built once per test module."""

@@ -86,9 +86,9 @@ def test_launch_py_reports_a_failed_job(slurm_cluster, tmp_path):
 
 
 @pytest.fixture(scope="module")
-def cache(tmp_path_factory) -> Path:
-    """The warm-start cache the RL jobs of this module share (built by the first)."""
-    return tmp_path_factory.mktemp("cache")
+def cache(job_cache) -> Path:
+    """The warm-start cache the RL jobs share (conftest.py: built once a session)."""
+    return job_cache
 
 
 def test_sbatch_runs_the_rl_job_with_least_load_routing_gather_scatter_dispatch_and_a_tp_reshard(
