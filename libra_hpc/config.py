@@ -249,7 +249,9 @@ class PlannerConfig(_Section):
     ``costs.reconfig_s``.)"""
     hybrid_margin: float = Field(0.1, ge=0)
     """Hybrid pool: lend it to training when the training step takes more than the rollout
-    phase × (1 + margin); give it back when rollout takes more than training × (1 + margin)."""
+    phase × (1 + margin); give it back when rollout takes more than training × (1 + margin),
+    or when, two rollouts after the lend, the step is longer than before it by more than the
+    margin (then no lend again until training outweighs rollout by more than at that lend)."""
     borrow_at_step: int | None = 2
     """Step at which the hybrid pool is lent to training, a scripted decision (the
     cost-based trigger is ``hybrid_margin``); null: never."""

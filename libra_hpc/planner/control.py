@@ -257,6 +257,12 @@ class ControlLoop:
         last check (:meth:`pooled_objective` weighs a hybrid replica's move with it)."""
         self.tp = TpSelector(current=0, confirm=options.tp_confirm)
         """Training's TP size over time (EARL's selector; set by :meth:`apply`)."""
+        self.lend_trial: dict | None = None
+        """The last replica lent to training, on trial until two rollouts with it active
+        are measured (:meth:`_judge_lend`)."""
+        self.borrow_floor: float | None = None
+        """After a lend that made the step slower: the training/rollout ratio a borrow must
+        now exceed (:meth:`_judge_lend`)."""
         self.tp_table = TpTable(options.tp_table) if options.tp_table else None
         self.journal: list[dict] | None = None
         """Set to a list to record every call (inputs and decisions as plain data); off by
@@ -356,6 +362,8 @@ class ControlLoop:
         now = self.step_objective(plan_.t_train, plan_.t_rollout)
         if pool is None:
             return now
+        if self.borrow_floor is not None and plan_.t_train <= self.rollout_side_s(plan_.t_rollout) * self.borrow_floor:
+            return now  # lending at this balance was tried and made the step slower (_judge_lend)
         dp, gpus, size = plan_.train.dp, plan_.rollout_gpus, pool.replica_size
         if gpus - size < max(1, self.o.min_rollout_gpus) or \
                 TrainingCost(self.model, self.hw, grown(plan_.train, 1), self.cal).infeasible:
@@ -438,7 +446,7 @@ class ControlLoop:
         change = self._consider(step, self.pressure(makespan_s, t_train), future)
         out = AfterRollout(change)
         if change is None and self.pool is not None and t_train is not None:
-            events = self._hybrid_decide(now, t_train, self.rollout_side_s(makespan_s))
+            events = self._hybrid_decide(step, now, t_train, self.rollout_side_s(makespan_s))
             out.pool_events, out.pool_decided = events or [], events is not None
         self._log("after_rollout", {"step": step, "now": now, "makespan_s": makespan_s, "t_train": t_train}, out)
         return out
@@ -568,20 +576,62 @@ class ControlLoop:
         self._log("reshard", {"step": step, "trigger": trigger}, change)
         return change
 
-    def _hybrid_decide(self, now: float, t_train: float, t_roll: float) -> list[PoolEvent] | None:
+    def _hybrid_decide(self, step: int, now: float, t_train: float, t_roll: float) -> list[PoolEvent] | None:
         """Borrow or release a hybrid replica; None (nothing considered) when training is
         the bottleneck but one more replica would not fit its memory. A move that
         :meth:`hybrid_gain` predicts to shorten the step by less than the margin's share of
         it holds (the margin alone would lend a replica whose rollout GPUs are worth more
-        than its training, or switch, with the pause that costs, for a sliver)."""
+        than its training, or switch, with the pause that costs, for a sliver). A lend is
+        judged by what it did (:meth:`_judge_lend`)."""
+        judged = self._judge_lend(step, now, t_train, t_roll)
+        if judged is not None:
+            return judged
         margin = self.o.hybrid_margin
         direction = self.hybrid_direction(t_train, t_roll)
         if direction == "borrow" and not self._can_grow():
             return None
+        if direction == "borrow" and self.borrow_floor is not None and t_train <= t_roll * self.borrow_floor:
+            return self.pool.tick(now)  # the balance at which lending made the step slower
         gain = None if direction is None else self.hybrid_gain(direction, t_train, t_roll)
         if gain is not None and gain <= margin * max(t_train, t_roll):  # None: nothing to move (the pool says so)
             return self.pool.tick(now)
-        return self.pool.decide(now, t_train, t_roll, margin)
+        events = self.pool.decide(now, t_train, t_roll, margin)
+        lent = [e.replica for e in events if e.changed and e.to_state == "requested"]
+        if lent:
+            self.lend_trial = {"rid": lent[-1], "step": step, "before_s": max(t_train, t_roll),
+                               "ratio": t_train / t_roll if t_roll > 0 else math.inf, "measured": 0}
+        return events
+
+    def _judge_lend(self, step: int, now: float, t_train: float, t_roll: float) -> list[PoolEvent] | None:
+        """The cost models price a lent replica as 1/DP faster training and 1/GPUs slower
+        rollout. Where the rollout's tail binds (its makespan set by a few long trajectories,
+        and streamed training overlapping it), taking GPUs from it can cost far more: the
+        pool then lent and released on alternate checks. So a lend is on trial: once the
+        replica has trained through two measured rollouts, a step (the slower of training
+        and the rollout side) longer than before the lend by more than ``hybrid_margin``
+        sends it back, and later borrows need a training/rollout ratio above the one it
+        was lent at by that margin. The release (events), or None to decide as usual."""
+        trial, pool = self.lend_trial, self.pool
+        if trial is None:
+            return None
+        if all(r.rid != trial["rid"] for r in pool.training_replicas()):
+            if all(r.rid != trial["rid"] for r in pool.joining()):
+                self.lend_trial = None  # rolled back or released meanwhile: no verdict
+            return None
+        trial["measured"] += 1
+        if trial["measured"] < 2:
+            return None
+        self.lend_trial = None
+        margin, after = self.o.hybrid_margin, max(t_train, t_roll)
+        worse = after > trial["before_s"] * (1 + margin)
+        reason = (f"replica {trial['rid']} lent at step {trial['step']}: the step's slower side took "
+                  f"{after:.3g} s against {trial['before_s']:.3g} s before the lend")
+        self.considered.append({"step": step, "kind": "hybrid_trial", "apply": worse, "reason": reason,
+                                "replica": trial["rid"], "before_s": trial["before_s"], "after_s": after})
+        if not worse:
+            return None
+        self.borrow_floor = trial["ratio"] * (1 + margin)
+        return pool.release(now, f"lending made the step slower ({reason})")
 
     def hybrid_direction(self, t_train: float, t_roll: float) -> str | None:
         """Which way the pool's gate points: ``borrow`` (training slower than rollout by
