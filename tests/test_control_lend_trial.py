@@ -6,6 +6,10 @@ hand: a pinned plan whose hybrid node can lend one TP8 replica (tests/sim_cases.
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
+from libra_hpc.planner.hybrid import PoolEvent
+from libra_hpc.runtime.hybrid import HybridDriver
 from libra_hpc.sim.policies import SETUPS, control_loop
 from tests.sim_cases import hybrid_case
 
@@ -42,6 +46,9 @@ def test_a_lend_that_made_the_step_slower_goes_back_and_is_not_tried_again_at_th
     assert not control.pool.training_replicas()
     again = control.after_rollout(3, 40.0, 1.0, 3.0)  # the balance it was lent at: held
     assert _moves(again) == [] and control.borrow_floor == 3.0 * 1.1
+    job = object.__new__(HybridDriver)  # what the job logs for that check
+    job.c = SimpleNamespace(planner=SimpleNamespace(control=control))
+    assert "made the step slower" in job.assess(3.0, 1.0)["held_by"] and "held_by" not in job.assess(4.0, 1.0)
     harder = control.after_rollout(4, 50.0, 1.0, 4.0)  # training clearly heavier than then: lend again
     assert _moves(harder) == [(rid, "requested")]
 
@@ -54,3 +61,22 @@ def test_a_lend_that_shortened_the_step_stays(tmp_path):
     [trial] = [c for c in control.considered if c["kind"] == "hybrid_trial"]
     assert not trial["apply"] and control.lend_trial is None and control.borrow_floor is None
     assert [r.rid for r in control.pool.training_replicas()] == [rid]
+
+
+def test_the_jobs_log_says_why_a_trial_sent_a_replica_back_or_held_a_borrow():
+    """``runtime/hybrid.py``: the ``plan_considered`` event of a pool decision names the
+    trial's verdict, not the balance of the two times (which says hold, or borrow)."""
+    logged, released = [], []
+    driver = object.__new__(HybridDriver)
+    driver.c = SimpleNamespace(version=5, runlog=SimpleNamespace(event=lambda kind, **kw: logged.append((kind, kw))))
+    driver._release = released.append
+    back = PoolEvent(10.0, 0, "active", "releasing", "release: lending made the step slower (replica 0 lent at step 2)")
+    driver.carry_out([back], {"direction": None, "t_train": 3.4, "t_rollout": 3.5, "predicted_gain_s": None})
+    [(kind, first)] = [(k, e) for k, e in logged if k == "plan_considered"]
+    assert first["what"] == "hybrid pool: release" and first["decision"] == "applied"
+    assert first["reason"].startswith("release: lending made the step slower") and released == [0]
+    held = {"direction": "borrow", "t_train": 3.0, "t_rollout": 1.0, "predicted_gain_s": 1.0,
+            "held_by": "a lend at this balance made the step slower (training/rollout ≤ 3.3)"}
+    driver.carry_out([], held)
+    last = [e for k, e in logged if k == "plan_considered"][-1]
+    assert last["what"] == "hybrid pool: borrow" and last["decision"] == "kept" and last["reason"] == held["held_by"]

@@ -114,19 +114,30 @@ class HybridDriver:
         control = self.c.planner.control
         direction = control.hybrid_direction(t_train, t_rollout)
         gain = control.hybrid_gain(direction, t_train, t_rollout) if direction else None
-        return {"direction": direction, "t_train": round(t_train, 3), "t_rollout": round(t_rollout, 3),
-                "predicted_gain_s": None if gain is None else round(gain, 3)}
+        out = {"direction": direction, "t_train": round(t_train, 3), "t_rollout": round(t_rollout, 3),
+               "predicted_gain_s": None if gain is None else round(gain, 3)}
+        floor = control.borrow_floor
+        if direction == "borrow" and floor is not None and t_train <= t_rollout * floor:
+            out["held_by"] = f"a lend at this balance made the step slower (training/rollout ≤ {floor:.3g})"
+        return out
 
     def carry_out(self, events: list, assessment: dict) -> None:
         """The pool's answer to one ``after_rollout``: borrow, release, or hold (logged)."""
         c = self.c
         direction, gain = assessment["direction"], assessment["predicted_gain_s"]
         moved = [e for e in events if e.changed and e.to_state in ("requested", "releasing")]
-        c.runlog.event("plan_considered", step=c.version - 1, what=f"hybrid pool: {direction or 'hold'}", **assessment,
+        if moved:  # the gate's move, or a lend judged by what it did (ControlLoop._judge_lend)
+            what = "borrow" if moved[0].to_state == "requested" else "release"
+            reason = ("predicted to shorten the step by more than the margin" if what == direction
+                      else moved[0].reason)
+        else:
+            what = direction or "hold"
+            reason = ("within the margin" if direction is None else assessment["held_by"] if "held_by" in assessment
+                      else "nothing to move that way" if gain is None
+                      else "predicted to shorten the step by less than the margin")
+        c.runlog.event("plan_considered", step=c.version - 1, what=f"hybrid pool: {what}", **assessment,
                        decision="applied" if moved else "hold" if direction is None or gain is None else "kept",
-                       reason="within the margin" if direction is None else "nothing to move that way" if gain is None
-                       else "predicted to shorten the step by more than the margin" if moved
-                       else "predicted to shorten the step by less than the margin")
+                       reason=reason)
         for event in events:
             c.runlog.event("hybrid", replica=event.replica, state=event.to_state, from_state=event.from_state,
                            reason=event.reason, refused=event.refused, **assessment)
