@@ -8,7 +8,6 @@ from __future__ import annotations
 import logging
 import os
 import signal
-import threading
 
 log = logging.getLogger(__name__)
 
@@ -22,10 +21,8 @@ class StopRequest:
         self.signal: str | None = None
 
     def install(self) -> StopRequest:
-        """Call in the main thread, before any thread or child process starts."""
         for signum in WARNING_SIGNALS:
             signal.signal(signum, self._note)
-        _keep_from_children(WARNING_SIGNALS)
         return self
 
     def _note(self, signum: int, _frame) -> None:
@@ -34,19 +31,6 @@ class StopRequest:
 
     def __bool__(self) -> bool:
         return self.signal is not None
-
-
-def _keep_from_children(signums: tuple[int, ...]) -> None:
-    """Slurm sends the warning to every process of the step, and a process the rank
-    started (vLLM's TP workers, tool workers) would die of it (the default action): a TP 2
-    instance then failed at its next step ("collective_rpc should not be called on follower
-    node") instead of the run saving a checkpoint. A handler does not survive ``exec``; a
-    blocked signal does. So the main thread blocks the warning, and so does every thread and
-    child process started after it; one thread started before keeps it unblocked, so the
-    kernel delivers the rank's warning there, and Python runs the handler in the main
-    thread as it always does."""
-    threading.Thread(target=threading.Event().wait, name="warning-signals", daemon=True).start()
-    signal.pthread_sigmask(signal.SIG_BLOCK, signums)
 
 
 def end_children_with_this_rank() -> None:
