@@ -172,9 +172,8 @@ def test_a_job_requeued_by_its_time_limit_and_by_scontrol_resumes_and_finishes(s
     # start-up: the warning (120-150 s after the start: slurmctld sends it up to 30 s
     # early) comes at step 3-7. The test needs it before step 9 (run 2 must save a
     # periodic checkpoint before the last step). An earlier warning (--time=4: 60-90 s,
-    # five passes) made the test 314 s instead of about 480, but a stop that lands in the
-    # first steps, with trajectories in flight, sometimes left the ranks hanging at exit
-    # (seen twice; not fixed, see docs/resilience.md).
+    # five passes) made the test 314 s instead of about 480, but twice left the ranks
+    # hanging at exit (not understood: docs/resilience.md, "Not yet").
     steps = 10
     job_id = subprocess.run(
         ["sbatch", "--parsable", f"--chdir={tmp_path}", "--time=5", "--signal=USR2@150", str(ROOT / "sbatch" / "libra.sh"),
