@@ -49,8 +49,8 @@ def _environment_restored_after_the_module():
 
 @pytest.fixture(scope="session")
 def job_cache(tmp_path_factory) -> Path:
-    """The model and warm-start cache (``job.cache_dir``) the small RL job's runs share,
-    locally and under Slurm: the first run builds it (tens of seconds), the others load it."""
+    """The model and warm-start cache (``job.cache_dir``) the small RL job's local runs
+    share: the first run builds it (tens of seconds), the others load it."""
     return tmp_path_factory.mktemp("cache")
 
 

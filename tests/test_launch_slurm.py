@@ -86,9 +86,12 @@ def test_launch_py_reports_a_failed_job(slurm_cluster, tmp_path):
 
 
 @pytest.fixture(scope="module")
-def cache(job_cache) -> Path:
-    """The warm-start cache the RL jobs share (conftest.py: built once a session)."""
-    return job_cache
+def cache(tmp_path_factory) -> Path:
+    """The warm-start cache the RL jobs of this module share (built by the first). Not the
+    session's (conftest.py ``job_cache``): the requeue test's timing is tuned with the warm
+    start built in its module (with a warm cache its time-limit warning landed right after
+    a hybrid join, and the ranks hung after the controller's shutdown in CI)."""
+    return tmp_path_factory.mktemp("cache")
 
 
 def test_sbatch_runs_the_rl_job_with_least_load_routing_gather_scatter_dispatch_and_a_tp_reshard(
