@@ -89,8 +89,7 @@ def test_launch_py_reports_a_failed_job(slurm_cluster, tmp_path):
 def cache(tmp_path_factory) -> Path:
     """The warm-start cache the RL jobs of this module share (built by the first). Not the
     session's (conftest.py ``job_cache``): the requeue test's timing is tuned with the warm
-    start built in its module (with a warm cache its time-limit warning landed right after
-    a hybrid join, and the ranks hung after the controller's shutdown in CI)."""
+    start built in its module."""
     return tmp_path_factory.mktemp("cache")
 
 

@@ -6,7 +6,6 @@ step boundary (where checkpointing hooks in)."""
 from __future__ import annotations
 
 import logging
-import os
 import signal
 
 log = logging.getLogger(__name__)
@@ -31,45 +30,3 @@ class StopRequest:
 
     def __bool__(self) -> bool:
         return self.signal is not None
-
-
-def end_children_with_this_rank() -> None:
-    """On SIGTERM (``scancel``, ``scontrol requeue``, the time limit itself), kill this
-    rank's descendants before the rank dies of the signal. Slurm signals every process of
-    the step, but vLLM's worker processes handle SIGTERM by shutting down, which can block;
-    once their rank has died they are orphans, and Slurm's ``proctrack/linuxproc`` (which
-    finds a step's processes through their parents) no longer sees them when it sends
-    SIGKILL. They then hold the step's output open and the node for a minute (Slurm's
-    "Abandoning IO 60 secs after job shutdown initiated"), which delays a requeued job."""
-    signal.signal(signal.SIGTERM, _terminated)
-
-
-def _terminated(signum: int, _frame) -> None:
-    for pid in descendants(os.getpid()):
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-    signal.signal(signum, signal.SIG_DFL)
-    os.kill(os.getpid(), signum)  # die of the signal, as Slurm and the launcher expect
-
-
-def descendants(pid: int) -> list[int]:
-    """Every process below ``pid`` (children first), from ``/proc``'s parent links."""
-    children: dict[int, list[int]] = {}
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry.name}/stat") as f:
-                stat = f.read()
-        except OSError:
-            continue  # gone meanwhile
-        parent = int(stat[stat.rindex(")") + 2:].split()[1])  # the name may hold spaces and ")"
-        children.setdefault(parent, []).append(int(entry.name))
-    found, todo = [], [pid]
-    while todo:
-        kids = children.get(todo.pop(0), [])
-        found += kids
-        todo += kids
-    return found
