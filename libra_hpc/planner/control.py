@@ -362,7 +362,7 @@ class ControlLoop:
         now = self.step_objective(plan_.t_train, plan_.t_rollout)
         if pool is None:
             return now
-        if self.borrow_floor is not None and plan_.t_train <= self.rollout_side_s(plan_.t_rollout) * self.borrow_floor:
+        if self.lend_held(plan_.t_train, self.rollout_side_s(plan_.t_rollout)):
             return now  # lending at this balance was tried and made the step slower (_judge_lend)
         dp, gpus, size = plan_.train.dp, plan_.rollout_gpus, pool.replica_size
         if gpus - size < max(1, self.o.min_rollout_gpus) or \
@@ -590,7 +590,7 @@ class ControlLoop:
         direction = self.hybrid_direction(t_train, t_roll)
         if direction == "borrow" and not self._can_grow():
             return None
-        if direction == "borrow" and self.borrow_floor is not None and t_train <= t_roll * self.borrow_floor:
+        if direction == "borrow" and self.lend_held(t_train, t_roll):
             return self.pool.tick(now)  # the balance at which lending made the step slower
         gain = None if direction is None else self.hybrid_gain(direction, t_train, t_roll)
         if gain is not None and gain <= margin * max(t_train, t_roll):  # None: nothing to move (the pool says so)
@@ -601,6 +601,11 @@ class ControlLoop:
             self.lend_trial = {"rid": lent[-1], "step": step, "before_s": max(t_train, t_roll),
                                "ratio": t_train / t_roll if t_roll > 0 else math.inf, "measured": 0}
         return events
+
+    def lend_held(self, t_train: float, t_roll: float) -> bool:
+        """True when a lend at this training/rollout balance is held: one at a balance no
+        heavier on training made the step slower (:meth:`_judge_lend`)."""
+        return self.borrow_floor is not None and t_train <= t_roll * self.borrow_floor
 
     def _judge_lend(self, step: int, now: float, t_train: float, t_roll: float) -> list[PoolEvent] | None:
         """The cost models price a lent replica as 1/DP faster training and 1/GPUs slower

@@ -116,8 +116,8 @@ class HybridDriver:
         gain = control.hybrid_gain(direction, t_train, t_rollout) if direction else None
         out = {"direction": direction, "t_train": round(t_train, 3), "t_rollout": round(t_rollout, 3),
                "predicted_gain_s": None if gain is None else round(gain, 3)}
-        floor = control.borrow_floor
-        if direction == "borrow" and floor is not None and t_train <= t_rollout * floor:
+        if direction == "borrow" and control.lend_held(t_train, t_rollout):
+            floor = control.borrow_floor
             out["held_by"] = f"a lend at this balance made the step slower (training/rollout ≤ {floor:.3g})"
         return out
 
