@@ -16,7 +16,7 @@ Under MPI (the script re-launches itself with ``mpiexec -n clients+1``): rank 0 
 in its event loop (``libra_hpc/runtime/loop.py``) as the job runs it: the queue's
 handler with the control (REPORT) and tool-completion (TOOL_DONE) handlers registered
 beside it (no traffic on those here, but the loop probes for every tag); the raw phase
-runs :func:`~libra_hpc.scheduler.mpi_service.serve` (the loop with one handler) over an
+runs :func:`~libra_hpc.runtime.loop.serve_queue` (the loop with one handler) over an
 empty service. The clients act as rollout instance leaders. Each client stands for the
 leaders of one instance per bucket (a node's engines): every round it reports the turns
 of its last engine step and asks for every instance, its own first, so that no bucket's
@@ -184,7 +184,9 @@ class _Echo:
 def mpi_main(args) -> None:
     from mpi4py import MPI
 
-    from libra_hpc.scheduler.mpi_service import QueueClient, serve
+    from libra_hpc.runtime.loop import serve_queue
+    from libra_hpc.scheduler.mpi_service import QueueClient
+
     comm = MPI.COMM_WORLD
     rank = comm.Get_rank()
     if rank and args.client_nice:
@@ -229,7 +231,7 @@ def mpi_main(args) -> None:
     # phases a few seconds apart, so a neighbour's load burst cannot favour one side.
     for mode in ["raw", "raw_spin", "batched"] * args.repeats + ["single"]:
         if mode.startswith("raw"):  # raw_spin: the same, clients in MPI's spinning receive
-            result = phase(lambda: serve(comm, _Echo(), idle_sleep_s=args.server_idle_sleep_s),
+            result = phase(lambda: serve_queue(comm, _Echo(), idle_sleep_s=args.server_idle_sleep_s),
                            lambda queue: _raw_client(queue, probe, args.mpi_seconds),
                            -1.0 if mode == "raw_spin" else args.client_poll_s)
             if rank == 0:

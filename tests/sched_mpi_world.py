@@ -23,7 +23,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 from test_sched_service import StubRouter
 
 from libra_hpc.cluster.messages import QUEUE_REQUEST
-from libra_hpc.scheduler.mpi_service import QueueClient, QueueError, serve
+from libra_hpc.runtime.loop import serve_queue
+from libra_hpc.scheduler.mpi_service import QueueClient, QueueError
 from libra_hpc.scheduler.service import QueueService
 from libra_hpc.scheduler.types import BucketSpec
 
@@ -52,7 +53,7 @@ def server(comm, out: Path) -> None:
     for i in range(TRAJECTORIES):
         service.submit(f"t{i}", f"p{i % 2}")
     saves = []
-    transport = serve(comm, service, save=lambda: saves.append(service.stats()["completed"]), save_every_s=0.2)
+    transport = serve_queue(comm, service, save=lambda: saves.append(service.stats()["completed"]), save_every_s=0.2)
     records = service.drain_finished()
     completed = sorted(r.tid for r in records)
     wrong = [r.tid for r in records

@@ -20,7 +20,7 @@ or dead peer delays only its own requests. MPICH's blocking receive busy-polls a
 an idle loop sleeps instead (below).
 
 **Order and fairness.** With one handler the loop probes that tag alone (other traffic on
-the communicator is left alone, as the queue's ``serve`` always did); with several it
+the communicator is left alone: :func:`serve_queue` relies on it); with several it
 probes any tag and serves messages in the order MPI matches them, the oldest arrived
 first (MPICH keeps one queue of arrived, unmatched messages, polling its senders in
 turn). So a control message waits behind at most the messages that arrived before it:
@@ -65,6 +65,7 @@ from typing import Any, Self
 from mpi4py import MPI
 
 from libra_hpc.cluster.messages import TAG_NAMES, Backoff
+from libra_hpc.scheduler.mpi_service import QueueHandler
 
 log = logging.getLogger(__name__)
 
@@ -291,6 +292,45 @@ class EventLoop:
             if timer.period_s is not None and not timer.cancelled:
                 self._add(timer, self.clock() + timer.period_s)
         return ran
+
+
+def serve_queue(comm: Any, service: Any, *, clock: Callable[[], float] = time.monotonic,
+                save: Callable[[], None] | None = None, save_every_s: float = 30.0,
+                stop_when: Callable[[], bool] = lambda: False, idle_sleep_s: float = 2e-4, short_idle_s: float = 5e-3,
+                max_sleep_s: float = 0.01, spin: int = 200, collect_every_s: float = 10.0) -> dict:
+    """Answer queue requests from any rank of ``comm`` (``service``: a
+    :class:`~libra_hpc.scheduler.service.QueueService`) until a client's ``shutdown``
+    request (answered ``{"ok": True}``) or ``stop_when()``: this loop with the queue's
+    handler alone, for a rank that serves nothing else (the benchmark, the tests).
+
+    ``save`` (e.g. write ``router.state_dict()`` to the log folder) is a timer of the loop,
+    off the request path: it runs when ``save_every_s`` has passed and no request is
+    waiting; if requests never stop for another ``save_every_s``, it runs anyway between
+    two requests. It also runs once on the way out. A failing save is logged and retried
+    at the next period. Returns transport counters: requests, bad_payloads, saves,
+    save_failures, full_collections."""
+    loop = EventLoop(comm, clock=clock, spin=spin, idle_sleep_s=idle_sleep_s, short_idle_s=short_idle_s,
+                     max_sleep_s=max(max_sleep_s, idle_sleep_s), collect_every_s=collect_every_s)
+    queue = QueueHandler(comm, service, clock=clock,
+                         on_shutdown=lambda source: loop.stop(f"queue shutdown requested by rank {source}"))
+    queue.attach(loop)
+    saves = {"saves": 0, "save_failures": 0}
+    if save is not None:
+        loop.every(save_every_s, lambda: _save(save, saves), name="queue state save")
+    counters = loop.run(stop_when)
+    if save is not None:
+        _save(save, saves)
+    return {"requests": queue.requests, "bad_payloads": queue.bad_payloads, **saves,
+            "full_collections": counters["full_collections"]}
+
+
+def _save(save: Callable[[], None], counters: dict) -> None:
+    try:
+        save()
+        counters["saves"] += 1
+    except Exception:
+        counters["save_failures"] += 1
+        log.exception("queue service: saving the routing state failed; retrying in the next period")
 
 
 class Collector:

@@ -9,9 +9,10 @@ most one request outstanding (one thread per rank talks to the queue).
 
 :class:`QueueHandler` is the server side as a handler of the controller's loop
 (``libra_hpc/runtime/loop.py``), which serves it beside control messages and tool
-completions. :func:`serve` is that loop with the queue alone, for a rank that serves
-nothing else (the benchmark, the tests): ``{"op": "shutdown"}`` is answered
-``{"ok": True}`` and ends it.
+completions; ``libra_hpc.runtime.loop.serve_queue`` is that loop with the queue alone, for
+a rank that serves nothing else (the benchmark, the tests). This module knows the loop
+only by the two methods :meth:`QueueHandler.attach` calls (``on``, ``when_idle``): the
+scheduler does not import the runtime.
 """
 
 from __future__ import annotations
@@ -100,46 +101,6 @@ class QueueHandler:
         self.comm.send({"ok": True}, dest=source, tag=QUEUE_REPLY)
         log.info("queue service: shutdown requested by rank %d", source)
         self.on_shutdown(source)
-
-
-def serve(comm: Any, service: QueueService, *, clock: Callable[[], float] = time.monotonic,
-          save: Callable[[], None] | None = None, save_every_s: float = 30.0,
-          stop_when: Callable[[], bool] = lambda: False, idle_sleep_s: float = 2e-4, short_idle_s: float = 5e-3,
-          max_sleep_s: float = 0.01, spin: int = 200, collect_every_s: float = 10.0) -> dict:
-    """Answer requests from any rank of ``comm`` until a shutdown request or ``stop_when()``:
-    rank 0's event loop (``libra_hpc/runtime/loop.py``, where spinning, idle sleeps and
-    garbage collection are described) with the queue's handler alone.
-
-    ``save`` (e.g. write ``router.state_dict()`` to the log folder) is a timer of the loop,
-    off the request path: it runs when ``save_every_s`` has passed and no request is
-    waiting; if requests never stop for another ``save_every_s``, it runs anyway between
-    two requests. It also runs once on the way out. A failing save is logged and retried
-    at the next period. Returns transport counters: requests, bad_payloads, saves,
-    save_failures, full_collections."""
-    from libra_hpc.runtime.loop import EventLoop  # the one place scheduler/ uses runtime/: this convenience entry
-
-    loop = EventLoop(comm, clock=clock, spin=spin, idle_sleep_s=idle_sleep_s, short_idle_s=short_idle_s,
-                     max_sleep_s=max(max_sleep_s, idle_sleep_s), collect_every_s=collect_every_s)
-    queue = QueueHandler(comm, service, clock=clock,
-                         on_shutdown=lambda source: loop.stop(f"queue shutdown requested by rank {source}"))
-    queue.attach(loop)
-    saves = {"saves": 0, "save_failures": 0}
-    if save is not None:
-        loop.every(save_every_s, lambda: _save(save, saves), name="queue state save")
-    counters = loop.run(stop_when)
-    if save is not None:
-        _save(save, saves)
-    return {"requests": queue.requests, "bad_payloads": queue.bad_payloads, **saves,
-            "full_collections": counters["full_collections"]}
-
-
-def _save(save: Callable[[], None], counters: dict) -> None:
-    try:
-        save()
-        counters["saves"] += 1
-    except Exception:
-        counters["save_failures"] += 1
-        log.exception("queue service: saving the routing state failed; retrying in the next period")
 
 
 class QueueClient:
