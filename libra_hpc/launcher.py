@@ -152,12 +152,14 @@ def _explain_failure(cfg: ExperimentConfig, log_dir: Path, output: str, out: Tex
 
 
 def launch_slurm(cfg: ExperimentConfig, wait: bool, out: TextIO) -> int:
+    from libra_hpc.runtime.heartbeat import post_mortem_of  # the batch step names a dead rank with it
+
     request = slurm.SlurmRequest.from_config(cfg)
     staging = Path(cfg.logging.dir) / "submitit"
     staging.mkdir(parents=True, exist_ok=True)
     config_path = staging / f"{cfg.cluster.job_name}-{time.strftime('%Y%m%d-%H%M%S')}-{time.monotonic_ns() % 10**6}.yaml"
     config_path.write_text(dump_config(cfg))
-    job_id = slurm.submit(request, config_path, staging, logs_root=str(cfg.logging.dir))
+    job_id = slurm.submit(request, config_path, staging, logs_root=str(cfg.logging.dir), post_mortem=post_mortem_of)
     log_dir = run_folder(cfg.logging.dir, cfg.cluster.job_name, job_id)
     print(f"job {job_id} submitted to Slurm: {request.nodes} nodes × {request.gpus_per_node} GPUs", file=out)
     print(f"log folder: {log_dir} (batch output: {staging}/{job_id}_0_log.out)", file=out, flush=True)

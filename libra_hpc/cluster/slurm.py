@@ -14,6 +14,7 @@ import re
 import shutil
 import subprocess
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -115,11 +116,15 @@ def slurm_reachable() -> tuple[bool, str]:
     return True, ping.stdout.strip()
 
 
-def run_world_step(command: list[str], logs_root: str | None = None) -> int:
+def run_world_step(command: list[str], logs_root: str | None = None,
+                   post_mortem: Callable[[Path, str], str | None] | None = None) -> int:
     """Runs in the job's batch step (submitted by submitit): the MPI world as a job step.
-    When the world stopped on the time-limit warning with a checkpoint and asked for a
-    requeue (``REQUEUE`` in its log folder, as ``sbatch/libra.sh`` reads it), requeue
-    this job: it comes back with the same id and log folder and resumes."""
+    When the world ended badly, ``post_mortem(log folder, srun's last output)`` names the
+    rank whose death ended it (the submitter passes the job's own:
+    ``libra_hpc.runtime.heartbeat.post_mortem_of``; it may ask for a requeue). When the world
+    stopped on the time-limit warning with a checkpoint and asked for a requeue
+    (``REQUEUE`` in its log folder, as ``sbatch/libra.sh`` reads it), requeue this job: it
+    comes back with the same id and log folder and resumes."""
     logging.basicConfig(level=logging.INFO)
     job, name = os.environ.get("SLURM_JOB_ID"), os.environ.get("SLURM_JOB_NAME")
     folder = Path(logs_root) / f"{name}-{job}" if logs_root and job and name else None
@@ -133,13 +138,8 @@ def run_world_step(command: list[str], logs_root: str | None = None) -> int:
         said.append(line)
     code = process.wait()
     if folder is not None:
-        if code != 0 and (folder / "config.yaml").is_file():
-            from libra_hpc.config import load_config
-            from libra_hpc.runtime.heartbeat import post_mortem
-
-            cfg = load_config(str(folder / "config.yaml"), [])
-            lost = post_mortem(folder, "".join(said[-200:]), dict(os.environ), cfg.cluster.requeue,
-                               cfg.cluster.max_requeues)
+        if code != 0 and post_mortem is not None and (folder / "config.yaml").is_file():
+            lost = post_mortem(folder, "".join(said[-200:]))
             if lost:
                 log.error("%s", lost)
         marker = folder / "REQUEUE"
@@ -152,15 +152,17 @@ def run_world_step(command: list[str], logs_root: str | None = None) -> int:
     return code
 
 
-def submit(request: SlurmRequest, config_path: Path, folder: Path, logs_root: str | None = None) -> str:
-    """Submit the job with submitit; returns the Slurm job id."""
+def submit(request: SlurmRequest, config_path: Path, folder: Path, logs_root: str | None = None,
+           post_mortem: Callable[[Path, str], str | None] | None = None) -> str:
+    """Submit the job with submitit; returns the Slurm job id. ``post_mortem``: see
+    :func:`run_world_step` (a module-level function: submitit pickles it by name)."""
     import submitit
     from submitit.core.utils import FailedJobError
 
     executor = submitit.SlurmExecutor(folder=folder, max_num_timeout=3)
     executor.update_parameters(**request.submitit_parameters())
     try:
-        job = executor.submit(run_world_step, request.srun_command(config_path), logs_root)
+        job = executor.submit(run_world_step, request.srun_command(config_path), logs_root, post_mortem)
     except FailedJobError as exc:
         said = [line for line in str(exc).splitlines() if line.strip()]
         raise SubmissionError(

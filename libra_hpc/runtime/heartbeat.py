@@ -337,17 +337,26 @@ def post_mortem(log_dir: Path, launcher_output: str, environ: dict, requeue: boo
     return line
 
 
+def post_mortem_of(log_dir: Path, launcher_output: str) -> str | None:
+    """:func:`post_mortem` under this process's environment, with the requeue settings of
+    the run's own config (``<log_dir>/config.yaml``): what the Slurm batch step
+    (``libra_hpc.cluster.slurm.run_world_step``) and ``sbatch/libra.sh`` run after ``srun``
+    failed."""
+    from libra_hpc.config import load_config
+
+    cfg = load_config(str(Path(log_dir) / "config.yaml"), [])
+    return post_mortem(Path(log_dir), launcher_output, dict(os.environ), cfg.cluster.requeue,
+                       cfg.cluster.max_requeues)
+
+
 def main(argv: list[str] | None = None) -> int:
     """``python -m libra_hpc.runtime.heartbeat LOG_DIR OUTPUT``: the post-mortem, for
     ``sbatch/libra.sh`` after ``srun`` failed (reads the config from the log folder)."""
     import sys
 
-    from libra_hpc.config import load_config
-
     log_dir, output = (Path(a) for a in (argv if argv is not None else sys.argv[1:]))
-    cfg = load_config(str(log_dir / "config.yaml"), [])
     text = output.read_text(errors="replace") if output.is_file() else ""
-    line = post_mortem(log_dir, text, dict(os.environ), cfg.cluster.requeue, cfg.cluster.max_requeues)
+    line = post_mortem_of(log_dir, text)
     if line:
         print(f"libra: {line}", flush=True)
     return 0
