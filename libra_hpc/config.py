@@ -27,7 +27,7 @@ from typing import Any, Literal, TypeVar
 import yaml
 from pydantic import BaseModel, Field, ValidationError, field_validator
 
-from libra_hpc.config_checks import SLURM_TIME, check_common, check_layout
+from libra_hpc.config_checks import SLURM_TIME, check_common, check_layout, tp_table_problem
 from libra_hpc.config_learning import RLConfig, TasksConfig, WarmStartConfig
 from libra_hpc.config_yaml import DuplicateKeyError, _Section, parse_yaml
 
@@ -93,6 +93,45 @@ class ClusterConfig(_Section):
         return self.nodes * self.gpus_per_node
 
 
+TINY_DEFAULTS: dict[str, Any] = {
+    "architectures": ["Qwen2ForCausalLM"],
+    "model_type": "qwen2",
+    "vocab_size": 1024,
+    "hidden_size": 128,
+    "intermediate_size": 384,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 32,
+    "hidden_act": "silu",
+    "max_position_embeddings": 2048,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 10000.0,
+    "tie_word_embeddings": False,
+    "attention_dropout": 0.0,
+    "use_sliding_window": False,
+    "torch_dtype": "float32",
+}
+"""Architecture of the tiny local model (``config.json`` keys; libra_hpc/engines/tiny.py builds it),
+before the overrides of ``model.tiny``. Head size = hidden / heads = 32."""
+
+
+def tiny_architecture(overrides: dict[str, Any]) -> dict[str, Any]:
+    """The tiny model's architecture with ``overrides`` applied; raises ValueError naming an
+    unknown key or a shape vLLM's CPU attention cannot run."""
+    unknown = sorted(set(overrides) - set(TINY_DEFAULTS))
+    if unknown:
+        raise ValueError(f"tiny model: unknown override(s) {unknown}; valid keys: {sorted(TINY_DEFAULTS)}")
+    arch = {**TINY_DEFAULTS, **overrides}
+    heads, kv = arch["num_attention_heads"], arch["num_key_value_heads"]
+    if arch["head_dim"] < 32 or arch["head_dim"] % 16 or heads % kv or heads * arch["head_dim"] != arch["hidden_size"]:
+        raise ValueError(f"tiny model: head_dim={arch['head_dim']} must be >= 32 and a multiple of 16 "
+                         f"(vLLM CPU attention) with num_attention_heads × head_dim = hidden_size "
+                         f"({heads} × {arch['head_dim']} vs {arch['hidden_size']}), and num_attention_heads "
+                         f"a multiple of num_key_value_heads={kv}")
+    return arch
+
+
 class ModelConfig(_Section):
     """The policy model."""
 
@@ -110,7 +149,7 @@ class ModelConfig(_Section):
     """Parameter and activation dtype of both engines (vLLM rollout, Megatron training)."""
     tiny: dict[str, int | float] = {}
     """Architecture of the tiny model when ``path`` is null: overrides of its ``config.json``
-    keys (``TINY_DEFAULTS`` in ``libra_hpc/engines/tiny.py``: ``num_hidden_layers`` 2,
+    keys (``TINY_DEFAULTS`` in ``libra_hpc/config.py``: ``num_hidden_layers`` 2,
     ``hidden_size`` 128, ``intermediate_size`` 384, ``num_attention_heads`` 4,
     ``num_key_value_heads`` 2, ``head_dim`` 32, ``vocab_size`` 1024), e.g.
     ``{num_hidden_layers: 4}``. Each architecture is its own cached build."""
@@ -118,9 +157,7 @@ class ModelConfig(_Section):
     @field_validator("tiny")
     @classmethod
     def _tiny_keys(cls, value: dict[str, int | float]) -> dict[str, int | float]:
-        from libra_hpc.engines.tiny import check_overrides
-
-        check_overrides(value)
+        tiny_architecture(value)
         return value
 
 
@@ -290,10 +327,9 @@ class ParallelConfig(_Section):
     @field_validator("training_tp_by_context")
     @classmethod
     def _table(cls, v: dict[int, int] | None) -> dict[int, int] | None:
-        if v is not None:
-            from libra_hpc.parallel.selector import TpTable
-
-            TpTable.from_mapping(v)  # raises with the reason
+        problem = None if v is None else tp_table_problem(sorted((int(c), int(tp)) for c, tp in v.items()))
+        if problem is not None:
+            raise ValueError(problem)
         return v
 
 

@@ -22,6 +22,20 @@ SLURM_TIME = re.compile(r"^(?:(\d+)-)?(\d+)(?::(\d+))?(?::(\d+))?$")
 
 
 
+def tp_table_problem(rows: list[tuple[int, int]]) -> str | None:
+    """What is wrong with a measured TP table (``parallel.training_tp_by_context``, as
+    ``(context_tokens, tp)`` rows sorted by context), or None. ``TpTable``
+    (libra_hpc/parallel/selector.py) refuses the same tables with it."""
+    if not rows or rows[0][0] != 0:
+        return f"the first row must start at context 0 (got {rows})"
+    for (c0, t0), (c1, t1) in zip(rows, rows[1:]):
+        if c1 <= c0 or t1 < t0:
+            return f"rows must have growing contexts and TP sizes that do not shrink; ({c0}: {t0}) then ({c1}: {t1})"
+    if any(tp < 1 for _, tp in rows):
+        return f"TP sizes must be >= 1 (got {rows})"
+    return None
+
+
 def check_common(cfg: ExperimentConfig) -> list[str]:
     """The checks every config of this schema passes, live experiment or simulator scenario."""
     return [*_check_cluster(cfg), *_check_scheduler(cfg), *_check_tools(cfg), *_check_tasks(cfg), *_check_epochs(cfg)]

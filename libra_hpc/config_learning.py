@@ -106,6 +106,11 @@ class ArithmeticTaskConfig(_TaskSplits):
     """Most arithmetic steps of one problem."""
 
 
+SEARCH_KINDS = {"year": 1, "company": 1, "employer": 1, "town": 1, "job": 1, "river": 2, "founded": 2, "hq-river": 3}
+"""The search task's question kinds (``tasks.search.kinds``) and how many documents each
+chains through (libra_hpc/envs/search.py asks them)."""
+
+
 class SearchTaskConfig(_TaskSplits):
     """Question answering by searching a document collection the project generates (fictional people, towns and companies): the `search` tool returns the best-matching passages, a miss means another search; multi-hop questions need one search per hop. The reward is 1 for the normalised exact answer in `<answer>...</answer>`, else 0."""
 
@@ -124,13 +129,11 @@ class SearchTaskConfig(_TaskSplits):
     @field_validator("kinds")
     @classmethod
     def _kinds_fit(cls, value, info):
-        from libra_hpc.envs.search import KINDS
-
-        unknown = sorted(set(value or ()) - set(KINDS))
+        unknown = sorted(set(value or ()) - set(SEARCH_KINDS))
         if unknown:
-            raise ValueError(f"unknown question kinds {unknown}; the kinds are {list(KINDS)}")
+            raise ValueError(f"unknown question kinds {unknown}; the kinds are {list(SEARCH_KINDS)}")
         hops = info.data.get("max_hops", 3)
-        over = [k for k in value or () if KINDS[k] > hops]
+        over = [k for k in value or () if SEARCH_KINDS[k] > hops]
         if over:
             raise ValueError(f"{over} chain through more than max_hops={hops} documents; raise max_hops or drop them")
         return value

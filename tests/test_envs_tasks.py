@@ -12,8 +12,9 @@ from concurrent.futures import Future
 import pytest
 
 from libra_hpc.config import ConfigError, validate_config
+from libra_hpc.config_learning import SEARCH_KINDS
 from libra_hpc.envs import ArithmeticTask, Prompt, SearchTask, SplitLeak, task_from_config
-from libra_hpc.envs.search import KINDS, normalise
+from libra_hpc.envs.search import normalise
 from libra_hpc.envs.solvers import ArithmeticSolver, SearchSolver, length_signal, run_episode
 from libra_hpc.envs.toolcall import format_call
 from libra_hpc.tools.isolation import SandboxLimits
@@ -233,8 +234,8 @@ def test_a_long_tool_output_is_cut_before_the_model_sees_it(arith, orch):
 def test_search_splits_are_disjoint_and_seeded(search):
     assert not {p.hash for p in search.splits.train} & search.splits.heldout_hashes()
     assert {p.meta["hops"] for p in search.splits.train} == {1, 2, 3}
-    assert {p.meta["kind"] for p in search.splits.train} == set(KINDS)
-    assert all(KINDS[p.meta["kind"]] == p.meta["hops"] for p in search.splits.train)
+    assert {p.meta["kind"] for p in search.splits.train} == set(SEARCH_KINDS)
+    assert all(SEARCH_KINDS[p.meta["kind"]] == p.meta["hops"] for p in search.splits.train)
     assert SearchTask(seed=3, entities=120, train_prompts=300, heldout_prompts=60).splits == search.splits
     assert SearchTask(seed=4, entities=120, train_prompts=300, heldout_prompts=60).splits != search.splits
 

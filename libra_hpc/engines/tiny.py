@@ -4,7 +4,7 @@ Used wherever no real checkpoint is given (``model.path: null``): CI, laptops, t
 emulated cluster. ``build_tiny_model`` writes a Hugging Face checkpoint directory that
 transformers, vLLM and the Megatron conversion all load like any Qwen2 checkpoint:
 
-- ``config.json`` / ``generation_config.json``: Qwen2 with ``TINY_DEFAULTS`` (head size 32,
+- ``config.json`` / ``generation_config.json``: Qwen2 with ``TINY_DEFAULTS`` (libra_hpc/config.py; head size 32,
   the smallest the vLLM CPU attention backend accepts);
 - ``model.safetensors``: float32 weights drawn from ``seed`` alone (same seed → identical
   bytes, on any machine with the same torch), never from transformers' initialisers;
@@ -32,28 +32,9 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-log = logging.getLogger(__name__)
+from libra_hpc.config import TINY_DEFAULTS, tiny_architecture
 
-TINY_DEFAULTS: dict[str, Any] = {
-    "architectures": ["Qwen2ForCausalLM"],
-    "model_type": "qwen2",
-    "vocab_size": 1024,
-    "hidden_size": 128,
-    "intermediate_size": 384,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 32,
-    "hidden_act": "silu",
-    "max_position_embeddings": 2048,
-    "rms_norm_eps": 1e-6,
-    "rope_theta": 10000.0,
-    "tie_word_embeddings": False,
-    "attention_dropout": 0.0,
-    "use_sliding_window": False,
-    "torch_dtype": "float32",
-}
-"""Architecture of the tiny model (``config.json`` keys). Head size = hidden / heads = 32."""
+log = logging.getLogger(__name__)
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>",
                   "<tool_response>", "</tool_response>"]
@@ -230,24 +211,8 @@ def resolve_model(model_cfg: Any, *, cache_dir: str | os.PathLike | None = None)
     return build_tiny_model(root / f"tiny-{spec['fingerprint']}", seed=0, **overrides)
 
 
-def check_overrides(overrides: dict[str, Any]) -> dict[str, Any]:
-    """The tiny model's architecture with ``overrides`` applied; raises ValueError naming an
-    unknown key or a shape vLLM's CPU attention cannot run."""
-    unknown = sorted(set(overrides) - set(TINY_DEFAULTS))
-    if unknown:
-        raise ValueError(f"tiny model: unknown override(s) {unknown}; valid keys: {sorted(TINY_DEFAULTS)}")
-    arch = {**TINY_DEFAULTS, **overrides}
-    heads, kv = arch["num_attention_heads"], arch["num_key_value_heads"]
-    if arch["head_dim"] < 32 or arch["head_dim"] % 16 or heads % kv or heads * arch["head_dim"] != arch["hidden_size"]:
-        raise ValueError(f"tiny model: head_dim={arch['head_dim']} must be >= 32 and a multiple of 16 "
-                         f"(vLLM CPU attention) with num_attention_heads × head_dim = hidden_size "
-                         f"({heads} × {arch['head_dim']} vs {arch['hidden_size']}), and num_attention_heads "
-                         f"a multiple of num_key_value_heads={kv}")
-    return arch
-
-
 def _spec(seed: int, overrides: dict[str, Any]) -> dict[str, Any]:
-    arch = check_overrides(overrides)
+    arch = tiny_architecture(overrides)
     spec = {"version": _BUILD_VERSION, "seed": int(seed), "arch": arch}
     spec["fingerprint"] = hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:12]
     return spec

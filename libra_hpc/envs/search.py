@@ -17,7 +17,8 @@ another search. It runs in-process on the orchestrator's ``search`` resource
 (:class:`SearchRunner`, a runner like the sandbox's). Reward: 1 for the normalised exact
 answer in ``<answer>...</answer>`` (case, spaces, punctuation and a leading "the" ignored).
 
-Each prompt's ``meta["kind"]`` names what it asks (:data:`KINDS`): the scripted solver's
+Each prompt's ``meta["kind"]`` names what it asks (``SEARCH_KINDS``, in the schema:
+libra_hpc/config_learning.py): the scripted solver's
 ``guess_on`` picks kinds by it, and evaluations break success down by it.
 """
 
@@ -31,6 +32,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from libra_hpc.config_learning import SEARCH_KINDS
 from libra_hpc.envs.task import Prompt, Task, make_splits
 from libra_hpc.envs.toolcall import ParsedCall, ToolDef
 
@@ -48,10 +50,6 @@ SYLLABLES = ("al", "bren", "cor", "dal", "ev", "fen", "gar", "hol", "is", "jor",
 RIVERS = ("Amber", "Brisk", "Cold", "Dun", "Elder", "Fallow", "Grey", "Hollow", "Iron", "Jade", "Kestrel", "Long")
 JOBS = ("engineer", "teacher", "chemist", "pilot", "baker", "architect", "nurse", "lawyer", "painter", "farmer")
 SUFFIXES = ("Works", "Labs", "Foods", "Textiles", "Mining", "Freight", "Optics", "Press")
-
-
-KINDS = {"year": 1, "company": 1, "employer": 1, "town": 1, "job": 1, "river": 2, "founded": 2, "hq-river": 3}
-"""The question kinds and how many documents each chains through."""
 
 
 def words(text: str) -> list[str]:
@@ -118,9 +116,9 @@ def generate(world: World, seed: int, index: int, max_hops: int, kinds: Sequence
     person = rng.choice(list(world.people))
     facts = world.people[person]
     chosen = rng.choice(list(kinds)) if kinds else None
-    hops = KINDS[chosen] if chosen else rng.randint(1, max_hops)
+    hops = SEARCH_KINDS[chosen] if chosen else rng.randint(1, max_hops)
     if hops == 1:
-        kind = chosen or rng.choice([k for k, docs in KINDS.items() if docs == 1])
+        kind = chosen or rng.choice([k for k, docs in SEARCH_KINDS.items() if docs == 1])
         text = {"year": f"In which year was {person} born?", "company": f"Which company does {person} work for?",
                 "employer": f"Which firm employs {person}?", "town": f"In which town was {person} born?",
                 "job": f"What does {person} work as?"}[kind]
@@ -183,9 +181,9 @@ class SearchTask(Task):
 
     def __init__(self, *, seed: int = 0, entities: int = 400, train_prompts: int = 2000, heldout_prompts: int = 300,
                  max_hops: int = 3, top_k: int = 2, max_turns: int = 10, kinds: Sequence[str] | None = None):
-        unknown = sorted(set(kinds or ()) - set(KINDS))
+        unknown = sorted(set(kinds or ()) - set(SEARCH_KINDS))
         if unknown:
-            raise ValueError(f"search task: unknown question kinds {unknown} (kinds: {sorted(KINDS)})")
+            raise ValueError(f"search task: unknown question kinds {unknown} (kinds: {sorted(SEARCH_KINDS)})")
         self.max_turns = max_turns
         self.world = build_world(seed, entities)
         self.index = SearchIndex(self.world.documents)

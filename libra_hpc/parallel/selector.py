@@ -1,6 +1,7 @@
 """Context-length-aware parallelism (EARL): the TP size of a stage, chosen from the context
 lengths it now runs and the time each TP size would take. Pure: no torch, no MPI, and no
-import of the planner (the planner consults this module; the arrow points one way).
+import of the planner (the planner consults this module; the arrow points one way). A
+table's rules are the config's (libra_hpc/config_checks.py), so a bad one fails at load.
 
 What a TP size costs comes from one of two sources:
 
@@ -24,6 +25,8 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+
+from libra_hpc.config_checks import tp_table_problem
 
 
 @dataclass(frozen=True)
@@ -62,14 +65,9 @@ class TpTable:
     rows: tuple[tuple[int, int], ...]
 
     def __post_init__(self) -> None:
-        if not self.rows or self.rows[0][0] != 0:
-            raise ValueError(f"TpTable: the first row must start at context 0 (got {list(self.rows)})")
-        for (c0, t0), (c1, t1) in zip(self.rows, self.rows[1:]):
-            if c1 <= c0 or t1 < t0:
-                raise ValueError(f"TpTable: rows must have growing contexts and TP sizes that do not shrink; "
-                                 f"({c0}: {t0}) then ({c1}: {t1})")
-        if any(tp < 1 for _, tp in self.rows):
-            raise ValueError(f"TpTable: TP sizes must be >= 1 (got {list(self.rows)})")
+        problem = tp_table_problem(list(self.rows))
+        if problem is not None:
+            raise ValueError(f"TpTable: {problem}")
 
     @classmethod
     def from_mapping(cls, table: Mapping[int, int]) -> TpTable:
