@@ -1,7 +1,7 @@
-"""Cluster simulator: every policy on the paper scenario, and the event loop's speed.
+"""Cluster simulator: every policy on the paper scenario, and the speed of the simulated clock's event heap.
 
     python benchmarks/bench_sim.py [--config configs/sim/a800-swe.yaml] [--steps N] [--out DIR] [--partial] [--stream]
-    python benchmarks/bench_sim.py --engine     # heapq loop vs the alternatives considered
+    python benchmarks/bench_sim.py --engine     # SimClock's heapq loop vs the alternatives considered
 
 Runs the scenario (48 A800-80G, Qwen3-14B, SWE-style agent, 100 RL steps by default) for
 every policy of the scenario file, prints the comparison table and the critical-path floor

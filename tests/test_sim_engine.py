@@ -1,10 +1,10 @@
-"""The simulator's event loop and rollout instance on cases with hand-computed answers."""
+"""The simulator's clock (its event heap) and rollout instance on cases with hand-computed answers."""
 
 from __future__ import annotations
 
 import pytest
 
-from libra_hpc.sim.engine import Event, EventLoop
+from libra_hpc.sim.engine import Event, SimClock
 from libra_hpc.sim.instance import ConstantStepModel, RolloutInstance, Run
 
 
@@ -21,22 +21,22 @@ class Note(Event):
 
 def test_ties_break_by_time_then_kind_then_scheduling_order():
     log = []
-    loop = EventLoop()
+    clock = SimClock()
     for e in (Note(2.0, 50, log, "late"), Note(1.0, 50, log, "b1"), Note(1.0, 10, log, "a"),
               Note(1.0, 50, log, "b2")):
-        loop.schedule(e)
-    loop.run()
+        clock.schedule(e)
+    clock.run()
     assert [n for _, n in log] == ["a", "b1", "b2", "late"]
 
 
 def test_events_return_the_events_they_cause_and_the_past_is_refused():
     log = []
-    loop = EventLoop()
-    loop.schedule(Note(1.0, 50, log, "first", then=[Note(3.0, 50, log, "caused")]))
-    assert loop.run() == 3.0 and log == [(1.0, "first"), (3.0, "caused")]
-    loop.schedule(Note(5.0, 50, log, "bad", then=[Note(4.0, 50, log, "past")]))
+    clock = SimClock()
+    clock.schedule(Note(1.0, 50, log, "first", then=[Note(3.0, 50, log, "caused")]))
+    assert clock.run() == 3.0 and log == [(1.0, "first"), (3.0, "caused")]
+    clock.schedule(Note(5.0, 50, log, "bad", then=[Note(4.0, 50, log, "past")]))
     with pytest.raises(ValueError, match="in the past"):
-        loop.run()
+        clock.run()
 
 
 def drive(inst: RolloutInstance, offers: dict[float, list[Run]]) -> dict[str, float]:

@@ -15,7 +15,7 @@ from libra_hpc.config import SchedulerConfig
 from libra_hpc.sim.config import CostSpec, load_sim_config
 from libra_hpc.planner.control import resplit_hybrid, same_plan
 from libra_hpc.sim.context import Context
-from libra_hpc.sim.engine import EventLoop
+from libra_hpc.sim.engine import SimClock
 from libra_hpc.sim.instance import ConstantStepModel, CostStepModel, RolloutInstance, Run
 from libra_hpc.sim.policies import SETUPS, control_loop
 from libra_hpc.sim.rollout import InstanceSpec, RolloutSide
@@ -142,9 +142,9 @@ def test_an_idle_instance_takes_queued_turns_of_a_neighbouring_bucket():
     # nothing queued in its bucket, takes the waiting ones: 3 turns of 100 steps in 2 s, not 3 s.
     batch = [Trajectory(f"t{i}", "p", 0, i, 1, (100,), ()) for i in range(3)]
     side, ended = _two_buckets(ConstantStepModel(0.01), seats=1, saturation=10.0)  # the router never falls back
-    loop = EventLoop()
-    loop.schedule_all(side.submit(0, batch, 0.0))
-    loop.run()
+    clock = SimClock()
+    clock.schedule_all(side.submit(0, batch, 0.0))
+    clock.run()
     assert side.router.fallbacks == 0
     assert ended[0] == pytest.approx(2.0)
     assert side.counts["steals"] == 1 and side.counts["migrations"] >= 1
@@ -163,9 +163,9 @@ def test_prefix_cache_hit_only_where_the_previous_turn_ran():
     call = ToolCall("bash", 0.5, "success", 20)
     batch = [Trajectory("t0", "p", 0, 0, 50, (10, 10), (call,))]
     side, ended = _two_buckets(ConstantStepModel(0.01, prefill_per_token=0.001), seats=4)
-    loop = EventLoop()
-    loop.schedule_all(side.submit(0, batch, 0.0))
-    loop.run()
+    clock = SimClock()
+    clock.schedule_all(side.submit(0, batch, 0.0))
+    clock.run()
     assert side.counts["later_turns"] == 1 and side.counts["cache_hits"] == 1
     # prompt prefill 0.05 + 10 steps + tool 0.5 + 20-token prefill 0.02 + 10 steps
     assert ended[0] == pytest.approx(0.05 + 0.1 + 0.5 + 0.02 + 0.1)

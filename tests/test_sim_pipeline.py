@@ -14,7 +14,7 @@ from libra_hpc.sim.config import CostSpec, validate_sim_config
 from libra_hpc.cluster.layout import Group, Layout, Slot
 from libra_hpc.sim.context import Context
 from libra_hpc.sim.controller import PolicyRun
-from libra_hpc.sim.engine import EventLoop
+from libra_hpc.sim.engine import SimClock
 from libra_hpc.sim.instance import ConstantStepModel
 from libra_hpc.sim.policies import SETUPS
 from libra_hpc.sim.rollout import InstanceSpec, RolloutSide, share_limits
@@ -30,9 +30,9 @@ def rollout(trajectories, model, seats=256, policy="cmlfq"):
     side = RolloutSide({1: model}, SCHED, CostSpec(max_num_seqs=seats), policy, 0,
                        lambda batch, now: ended.setdefault(batch, now) and None)
     side.configure([InstanceSpec(1, 1)], 0.0)
-    loop = EventLoop()
-    loop.schedule_all(side.submit(0, trajectories, 0.0))
-    loop.run()
+    clock = SimClock()
+    clock.schedule_all(side.submit(0, trajectories, 0.0))
+    clock.run()
     return ended[0], side
 
 
@@ -60,12 +60,12 @@ def test_a_replan_from_the_batch_end_callback_leaves_the_waking_instance_alone()
     side = RolloutSide({1: model}, SCHED, CostSpec(max_num_seqs=4), "cmlfq", 0, replan)
     sides.append(side)
     side.configure([InstanceSpec(1, 1)], 0.0)
-    loop = EventLoop()
-    loop.schedule_all(side.submit(0, [Trajectory("t0", "p", 0, 0, 1, (10,), ())], 0.0))
-    loop.run()
+    clock = SimClock()
+    clock.schedule_all(side.submit(0, [Trajectory("t0", "p", 0, 0, 1, (10,), ())], 0.0))
+    clock.run()
     assert list(side.instances) == [7] and side.service.stats()["completed"] == 0  # a fresh service
-    loop.schedule_all(side.submit(1, [Trajectory("t1", "p", 1, 0, 1, (5,), ())], loop.now))
-    loop.run()
+    clock.schedule_all(side.submit(1, [Trajectory("t1", "p", 1, 0, 1, (5,), ())], clock.now))
+    clock.run()
     assert side.gen_tokens == 15
 
 

@@ -1,7 +1,7 @@
 """Discrete-event cluster simulator driving the same planner, hybrid pool and C-MLFQ objects
 as the live runtime (libra_hpc.planner, libra_hpc.scheduler).
 
-engine (event loop) · instance (continuous batching) · rollout (instances + queue service
+engine (the simulated clock and its events) · instance (continuous batching) · rollout (instances + queue service
 + tools) · controller (RL pipeline, replanning, hybrid pool) · policies · search (best
 static baselines) · trace (a recorded workload; the synthetic one is libra_hpc.envs.synthetic)
 · report (outputs).

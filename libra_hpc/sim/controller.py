@@ -1,5 +1,5 @@
 """The controller of one simulated run: RL steps, the rollout/training pipeline, replanning
-and the hybrid pool, all as events on one loop.
+and the hybrid pool, all as events on one simulated clock (sim/engine.py ``SimClock``).
 
 Synchronous (``colocated``): batch ``i`` is rolled out on all GPUs, the engines switch
 (half of ``colocate_switch_s``), training step ``i`` runs, they switch back, and batch
@@ -35,7 +35,7 @@ from libra_hpc.cluster.layout import Layout
 from libra_hpc.planner.control import ControlLoop, LayoutChange, PoolEvent, length_profile
 from libra_hpc.planner.costs import TrainShape
 from libra_hpc.sim.context import Context, describe, instances_of, samples_of
-from libra_hpc.sim.engine import Event, EventLoop
+from libra_hpc.sim.engine import Event, SimClock
 from libra_hpc.sim.policies import PolicySetup
 from libra_hpc.sim.recorder import Recorder
 from libra_hpc.sim.rollout import RolloutSide
@@ -98,7 +98,7 @@ class PolicyRun:
         self.layout, self.train, self.colocated = layout, train, colocated
         self.train_time = train_time or (lambda shape, tokens: step_s(ctx.model, ctx.hw, shape, tokens, ctx.cal))
         self.cfg = ctx.cfg
-        self.loop = EventLoop()
+        self.clock = SimClock()
         self.sync = setup.mode == "sync"
         self.k = self.cfg.rl.max_staleness
         self.partial = self.cfg.rl.partial_rollout and not self.sync if partial is None else partial and not self.sync
@@ -140,17 +140,17 @@ class PolicyRun:
         t0 = wallclock.perf_counter()
         self.rollout.configure(self._instances(), 0.0, self._initial_turns())
         self._record_allocation(0.0, "initial")
-        self.loop.schedule_all(self._try_submit(0.0))
-        self.loop.schedule(Sample(self.sample_period, self._sample))
-        self.loop.run()
+        self.clock.schedule_all(self._try_submit(0.0))
+        self.clock.schedule(Sample(self.sample_period, self._sample))
+        self.clock.run()
         if self.oom is None and len(self.train_done) != self.steps:
             raise RuntimeError(f"{self.setup.name}: simulation stalled after {len(self.train_done)} of {self.steps} "
-                               f"steps (t={self.loop.now:.1f} s)")
+                               f"steps (t={self.clock.now:.1f} s)")
         # out of memory: reported, not raised; the comparison goes on without this policy's end
         end = max(self.train_done.values(), default=self.oom["t"] if self.oom else 0.0)
         counts = {**self.rollout.counts, "busy_gpu_s": self.rollout.busy_gpu_s(),
                   "prefill_gpu_s": self.rollout.prefill_gpu_s()}
-        self.rec.finish(end, wallclock.perf_counter() - t0, self.loop.fired, counts,
+        self.rec.finish(end, wallclock.perf_counter() - t0, self.clock.fired, counts,
                         self.control.considered if self.control else [])
         self.rec.summary.update(self._tail_summary(), **({"out_of_memory": self.oom} if self.oom else {}))
         return self.rec

@@ -1,8 +1,9 @@
-"""The discrete-event core: a binary heap of events, each returning the events it causes.
+"""The discrete-event core: the simulated clock, a binary heap of events, each returning the
+events it causes.
 
 An :class:`Event` has a time (seconds of simulated time), a ``KIND`` (a small int that
 orders simultaneous events of different kinds: the controller's bookkeeping before the
-instances that react to it) and an id handed out when it is scheduled. The loop pops the
+instances that react to it) and an id handed out when it is scheduled. The :class:`SimClock` pops the
 smallest ``(time, kind, id)``, so simultaneous events run in a fixed, reproducible order
 whatever the insertion history (ids are assigned in scheduling order, which is itself
 deterministic). An event's :meth:`Event.fire` returns the events it causes; nothing else
@@ -46,9 +47,11 @@ class Event:
         raise NotImplementedError
 
 
-class EventLoop:
-    """Runs events in ``(time, kind, id)`` order until the heap is empty, a time limit is
-    reached or :meth:`stop` is called. ``now`` is the time of the event being fired."""
+class SimClock:
+    """Simulated time: runs events in ``(time, kind, id)`` order until the heap is empty, a
+    time limit is reached or :meth:`stop` is called. ``now`` is the time of the event being
+    fired. (Not the live job's loop, libra_hpc/runtime/loop.py ``EventLoop``, which serves
+    MPI messages in wall-clock time.)"""
 
     def __init__(self) -> None:
         self._heap: list[tuple[float, int, int, Event]] = []

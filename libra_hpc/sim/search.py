@@ -25,7 +25,7 @@ from libra_hpc.planner.costs import TrainShape
 from libra_hpc.planner.costs import rollout_makespan as rollout_cost_makespan
 from libra_hpc.planner.control import length_profile, pipelined_step_s
 from libra_hpc.sim.context import Context, instances_of, samples_of
-from libra_hpc.sim.engine import EventLoop
+from libra_hpc.sim.engine import SimClock
 from libra_hpc.sim.rollout import RolloutSide
 from libra_hpc.sim.training import best_shape, step_s
 
@@ -44,11 +44,11 @@ def rollout_makespan(ctx: Context, layout: Layout, step: int, router: str = "lea
     def finished(batch: int, now: float):
         done[batch] = now
 
-    loop = EventLoop()
+    clock = SimClock()
     side = RolloutSide(ctx.step_models, ctx.cfg.scheduler, ctx.cfg.costs, router, ctx.cfg.rl.seed, finished)
     side.configure(instances_of(layout), 0.0)
-    loop.schedule_all(side.submit(step, ctx.batch(step), 0.0))
-    loop.run()
+    clock.schedule_all(side.submit(step, ctx.batch(step), 0.0))
+    clock.run()
     return done[step]
 
 
