@@ -52,10 +52,6 @@ class SyncStats:
     buckets: int
     seconds: float
 
-    @property
-    def gbytes_per_s(self) -> float:
-        return self.bytes / self.seconds / 1e9 if self.seconds > 0 else float("inf")
-
 
 @dataclass(frozen=True)
 class _Entry:

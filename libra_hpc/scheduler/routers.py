@@ -395,10 +395,6 @@ class CmlfqRouter(RouterBase):
         out["falling_back"] = int(self.falling_back)
         return out
 
-    @property
-    def rebuild_due(self) -> bool:
-        return self.observed - self.rebuilt_at >= self.rebuild_every
-
     def maintain(self, *, busy: bool = False) -> bool:
         """Periodic work the service runs between requests: rebuild the trees from the
         recent window when due. ``busy`` (no idle moment came): rebuild only once a

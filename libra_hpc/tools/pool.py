@@ -115,9 +115,6 @@ class ElasticPool:
         times = [u.ready_at for u in self.units.values() if u.ready_at > now]
         return min(times) if times else None
 
-    def busy_count(self) -> int:
-        return sum(1 for u in self.units.values() if u.busy is not None)
-
     def held_seconds(self, now: float) -> float:
         """Unit-seconds held so far (retired units up to their retirement, alive ones up to now)."""
         return self._held_retired + sum(now - u.born for u in self.units.values())
