@@ -290,11 +290,13 @@ class PlannerConfig(_Section):
     or when, two rollouts after the lend, the step is longer than before it by more than the
     margin (then no lend again until training outweighs rollout by more than at that lend)."""
     borrow_at_step: int | None = 2
-    """Step at which the hybrid pool is lent to training, a scripted decision (the
-    cost-based trigger is ``hybrid_margin``); null: never."""
+    """``job.mode: check`` only: the step at which the cluster check lends the hybrid pool
+    to training, a scripted move (the RL job and the simulator lend it by cost,
+    ``hybrid_margin``); null: never."""
     return_at_step: int | None = None
-    """Step at which a lent hybrid pool goes back to rollout, in the instance shapes it
-    had; null: keep it lent. Must come after ``borrow_at_step``."""
+    """``job.mode: check`` only: the step at which the lent hybrid pool goes back to
+    rollout, in the instance shapes it had; null: keep it lent. Must come after
+    ``borrow_at_step``."""
 
 
 class ParallelConfig(_Section):

@@ -62,30 +62,31 @@ yet. Kept here, in one place, instead of in the field descriptions; update it wi
 
 - **Read by the running job** (`launch.py`, `libra_hpc/run.py`, `libra_hpc/runtime/`,
   `libra_hpc/cluster/`), `job.mode: rl`: `cluster` (the Slurm request, the MPI world,
-  `torch_backend`; all but `hardware`), the initial layout (`training.tensor_parallel`,
-  `pipeline_parallel`, `data_parallel`, `rollout.tp_per_node`, `planner.hybrid_nodes`),
-  `planner.min_rollout_gpus` and `hybrid_margin` (the hybrid pool's gate), `model`, the
-  engines' fields (`training.micro_batch_size`, `lr`, `grad_clip`, `ppo_clip`,
-  `distributed_optimizer`, `seq_len`, `rollout.max_new_tokens`, `temperature`,
-  `kv_cache_gib`), the C-MLFQ queue and router (`scheduler.policy`, `tree_window`,
-  `min_samples`, `rebuild_every`, `predictor_noise`, `affinity_tokens`,
-  `bucket_token_limits`, `lease_s`, `max_batch`, `size_thresholds`, `error_markers`),
-  `tools`, `rl` (task, steps, batch, staleness, GRPO options, `update_epochs`), `tasks`,
-  `warmstart`, `job` and `logging`. `job.mode: check` reads the cluster and layout fields,
-  `rl.steps` and the scripted hybrid-pool moves `planner.borrow_at_step` / `return_at_step`.
+  `torch_backend`, and `hardware` for the planner's cost models), the initial layout
+  (`training.tensor_parallel`, `pipeline_parallel`, `data_parallel`, `rollout.tp_per_node`,
+  `planner.hybrid_nodes`), `model`, the engines' fields (`training.micro_batch_size`, `lr`,
+  `grad_clip`, `ppo_clip`, `distributed_optimizer`, `seq_len`, `rollout.max_new_tokens`,
+  `temperature`, `kv_cache_gib`), `planner` (the control loop the simulator runs too,
+  through `ControlOptions.from_config`, libra_hpc/planner/options.py: the prior, the
+  replanning gate, `window`, `memory_headroom`, `replan`, `reconfig_s`, the hybrid pool's
+  `min_rollout_gpus` and `hybrid_margin`), `parallel`, the C-MLFQ queue and router
+  (`scheduler.policy`, `tree_window`, `min_samples`, `rebuild_every`, `predictor_noise`,
+  `affinity_tokens`, `bucket_token_limits`, `lease_s`, `max_batch`, `size_thresholds`,
+  `error_markers`), `tools`, `rl` (task, steps, batch, staleness, GRPO options,
+  `update_epochs`), `tasks`, `warmstart`, `job` and `logging`. `job.mode: check` reads the
+  cluster and layout fields, `rl.steps` and the scripted hybrid-pool moves
+  `planner.borrow_at_step` / `return_at_step`.
 - **Read by `launch.py --plan`** (the control loop's first decision, printed, not run):
   `model.name`, `cluster.hardware`, `planner.prior`, `planner.hybrid_nodes`,
   `planner.min_rollout_gpus`, `training.seq_len`, `rl.prompts_per_step × rl.group_size`,
   `rl.max_staleness`, `rl.seed`, and `scheduler.bucket_token_limits` (its keys are the
   rollout TP sizes the planner may use).
-- **Acted on only by the simulator so far**: the replanning gate (`planner.window`,
-  `every_steps`, `margin_s`, `confirm_checks`, `min_dwell_steps`; the job does not replan
-  its instance shapes yet), `scheduler.bucket_limits` and `saturation`, and the
-  simulator's own sections. The simulator also reads `cluster.nodes`, `gpus_per_node`,
-  `hardware`, `model.name`, `training.seq_len`, `rl`, the rest of `planner` but
-  `borrow_at_step` / `return_at_step`, and `scheduler`'s routing fields; it ignores the
-  initial layout (its allocations come from the planner or the baselines' search), the
-  rest of `cluster`, `tools` and `logging`.
+- **Acted on only by the simulator so far**: `scheduler.bucket_limits` and `saturation`,
+  and the simulator's own sections. The simulator also reads `cluster.nodes`,
+  `gpus_per_node`, `hardware`, `model.name`, `training.seq_len`, `rl`, the rest of
+  `planner` but `borrow_at_step` / `return_at_step`, and `scheduler`'s routing fields; it
+  ignores the initial layout (its allocations come from the planner or the baselines'
+  search), the rest of `cluster`, `tools` and `logging`.
 - **Read by the learning benchmark** (`benchmarks/bench_learning.py` with
   `configs/learning.yaml`, docs/learning.md: the learning loop alone on two ranks): `warmstart`,
   `rl`, `rollout`, `training`, `model`, `tools` and `tasks`.

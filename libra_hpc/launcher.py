@@ -51,7 +51,8 @@ def describe(cfg: ExperimentConfig, executor: str, why: str) -> str:
         f"  training: TP{train.tp} × PP{train.pp} × DP{train.dp} = {len(train.slots)} GPUs",
         f"  rollout:  {len(layout.slots_of('rollout'))} GPUs in {len(rollout)} instances of TP {[g.tp for g in rollout]}",
         f"  hybrid pool (*): nodes {hybrid or 'none'}"
-        + (f", lent to training at step {cfg.planner.borrow_at_step}" if hybrid and cfg.planner.borrow_at_step is not None else ""),
+        + (f", lent to training at step {cfg.planner.borrow_at_step}"
+           if hybrid and cfg.job.mode == "check" and cfg.planner.borrow_at_step is not None else ""),
         "",
         layout.table(),
     ]
@@ -61,17 +62,14 @@ def describe(cfg: ExperimentConfig, executor: str, why: str) -> str:
 def first_decision(cfg: ExperimentConfig):
     """``(model profile, hardware profile, LayoutChange)``: the control loop's first decision
     for ``cfg``, on the planner's default calibration."""
-    from libra_hpc.planner.control import ControlLoop, ControlOptions, feasible_tps, profiles
-    from libra_hpc.planner.costs import Calibration
+    from libra_hpc.planner.control import ControlLoop
 
     try:
-        model, hardware = profiles(cfg)
+        control = ControlLoop.from_config(cfg)
     except ConfigError as exc:  # the profile files: name the fields that chose them
         raise ConfigError("model.name / cluster.hardware", [f"model.name={cfg.model.name!r}, cluster.hardware="
                                                              f"{cfg.cluster.hardware!r}: {p}" for p in exc.problems]) from None
-    cal = Calibration()
-    options = ControlOptions.from_config(cfg, feasible_tps(model, hardware, list(cfg.scheduler.bucket_token_limits), cal))
-    return model, hardware, ControlLoop(model, hardware, options, cal).initial()
+    return control.model, control.hw, control.initial()
 
 
 def describe_plan(cfg: ExperimentConfig) -> str:

@@ -9,8 +9,8 @@ expires that could have trained), and the unfinished ones keep generating into l
 steps. Three guards keep this honest:
 
 - **Staleness.** A trajectory's lag is counted from the policy version of its oldest token
-  (here: the version it started under); it trains step ``j`` only if ``j - version <=
-  max_staleness``. A trajectory still running when the last step it could train starts
+  (here: the version :meth:`TailDecoupler.started` is given); it trains step ``j`` only if
+  ``j - version <= max_staleness``. A trajectory still running when the last step it could train starts
   is *expiring*: it is regenerated from its prompt (never dropped silently, never trained
   stale) and its tokens so far are counted as wasted.
 - **A waste budget.** The step starts ahead of an expiring trajectory only if the tokens
@@ -20,8 +20,12 @@ steps. Three guards keep this honest:
   expire again is waited for: the long ones are trained, not traded for short ones, so
   the trained length distribution follows the generated one (the p90 ratio is reported).
 
-Pure logic, shared by the simulator (libra_hpc/sim/controller.py) and meant for the live
-job's trainer; the caller says when trajectories start, finish and were aborted.
+Pure logic, the same in the simulator (libra_hpc/sim/controller.py) and the live job's
+controller (libra_hpc/runtime/partial.py); the caller says when trajectories start, finish
+and were aborted. Its unit is whatever key the caller tracks: a trajectory in the
+simulator (started under the version it began with); in the job a GRPO group, which
+trains whole (started under its version floor, finished when its last sample is, with the
+tokens of all its samples), and ``batch_size`` is then groups per step.
 """
 
 from __future__ import annotations
@@ -47,7 +51,7 @@ class Decision:
 
 @dataclass
 class PartialStats:
-    """Counters for the step log and the report."""
+    """Counters for the step log and the report (per key: a trajectory, or a group's sum)."""
 
     generated_tokens: int = 0
     """Every decoded token, wasted ones included."""
@@ -55,9 +59,9 @@ class PartialStats:
     """Tokens of regenerated trajectories generated before they were aborted."""
     regenerated: int = 0
     trained_lengths: list[int] = field(default_factory=list)
-    """Generated tokens of each trained trajectory."""
+    """Generated tokens of each trained key."""
     finished_lengths: list[int] = field(default_factory=list)
-    """Generated tokens of each trajectory that finished (trained or not)."""
+    """Generated tokens of each key that finished (trained or not)."""
     waits: int = 0
     """Times a step that had enough finished trajectories waited for an expiring one."""
 

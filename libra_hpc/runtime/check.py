@@ -1,13 +1,15 @@
-"""The controller loop (rank 0): decide the layout of each step, command the world, check
-and record what every group reports.
+"""The cluster check (``job.mode: check``), rank 0's side: before a long run, see that the
+MPI world, every group's communicator and the training ranks' torch worlds work, and that
+they survive the layout changes the hybrid pool makes.
 
-Until the cost-based planner lands, the layout decision is the scripted one of the
-config: the initial layout, the hybrid pool lent to training at
-``planner.borrow_at_step`` and given back at ``planner.return_at_step``. Each step is one
-control round over the MPI control plane (:class:`~libra_hpc.cluster.world.World`): send
-every worker the step's command (with a new layout when it changes), let every group run
-its check collective (MPI; training ranks also their torch world, rebuilt when the
-training group changes), collect one report per worker.
+No planner and no RL: the layouts are the config's scripted ones, the initial layout, the
+hybrid pool lent to training at ``planner.borrow_at_step`` and given back at
+``planner.return_at_step`` (the RL job, libra_hpc/runtime/controller.py, moves the pool by
+cost). Each step is one control round over the MPI control plane
+(:class:`~libra_hpc.cluster.world.World`): send every worker the step's command (with a
+new layout when it changes), let every group run its check collective (MPI; training
+ranks also their torch world, rebuilt when the training group changes), collect one
+report per worker and record it (``group_check`` events, one metrics row per step).
 """
 
 from __future__ import annotations
