@@ -52,7 +52,7 @@ YAML is read with YAML 1.2 numbers: `time_limit: 2:00:00` is a time, not 7200.
 The batch of an RL step is `rl.prompts_per_step × rl.group_size` trajectories, and the
 training step's global batch is that number (there is no separate training batch size).
 
-This file is generated from the schema (`libra_hpc/config.py`, `libra_hpc/sim/config.py`):
+This file is generated from the schema (`libra_hpc/config*.py`, `libra_hpc/sim/config.py`):
 `python -m libra_hpc.config_reference --write`.
 
 ## What the job uses today
@@ -201,7 +201,8 @@ def _type(annotation: Any) -> str:
     if get_origin(annotation) is Literal:
         return "one of " + ", ".join(f"`{v}`" for v in get_args(annotation))
     text = str(annotation).replace("typing.", "").replace("<class '", "").replace("'>", "")
-    for module in ("libra_hpc.sim.config.", "libra_hpc.envs.synthetic.", "libra_hpc.config."):
+    for module in ("libra_hpc.sim.config.", "libra_hpc.envs.synthetic.", "libra_hpc.config_systems.",
+                   "libra_hpc.config_learning.", "libra_hpc.config."):
         text = text.replace(module, "")
     return text.replace("|", "or")
 
