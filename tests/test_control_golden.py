@@ -3,7 +3,7 @@ of observations (tests/data/control_golden.json) fed to the control loop alone, 
 simulator driving it on the same scenario, give the recorded decisions, call for call.
 
 Two streams:
-- recorded: the paper scenario (configs/sim/a800-swe.yaml), 16 steps, staleness 4 and a
+- recorded: the paper scenario (configs/sim/a800-swe.yaml), 20 steps, staleness 5 and a
   prior far shorter than the workload, so that the stream holds plan changes applied and
   refused, and the hybrid pool's refusals while rollout binds;
 - live: a pinned layout whose training binds (tests/sim_cases.py), so that the hybrid
@@ -155,7 +155,7 @@ def test_a_different_observation_changes_the_decisions():
 
 
 SCENARIO = "configs/sim/a800-swe.yaml"
-OVERRIDES: dict = {"rl.steps": 16, "rl.max_staleness": 4, "planner.prior": {"gen_tokens_median": 200, "turns": 2}}
+OVERRIDES: dict = {"rl.steps": 20, "rl.max_staleness": 5, "planner.prior": {"gen_tokens_median": 200, "turns": 2}}
 POLICY = "libra"
 
 if __name__ == "__main__" and "--record" in sys.argv:

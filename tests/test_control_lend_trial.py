@@ -9,7 +9,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 from libra_hpc.planner.hybrid import PoolEvent
-from libra_hpc.runtime.hybrid import HybridDriver
+from libra_hpc.runtime.planning import PlannerDriver
 from libra_hpc.sim.policies import SETUPS, control_loop
 from tests.sim_cases import hybrid_case
 
@@ -46,8 +46,8 @@ def test_a_lend_that_made_the_step_slower_goes_back_and_is_not_tried_again_at_th
     assert not control.pool.training_replicas()
     again = control.after_rollout(3, 40.0, 1.0, 3.0)  # the balance it was lent at: held
     assert _moves(again) == [] and control.borrow_floor == 3.0 * 1.1
-    job = object.__new__(HybridDriver)  # what the job logs for that check
-    job.c = SimpleNamespace(planner=SimpleNamespace(control=control))
+    job = object.__new__(PlannerDriver)  # what the job logs for that check
+    job.control = control
     assert "made the step slower" in job.assess(3.0, 1.0)["held_by"] and "held_by" not in job.assess(4.0, 1.0)
     harder = control.after_rollout(4, 50.0, 1.0, 4.0)  # training clearly heavier than then: lend again
     assert _moves(harder) == [(rid, "requested")]
@@ -64,12 +64,14 @@ def test_a_lend_that_shortened_the_step_stays(tmp_path):
 
 
 def test_the_jobs_log_says_why_a_trial_sent_a_replica_back_or_held_a_borrow():
-    """``runtime/hybrid.py``: the ``plan_considered`` event of a pool decision names the
+    """``runtime/planning.py``: the ``plan_considered`` event of a pool decision names the
     trial's verdict, not the balance of the two times (which says hold, or borrow)."""
     logged, released = [], []
-    driver = object.__new__(HybridDriver)
-    driver.c = SimpleNamespace(version=5, runlog=SimpleNamespace(event=lambda kind, **kw: logged.append((kind, kw))))
-    driver._release = released.append
+    driver = object.__new__(PlannerDriver)
+    driver.s = SimpleNamespace(version=5, runlog=SimpleNamespace(event=lambda kind, **kw: logged.append((kind, kw))))
+    driver.control = SimpleNamespace(pool=SimpleNamespace(replica=lambda rid: SimpleNamespace(slots=())))
+    driver.instances = {0: [3]}
+    driver.relayout = SimpleNamespace(give_back=lambda rid, *rest: released.append(rid) or [])
     back = PoolEvent(10.0, 0, "active", "releasing", "release: lending made the step slower (replica 0 lent at step 2)")
     driver.carry_out([back], {"direction": None, "t_train": 3.4, "t_rollout": 3.5, "predicted_gain_s": None})
     [(kind, first)] = [(k, e) for k, e in logged if k == "plan_considered"]

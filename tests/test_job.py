@@ -317,7 +317,7 @@ def test_a_rank_that_fails_ends_the_job_with_its_name_and_no_hang(small_run, tmp
 
 
 def test_a_pipeline_parallel_export_gets_an_index_and_a_missing_stage_is_named(tmp_path):
-    from libra_hpc.runtime.controller import write_export_index
+    from libra_hpc.runtime.records import write_export_index
 
     parts = [{"path": str(tmp_path), "stage": s, "stages": 2, "bytes": 10,
               "weight_map": {f"model.layers.{s}.w": f"model-{s + 1:05d}-of-00002.safetensors"}} for s in (1, 0)]

@@ -1,4 +1,4 @@
-"""Slurm's time-limit warning during the first step (``CheckpointDriver.stop_now``): the
+"""Slurm's time-limit warning during the first step (``CheckpointDriver.on_stop``): the
 step in flight finishes and its version is saved before the run ends. Ending at once left
 the trainers posting a policy that no leader took, and the world's exit waited on them
 until the heartbeat timeout (seen in the requeue test when the warning came at step 0)."""
@@ -13,11 +13,18 @@ from libra_hpc.runtime.checkpointing import CheckpointDriver
 def _driver(tmp_path, **job):
     cfg = SimpleNamespace(job=SimpleNamespace(**{"checkpoint_keep": 2, "checkpoint_every_steps": 0,
                                                  "checkpoint_on_stop": True, **job}))
-    c = SimpleNamespace(cfg=cfg, runlog=SimpleNamespace(folder=tmp_path), stop="SIGUSR2", phase="rl",
-                        version=0, training=False, hybrid=None)
+    c = SimpleNamespace(cfg=cfg, runlog=SimpleNamespace(folder=tmp_path), phase="rl", version=0, training=False)
     d = CheckpointDriver(c)
     d.saves = []
-    d.save = lambda: d.saves.append(c.version) or setattr(d, "pending", {"version": c.version})
+
+    def stop_now():  # what the controller does with the answer (JobController._stop_now)
+        what = d.on_stop(c.phase, relaying=False)
+        if what == "save":
+            d.saves.append(c.version)
+            d.pending = {"version": c.version}
+        return what == "done"
+
+    d.stop_now = stop_now
     return c, d
 
 

@@ -38,41 +38,43 @@ from __future__ import annotations
 import logging
 import os
 import time
-from typing import Any
 
-from libra_hpc.cluster.messages import COMMAND
 from libra_hpc.runtime.resume import CheckpointStore, Loaded, ask_requeue, requeue_refusal, restart_count
+from libra_hpc.runtime.state import JobState, Sends
 
 log = logging.getLogger(__name__)
 
 
 class CheckpointDriver:
-    def __init__(self, controller: Any):
-        self.c = controller
-        cfg = controller.cfg.job
-        self.store = CheckpointStore(controller.runlog.folder, keep=cfg.checkpoint_keep)
+    """Checkpoints of one job: which to resume from, when to save, what a stop does. It
+    answers with the commands to send; the controller gives it the state to save."""
+
+    def __init__(self, state: JobState):
+        self.s = state
+        cfg = state.cfg.job
+        self.store = CheckpointStore(state.runlog.folder, keep=cfg.checkpoint_keep)
         self.every = cfg.checkpoint_every_steps
         self.pending: dict | None = None
         self.saved_version: int | None = None
-        self.partial_state: dict | None = None  # a resumed run's partial-rollout groups, relaunched when it starts
 
     # ------------------------------------------------------------------ resume
 
     def find(self) -> Loaded | None:
         """The newest checkpoint of this log folder that verifies; the ones that do not
         are logged (``checkpoint_rejected``) and skipped."""
-        if self.c.cfg.job.eval_checkpoint:
+        cfg = self.s.cfg
+        if cfg.job.eval_checkpoint:
             return None
         loaded, rejected = self.store.latest()
         for path, why in rejected:
             log.warning("checkpoint %s rejected: %s", path, why)
-            self.c.runlog.event("checkpoint_rejected", path=str(path), reason=why)
-        if loaded is not None and ("partial" in loaded.state) != bool(self.c.cfg.rl.partial_rollout):
+            self.s.runlog.event("checkpoint_rejected", path=str(path), reason=why)
+        if loaded is not None and ("partial" in loaded.state) != bool(cfg.rl.partial_rollout):
             raise ValueError(f"{loaded.path}: written with rl.partial_rollout="
                              f"{str('partial' in loaded.state).lower()}; resume with the configuration that wrote it")
-        if loaded is not None and loaded.version > self.c.cfg.rl.steps:
+        if loaded is not None and loaded.version > cfg.rl.steps:
             raise ValueError(f"{loaded.path}: checkpoint at version {loaded.version}, past rl.steps="
-                             f"{self.c.cfg.rl.steps}: raise rl.steps or start in another log folder")
+                             f"{cfg.rl.steps}: raise rl.steps or start in another log folder")
         return loaded
 
     def start_message(self, loaded: Loaded | None) -> dict:
@@ -81,26 +83,17 @@ class CheckpointDriver:
         if loaded is None:
             return {}
         return {"resume": {"checkpoint": str(loaded.path / "train"), "rng": str(loaded.path / "rng"),
-                           "version": loaded.version, "fresh_leaders": sorted(self.c.roles.leaders.values())}}
+                           "version": loaded.version, "fresh_leaders": sorted(self.s.roles.leaders.values())}}
 
-    def restore(self, loaded: Loaded) -> None:
-        """The controller's state as saved, and the metric rows of the steps redone gone."""
-        c, state = self.c, loaded.state
-        c.version = loaded.version
-        c.sampler.restore(state["sampler"])
-        c.trained_tids = list(state["trained_tids"])
-        c.summary.update(state["summary"])
-        c.migrations_before = state.get("migrations", 0)
-        self.partial_state = state.get("partial")
-        router = state.get("router")
-        if router is not None and hasattr(c.router, "load_state_dict"):
-            c.router.load_state_dict(router)
-        dropped = c.runlog.rewind_metrics(loaded.version)
+    def resumed(self, loaded: Loaded) -> None:
+        """The run resumes from ``loaded`` (the controller restored its state from it): the
+        metric rows of the steps redone are dropped, and the resume logged."""
+        state = loaded.state
+        dropped = self.s.runlog.rewind_metrics(loaded.version)
         self.saved_version = loaded.version
-        c.runlog.event("resumed", version=loaded.version, path=str(loaded.path), metric_rows_dropped=dropped,
-                       regenerate=len(state.get("regenerate", [])),
-                       restart_count=restart_count(os.environ),
-                       saved_at=state.get("saved_at"))
+        self.s.runlog.event("resumed", version=loaded.version, path=str(loaded.path), metric_rows_dropped=dropped,
+                            regenerate=len(state.get("regenerate", [])), restart_count=restart_count(os.environ),
+                            saved_at=state.get("saved_at"))
         log.info("resumed from %s at version %d (%d metric rows of later steps dropped)", loaded.path,
                  loaded.version, dropped)
 
@@ -108,31 +101,20 @@ class CheckpointDriver:
 
     def due(self) -> bool:
         """A periodic checkpoint is due at the version just reached."""
-        v = self.c.version
-        return (self.every > 0 and v % self.every == 0 and 0 < v < self.c.cfg.rl.steps
+        v = self.s.version
+        return (self.every > 0 and v % self.every == 0 and 0 < v < self.s.cfg.rl.steps
                 and self.saved_version != v and self.pending is None)
 
-    def save(self) -> None:
-        c = self.c
-        v = c.version
+    def save(self, state: dict) -> Sends:
+        """Save the controller's ``state`` at the current version once the trainers saved
+        theirs: the commands that ask them."""
+        v = self.s.version
         stage = self.store.staging(v)
-        partial = c.partial is not None  # every group drawn so far is trained or kept in the checkpoint
-        state = {"sampler": c.sampler.state() if partial else c.sampler_at.get(v, c.sampler.state()),
-                 "trained_tids": list(c.trained_tids),
-                 "summary": {k: c.summary[k] for k in ("eval_success_warmstart", "eval_prompts", "warmstart_build_s")
-                             if k in c.summary},
-                 "migrations": c.migrations_before + c.service.stats()["migrations"],
-                 "router": c.router.state_dict() if hasattr(c.router, "state_dict") else None,
-                 "regenerate": c.partial.in_flight_tids() if partial
-                 else sorted(t for b in c.batches if b >= v for t in c.batch_tids(b)),
-                 "saved_at": time.time(), "layout": c.layout.summary(),
-                 **({"partial": c.partial.state()} if partial else {})}
-        self.pending = {"version": v, "stage": stage, "state": state, "waiting": len(c.roles.trainers),
-                        "started": time.perf_counter()}
+        self.pending = {"version": v, "stage": stage, "state": {**state, "saved_at": time.time()},
+                        "waiting": len(self.s.roles.trainers), "started": time.perf_counter()}
         command = {"op": "checkpoint", "path": str(stage / "train"), "rng": str(stage / "rng"), "version": v}
-        for rank in c.roles.trainers:
-            c.comm.send(command, dest=rank, tag=COMMAND)
-        c.runlog.event("progress", line=f"checkpoint at version {v}: saving")
+        self.s.runlog.event("progress", line=f"checkpoint at version {v}: saving")
+        return [(rank, command) for rank in self.s.roles.trainers]
 
     def checkpointed(self, message: dict) -> None:
         p = self.pending
@@ -146,41 +128,38 @@ class CheckpointDriver:
         path = self.store.commit(p["stage"], p["version"], p["state"])
         size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
         self.pending, self.saved_version = None, p["version"]
-        self.c.runlog.event("checkpoint_saved", version=p["version"], path=str(path), bytes=size,
+        self.s.runlog.event("checkpoint_saved", version=p["version"], path=str(path), bytes=size,
                             trainers_s=round(p["train_s"], 3), total_s=round(time.perf_counter() - p["started"], 3),
                             kept=self.store.versions())
 
     # ------------------------------------------------------------------ stop
 
-    def stop_now(self) -> bool:
-        """After the stop signal: True once the run may end. A step in progress finishes,
-        then (``job.checkpoint_on_stop``) the state at that version is saved."""
-        c = self.c
-        if not c.stop:
-            return False
-        if c.phase != "rl":
-            return True
-        if c.training or self.pending is not None or (c.hybrid is not None and c.hybrid.relaying):
-            # a step, a save or a training world re-forming finishes first, also the first
-            # step: trainers that post a policy nobody takes would hold the world's exit
-            return False
-        if not c.cfg.job.checkpoint_on_stop or c.version == 0 or self.saved_version == c.version:
-            return True
-        self.save()
-        return False
+    def on_stop(self, phase: str, relaying: bool) -> str:
+        """After the stop signal: ``done`` once the run may end, ``wait`` while a step, a
+        save or a re-forming training world finishes (also the first step: trainers that
+        post a policy nobody takes would hold the world's exit), ``save`` when the state at
+        this version is to be saved first (``job.checkpoint_on_stop``)."""
+        s = self.s
+        if phase != "rl":
+            return "done"
+        if s.training or self.pending is not None or relaying:
+            return "wait"
+        if not s.cfg.job.checkpoint_on_stop or s.version == 0 or self.saved_version == s.version:
+            return "done"
+        return "save"
 
-    def after_stop(self) -> None:
+    def after_stop(self, signal: str) -> None:
         """The run stopped early: under Slurm, ask for a requeue while requeues are left
         (from the checkpoint just saved, or from the start when the stop came before the
         first step); else say how to resume by hand."""
-        c = self.c
-        folder = c.runlog.folder
-        why = requeue_refusal(os.environ, c.cfg.cluster.requeue, c.cfg.cluster.max_requeues)
+        s = self.s
+        folder = s.runlog.folder
+        why = requeue_refusal(os.environ, s.cfg.cluster.requeue, s.cfg.cluster.max_requeues)
         if why is None:
             job, restarts = os.environ["SLURM_JOB_ID"], restart_count(os.environ)
             start = "the start" if self.saved_version is None else self.store.path(self.saved_version)
-            ask_requeue(folder, f"job {job}: stopped by {c.stop.signal} at version {c.version}; resume from {start}")
-            c.runlog.event("requeue_requested", job=job, restart_count=restarts, version=self.saved_version)
+            ask_requeue(folder, f"job {job}: stopped by {signal} at version {s.version}; resume from {start}")
+            s.runlog.event("requeue_requested", job=job, restart_count=restarts, version=self.saved_version)
             return
-        c.runlog.event("requeue_not_requested", reason=why, version=self.saved_version,
+        s.runlog.event("requeue_not_requested", reason=why, version=self.saved_version,
                        resume_by_hand=f"python launch.py --resume {folder}")

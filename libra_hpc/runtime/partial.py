@@ -1,4 +1,5 @@
-"""Partial (tail-decoupled) rollout in the live job: the controller's side.
+"""Partial (tail-decoupled) rollout in the live job: the controller's batch tracker
+(:class:`TailDecoupledBatches`, the other implementation of :class:`~.batches.BatchTracker`).
 
 With ``rl.partial_rollout`` a training step does not wait for the slowest trajectories of
 its batch. The decision rule is :class:`libra_hpc.rl.partial.TailDecoupler`'s, the same
@@ -30,31 +31,45 @@ import time
 from typing import Any
 
 from libra_hpc.rl.partial import TailDecoupler, p90
+from libra_hpc.parallel.dispatch import least_loaded
+from libra_hpc.runtime.batches import StepStart
 from libra_hpc.runtime.episodes import group_of, trajectory_id
+from libra_hpc.runtime.state import JobState
 
 
-class PartialDriver:
+class TailDecoupledBatches:
     """The groups in flight, the step decisions and the regenerations of one job."""
 
-    def __init__(self, controller: Any):
-        self.c = controller
-        rl = controller.cfg.rl
+    def __init__(self, rl: Any, state: JobState, sampler: Any):
+        self.rl, self.s, self.sampler = rl, state, sampler
         self.k, self.size = rl.max_staleness, rl.group_size
         self.decoupler = TailDecoupler(rl.prompts_per_step, rl.max_staleness, rl.partial_waste_budget)
         self.groups: dict[str, dict] = {}  # key (the group id it was first submitted under) → its record
         self.key_of: dict[str, str] = {}  # live group id → key
         self.aborting: dict[str, str] = {}  # tid of a regenerated group → key, until its end is reported
-        self.steps: dict[int, dict] = {}  # step → the record _record_step reads
+        self.steps: dict[int, dict] = {}  # step → the record step_record returns
         self.untrained_tokens: dict[int, int] = {}  # DP replica → tokens routed there and not trained yet
         self.finished_lengths: list[int] = []  # generated tokens of every trajectory that finished
         self.trained_lengths: list[int] = []
         self.aborted_count = 0
         self.late_finishes = 0  # a regenerated group's trajectory that finished before its abort arrived
         self.abandoned = 0  # aborts still outstanding when the run stopped at a checkpoint (gone with its world)
+        self.kept: list[dict] | None = None  # a resumed run's groups in flight, relaunched when it begins
 
     # ------------------------------------------------------------------ submission
 
-    def submit(self, b: int, prompts: list) -> None:
+    def begin(self, version: int) -> None:
+        if self.kept is None:
+            for b in range(version, min(version + self.k + 1, self.rl.steps)):
+                self.submit(b)
+            return
+        for g in self.kept:  # the checkpoint's groups in flight, generated again from scratch
+            self._launch(g["key"], g["batch"], g["pid"], floor=max(g["floor"], version), tag=g["tag"])
+            self.groups[g["key"]]["regenerations"] = g["regenerations"]
+        self.kept = None
+
+    def submit(self, b: int) -> None:
+        prompts = self.sampler.next(self.rl.prompts_per_step, lambda: f"training batch {b}")
         for prompt in prompts:
             self._launch(f"b{b}/{prompt.pid}", b, prompt.pid, floor=max(0, b - self.k), tag="")
 
@@ -67,35 +82,33 @@ class PartialDriver:
         self.key_of[live] = key
         self.decoupler.started(key, floor)
         for tid in tids:
-            self.c.service.submit(tid, pid)
+            self.s.service.submit(tid, pid)
 
     # ------------------------------------------------------------------ reports
 
-    def finished(self, message: dict, source: int) -> None:
+    def finished(self, message: dict, open_replicas: list[int]) -> tuple[int | None, bool]:
         """A trajectory finished (``traj``): routed to its group's replica, or nowhere if
         its group was regenerated meanwhile."""
-        c, tid = self.c, message["tid"]
-        c.service.drain_finished()
+        tid = message["tid"]
         self.decoupler.generated(message["gen_tokens"])
         self.finished_lengths.append(message["gen_tokens"])
         if tid in self.aborting:
             del self.aborting[tid]
             self.late_finishes += 1
             self.decoupler.stats.wasted_tokens += message["gen_tokens"]
-            c._send(source, {"op": "route", "tid": tid, "dest": [], "replica": None})
-            return
+            return None, False
         key = self.key_of[group_of(tid)]
         group = self.groups[key]
         if group["dest"] is None:
-            group["dest"] = c.pick_replica(self.untrained_tokens)
+            group["dest"] = least_loaded(self.untrained_tokens, open_replicas)
         dest = group["dest"]
         self.untrained_tokens[dest] = self.untrained_tokens.get(dest, 0) + message["tokens"]
         group["rows"].append(message)
         group["pending"].discard(tid)
-        c.route(source, tid, dest)
-        if not group["pending"]:
-            self.decoupler.finish(key, sum(r["gen_tokens"] for r in group["rows"]), time.perf_counter())
-            c._maybe_train()
+        if group["pending"]:
+            return dest, False
+        self.decoupler.finish(key, sum(r["gen_tokens"] for r in group["rows"]), time.perf_counter())
+        return dest, True
 
     def reported(self, tid: str) -> bool:
         """``tid`` finished already (counted, or its group trained or regenerated and it is
@@ -110,64 +123,64 @@ class PartialDriver:
         tid = message["tid"]
         if self.aborting.pop(tid, None) is None:
             raise RuntimeError(f"rank {source} aborted trajectory {tid}, which no regeneration asked for")
-        self.c.service.drain_finished()
         self.aborted_count += 1
         self.decoupler.generated(message["gen_tokens"])
         self.decoupler.stats.wasted_tokens += message["gen_tokens"]
 
+    def stream(self, state: JobState) -> None:
+        """Groups of several batches train together: nothing trains ahead."""
+        return None
+
     # ------------------------------------------------------------------ steps
 
-    def decide(self, step: int) -> tuple[dict[int, list[str]], list[str]] | None:
-        """Whether step ``step`` starts now: the groups each replica trains and the groups
-        the trainers discard, or None (wait)."""
+    def start(self, step: int) -> StepStart | None:
+        """Whether step ``step`` starts now: the groups each replica trains, the groups
+        the trainers discard and the trajectories the leaders abort, or None (wait)."""
         decision = self.decoupler.decide(step, self._tokens_so_far)
         if decision is None:
             return None
-        discard: list[str] = []
+        out = StepStart({})
         for key in decision.regenerate:
-            discard.append(self._regenerate(key, step, running=True))
+            out.discard.append(self._regenerate(key, step, out.abort))
         for key in decision.resubmit:
-            discard.append(self._regenerate(key, step, running=False))
-        groups: dict[int, list[str]] = {}
+            out.discard.append(self._regenerate(key, step, None))
         rows: list[dict] = []
         submitted = time.perf_counter()
         for key in decision.train:
             group = self.groups.pop(key)
             submitted = min(submitted, group["submitted"])
             del self.key_of[group["live"]]
-            groups.setdefault(group["dest"], []).append(group["live"])
+            out.groups.setdefault(group["dest"], []).append(group["live"])
             rows += group["rows"]
             self.untrained_tokens[group["dest"]] -= sum(r["tokens"] for r in group["rows"])
             self.trained_lengths += [r["gen_tokens"] for r in group["rows"]]
         stats = self.decoupler.stats
         self.steps[step] = {
             "submitted": submitted, "complete": time.perf_counter(), "rows": rows,
-            "partial": {"regenerated": len(decision.regenerate) + len(decision.resubmit),
-                        "batches": sorted({int(r["tid"].split("/", 1)[0][1:]) for r in rows}),
-                        "wasted_share": round(stats.wasted_share, 4), "waits": stats.waits}}
-        return groups, discard
+            "extra": {"partial": {"regenerated": len(decision.regenerate) + len(decision.resubmit),
+                                  "batches": sorted({int(r["tid"].split("/", 1)[0][1:]) for r in rows}),
+                                  "wasted_share": round(stats.wasted_share, 4), "waits": stats.waits}}}
+        return out
 
-    def _regenerate(self, key: str, step: int, running: bool) -> str:
-        """Abort what runs of group ``key``, resubmit its prompt; the group id the
-        trainers discard."""
-        c, group = self.c, self.groups[key]
+    def _regenerate(self, key: str, step: int, abort: list[str] | None) -> str:
+        """Resubmit group ``key``'s prompt; what still runs of it (``abort`` given: it was
+        running) goes on ``abort``. The group id the trainers discard."""
+        group = self.groups[key]
         old = group["live"]
         del self.key_of[old]
         done = sum(r["gen_tokens"] for r in group["rows"])
         if group["dest"] is not None:
             self.untrained_tokens[group["dest"]] -= sum(r["tokens"] for r in group["rows"])
-        if running:
+        if abort is not None:
             self.decoupler.aborted(key, done)  # the rest of the waste arrives with the aborted reports
             pending = sorted(group["pending"])
             self.aborting.update(dict.fromkeys(pending, key))
-            for instance, rank in c.roles.leaders.items():
-                if c.hybrid is None or instance not in c.hybrid.drained:  # a drained one left its leader loop
-                    c._send(rank, {"op": "abort", "tids": pending})
+            abort += pending
         b = step + self.k  # leaders start its turns on policy ≥ step: the floor is the current version
         self._launch(key, b, group["pid"], floor=step, tag=f"~r{group['regenerations'] + 1}")
-        c.runlog.event("regenerated", step=step, group=old, again_as=self.groups[key]["live"],
-                       finished=len(group["rows"]), running=len(group["pending"]) if running else 0,
-                       tokens_wasted_so_far=done)
+        self.s.runlog.event("regenerated", step=step, group=old, again_as=self.groups[key]["live"],
+                            finished=len(group["rows"]), running=len(group["pending"]) if abort is not None else 0,
+                            tokens_wasted_so_far=done)
         return old
 
     def _tokens_so_far(self, key: str) -> int:
@@ -197,26 +210,31 @@ class PartialDriver:
             out += [trajectory_id(b, group["pid"] + tag, s) for s in range(self.size)]
         return out
 
-    def state(self) -> dict:
-        """What a checkpoint keeps: the groups not trained yet (each generated again from
-        scratch on resume, under the same ids), and the counters the summary reports."""
+    def checkpoint(self, version: int) -> dict:
+        """Every group drawn so far is trained or kept: the stream goes on after the last
+        prompt drawn, and the groups not trained yet are generated again from scratch on
+        resume, under the same ids; the counters the summary reports go on."""
         stats = self.decoupler.stats
         groups = []
         for key, group in sorted(self.groups.items()):
             b, tag = self._parts(key)
             groups.append({"key": key, "batch": b, "pid": group["pid"], "tag": tag, "floor": group["floor"],
                            "regenerations": group["regenerations"]})
-        return {"groups": groups, "regenerated_keys": sorted(self.decoupler.regenerated),
-                "stats": {"generated_tokens": stats.generated_tokens, "wasted_tokens": stats.wasted_tokens,
-                          "regenerated": stats.regenerated, "waits": stats.waits},
-                "finished_lengths": list(self.finished_lengths), "trained_lengths": list(self.trained_lengths),
-                "aborted_count": self.aborted_count, "late_finishes": self.late_finishes,
-                "abandoned": self.abandoned + len(self.aborting)}
+        return {"sampler": self.sampler.state(), "regenerate": self.in_flight_tids(),
+                "partial": {"groups": groups, "regenerated_keys": sorted(self.decoupler.regenerated),
+                            "stats": {"generated_tokens": stats.generated_tokens, "wasted_tokens": stats.wasted_tokens,
+                                      "regenerated": stats.regenerated, "waits": stats.waits},
+                            "finished_lengths": list(self.finished_lengths),
+                            "trained_lengths": list(self.trained_lengths),
+                            "aborted_count": self.aborted_count, "late_finishes": self.late_finishes,
+                            "abandoned": self.abandoned + len(self.aborting)}}
 
-    def restore(self, state: dict, version: int) -> None:
-        """Resume at ``version``: every group the checkpoint had in flight starts again
-        from scratch (its tokens now come from policy ``version`` at the earliest: its
-        floor), and the counters go on from where they were."""
+    def restore(self, saved: dict) -> None:
+        """The stream's position and the counters as saved; the groups in flight are
+        relaunched by :meth:`begin` (their tokens then come from the resumed policy at the
+        earliest: their floor)."""
+        self.sampler.restore(saved["sampler"])
+        state = saved["partial"]
         stats = self.decoupler.stats
         for name, value in state["stats"].items():
             setattr(stats, name, value)
@@ -224,27 +242,29 @@ class PartialDriver:
         self.finished_lengths, self.trained_lengths = list(state["finished_lengths"]), list(state["trained_lengths"])
         self.aborted_count, self.late_finishes = state["aborted_count"], state["late_finishes"]
         self.abandoned = state["abandoned"]
-        for g in state["groups"]:
-            self._launch(g["key"], g["batch"], g["pid"], floor=max(g["floor"], version), tag=g["tag"])
-            self.groups[g["key"]]["regenerations"] = g["regenerations"]
+        self.kept = state["groups"]
 
     # ------------------------------------------------------------------ state
 
-    def in_flight(self) -> bool:
-        """A group is not trained yet, or a regenerated trajectory has not ended yet (a
-        leader may still hold its state)."""
-        return bool(self.groups or self.aborting)
+    def rolling(self) -> bool:
+        """A group has a trajectory running, or a regenerated trajectory has not ended yet
+        (a leader may still hold its state)."""
+        return bool(self.aborting) or any(g["pending"] for g in self.groups.values())
+
+    def untrained(self) -> bool:
+        return any(not g["pending"] for g in self.groups.values())
 
     def untrained_on(self, replica: int) -> bool:
         return any(g["dest"] == replica and g["rows"] for g in self.groups.values())
 
-    def summary(self) -> dict:
+    def summary(self, metrics: list[dict]) -> dict:
         stats = self.decoupler.stats
         generated_p90 = p90(self.finished_lengths)
-        return {"regenerated": stats.regenerated, "aborted_trajectories": self.aborted_count,
-                "late_finishes": self.late_finishes, "unresolved_aborts": len(self.aborting),
-                "aborts_gone_with_a_stopped_world": self.abandoned,
-                "waits": stats.waits, "generated_tokens": stats.generated_tokens,
-                "wasted_tokens": stats.wasted_tokens, "dropped_token_share": round(stats.wasted_share, 4),
-                "trained_p90_over_generated_p90": round(p90(self.trained_lengths) / generated_p90, 3)
-                if generated_p90 else None}
+        return {"partial_rollout": {
+            "regenerated": stats.regenerated, "aborted_trajectories": self.aborted_count,
+            "late_finishes": self.late_finishes, "unresolved_aborts": len(self.aborting),
+            "aborts_gone_with_a_stopped_world": self.abandoned,
+            "waits": stats.waits, "generated_tokens": stats.generated_tokens,
+            "wasted_tokens": stats.wasted_tokens, "dropped_token_share": round(stats.wasted_share, 4),
+            "trained_p90_over_generated_p90": round(p90(self.trained_lengths) / generated_p90, 3)
+            if generated_p90 else None}}

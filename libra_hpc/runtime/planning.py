@@ -1,6 +1,6 @@
 """The planner, live: the controller feeds Libra's control loop (:mod:`libra_hpc.planner.control`,
-the decision code the simulator drives too) what the job measures, and carries out what it
-decides (:class:`PlannerDriver`).
+the decision code the simulator drives too) what the job measures, and turns what it
+decides into layout changes for :class:`~.relayout.Relayouts` (:class:`PlannerDriver`).
 
 What the loop is given after each RL step ``b``:
 
@@ -12,30 +12,24 @@ What the loop is given after each RL step ``b``:
   (busy seconds × mean running batch / tokens generated) against the rollout cost
   model's components at that batch and context;
 - the rollout makespan and the training step time (``after_rollout``): their means over
-  the last steps measured on the current layout (up to three; batches that overlapped a
-  switch are left out), since one batch's time varies 2-3× on shared cores.
+  the window of :class:`~libra_hpc.planner.window.StepWindow` (the steps measured on the
+  current layout; batches that overlapped a switch are left out), once it is settled.
 
-What it decides, and who carries it out:
+What it decides, and how it is carried out:
 
-- a hybrid-pool transition (borrow, release): :class:`~.hybrid.HybridDriver`;
-- a new layout (a replan: the plan search on the observed lengths and the fitted
-  calibration beat the current plan by the gate's margin, over ``planner.confirm_checks``
-  checks): no new batch goes into the queue; once every batch in flight is trained, the
-  rollout instances the new layout drops drain and leave, every rank whose role changes
-  re-forms (the training ranks from a checkpoint, resharded to the new shape), the
-  queue service starts over on the new layout's buckets (nothing is in flight), and the
-  held batches go in. The pipeline bubble is the price, and the gate's
-  ``reconfig_s`` (``planner.reconfig_s``) weighs it.
+- a hybrid-pool transition: **borrow** (the replica's instances leave rollout, then it joins
+  training at a step boundary; its first step is the zero-gradient one), **release** (it
+  leaves training once nothing untrained is routed to it, and serves rollout again);
+- a **replan** (the plan search on the observed lengths and the fitted calibration beat
+  the current plan by the gate's margin) or a **re-shard** (EARL's selector: training to
+  another TP size on the same GPUs): the change waits (:class:`~libra_hpc.planner.window.PendingChange`:
+  no new batch is submitted; once every batch in flight is trained) and is then carried
+  out by a relayout; the held batches go in after it.
 
-A re-shard (:mod:`libra_hpc.parallel.selector`: training to another TP size on the same
-GPUs, for memory or from ``parallel.training_tp_by_context``) goes the same way: its
-``tp_reshard`` event says from which TP to which and why; the training ranks save their
-checkpoint and load it resharded (the step counter and the optimizer state go with it).
-
-Every decision is an event: ``plan_considered`` (each replan check, with the current and
-the candidate plan's predicted step and why it was kept or applied), ``layout_applied``
-(``by: planner (replan)``, the pause and the predicted gain), ``calibration`` (what the
-fit found).
+Every decision is an event: ``plan_considered`` (each check, with the current and the
+candidate plan's predicted step and why it was kept or applied), ``hybrid`` (each pool
+transition), ``replan`` / ``tp_reshard``, ``layout_applied`` (the pause and the predicted
+gain), ``hybrid_gain`` (the gain measured three steps later).
 """
 
 from __future__ import annotations
@@ -50,7 +44,9 @@ from libra_hpc.planner.costs import Calibration, LengthSample, RolloutCost, Timi
 from libra_hpc.planner.hybrid import PhaseTimeouts
 from libra_hpc.planner.search import Plan, RLBatch, reprice
 from libra_hpc.planner.search import RolloutInstance as PlanInstance
-from libra_hpc.runtime.hybrid import GAIN_STEPS
+from libra_hpc.planner.window import PendingChange, StepWindow, moves_training
+from libra_hpc.runtime.relayout import Applied, Relayouts
+from libra_hpc.runtime.state import JobState, Sends
 
 log = logging.getLogger(__name__)
 RECORDS = 256
@@ -69,30 +65,32 @@ def config_plan(layout: Any, cfg: Any) -> Plan:
 
 
 class PlannerDriver:
-    def __init__(self, controller: Any):
-        self.c = controller
-        cfg = controller.cfg
+    def __init__(self, state: JobState, relayout: Relayouts):
+        self.s, self.relayout = state, relayout
+        cfg = state.cfg
         self.model, self.hw = profiles(cfg)
         self.base = Calibration()
-        tps = feasible_tps(self.model, self.hw, sorted({g.tp for g in controller.layout.rollout_instances}
+        tps = feasible_tps(self.model, self.hw, sorted({g.tp for g in state.layout.rollout_instances}
                                                        | set(cfg.scheduler.bucket_token_limits)), self.base)
         options = ControlOptions.from_config(cfg, tps, reconfig_s=cfg.planner.reconfig_s, hybrid_timeouts=JOB_TIMEOUTS,
                                              replan=cfg.planner.replan)
         self.control = ControlLoop(self.model, self.hw, options, self.base)
-        plan = config_plan(controller.layout, cfg)
+        plan = config_plan(state.layout, cfg)
         prior = self.control.prior()
         plan = reprice(plan, self.model, self.hw, cfg.cluster.gpus_per_node, prior, self.base,
                        RLBatch(cfg.batch_size, int(prior.mean_seq_tokens)), in_flight=cfg.rl.max_staleness + 1,
                        length_aware=options.length_aware_routing)
         self.control.start(plan, "the config's layout")
+        self.window = StepWindow(cfg.rl.max_staleness, cfg.rl.steps)
         self.records: list[TimingRecord] = []
         self.last_load: dict[int, dict] = {}
         self.running: dict[int, list[int]] = {}
-        self.pending = None  # a LayoutChange waiting for the pipeline to drain
-        self.held: list[int] = []  # batches not submitted while a replan waits
-        self.replans = self.reshards = 0
-        self.times: list[tuple[int, float, float]] = []  # (step, batch rollout s, training s)
+        self.pending: PendingChange | None = None
+        self.replans = self.reshards = self.hybrid_applied = 0
+        self.pauses: list[dict] = []
+        self.zero_grad_at: int | None = None
         self.t0 = time.monotonic()
+        self._map_pool()
 
     def now(self) -> float:
         return time.monotonic() - self.t0
@@ -100,6 +98,16 @@ class PlannerDriver:
     @property
     def pool(self):
         return self.control.pool
+
+    def _map_pool(self) -> None:
+        """Hybrid replica → the rollout instances on its slots (in the current layout)."""
+        s, pool = self.s, self.control.pool
+        self.instances = {} if pool is None else {
+            r.rid: [s.ids[g.slots] for g in s.layout.rollout_instances if g.hybrid and set(g.slots) <= set(r.slots)]
+            for r in pool.all_replicas()}
+
+    def pool_instances(self) -> set[int]:
+        return {i for insts in self.instances.values() for i in insts}
 
     # ------------------------------------------------------------------ observations
 
@@ -113,12 +121,12 @@ class PlannerDriver:
                                            r["tokens"] - r["gen_tokens"] - r.get("prompt_tokens", r["tokens"] - r["gen_tokens"]))
                               for r in rows])  # rows of a checkpoint before prompt_tokens: tool tokens 0
         mean_tokens = statistics.fmean(r["tokens"] for r in rows)
-        t = self.c.layout.training
-        shape = TrainShape(t.tp, t.pp, t.dp, self.c.cfg.training.micro_batch_size, len(rows), max(1, int(mean_tokens)))
+        t = self.s.layout.training
+        shape = TrainShape(t.tp, t.pp, t.dp, self.s.cfg.training.micro_batch_size, len(rows), max(1, int(mean_tokens)))
         cal = self.control.cal
         per_pass = max(r["train_s"] + r.get("stream_s", 0.0) for r in reports) / max(1, epochs)  # streamed parts too
         self.records.append(TimingRecord("train", TrainingCost(self.model, self.hw, shape, cal).components(), per_pass))
-        for instance, load in self.c.leader_load.items():
+        for instance, load in self.s.leader_load.items():
             before = self.last_load.get(instance)
             samples = self.running.pop(instance, [])
             self.last_load[instance] = load
@@ -126,86 +134,176 @@ class PlannerDriver:
                 continue
             tokens, busy = load["tokens"] - before["tokens"], load["busy_s"] - before["busy_s"]
             batch = statistics.fmean(samples)
-            if tokens < 32 or busy <= 0 or batch < 1:
+            tp = self.s.roles.tps.get(instance)
+            if tokens < 32 or busy <= 0 or batch < 1 or tp is None:
                 continue
-            tp = self.c.roles.tps.get(instance)
-            if tp is None:
-                continue
-            step_s = busy * batch / tokens
             parts = RolloutCost(self.model, self.hw, tp, cal).decode_components(batch, batch * mean_tokens / 2)
-            self.records.append(TimingRecord("decode", parts, step_s))
+            self.records.append(TimingRecord("decode", parts, busy * batch / tokens))
         del self.records[:-RECORDS]
         self.control.cal = fit_calibration(self.records, self.base)
 
     # ------------------------------------------------------------------ decisions
 
-    def after_step(self, b: int, reports: list[dict]) -> None:
-        """Step ``b`` ended: the loop decides on batch ``b``'s makespan and the step's time."""
-        c, hybrid = self.c, self.c.hybrid
+    def after_step(self, b: int, reports: list[dict]) -> Sends:
+        """Step ``b`` ended: the loop decides on the window's batch makespan and step time."""
+        s = self.s
         # training's whole work, streamed parts included: what the pipelined step weighs (control.rollout_side_s)
-        self.times.append((b, c.last_rollout_s, max(r["train_s"] + r.get("stream_s", 0.0) for r in reports)))
-        if hybrid is not None:
-            hybrid.after_step(b)
-        if self.pending is not None or (hybrid is not None and not hybrid.settled(b)):
-            return
-        window = [t for t in self.times if hybrid is None or t[0] >= hybrid.measure_from][-GAIN_STEPS:]
-        rollout_s, t_train = statistics.fmean(t[1] for t in window), statistics.fmean(t[2] for t in window)
+        self.window.record(b, s.last_rollout_s, max(r["train_s"] + r.get("stream_s", 0.0) for r in reports),
+                           s.last_step_s)
+        for gain in self.window.realised_gains():
+            s.runlog.event("hybrid_gain", **gain)
+        self._zero_grad_done()
+        pool = self.pool
+        moving = self.pending is not None or self.relayout.moving() or (
+            pool is not None and bool(pool.joining() or pool.in_state("releasing")))
+        if not self.window.settled(b, moving):
+            return []
+        steps, rollout_s, t_train = self.window.means()
         before = len(self.control.considered)
-        assessment = None if hybrid is None else hybrid.assess(t_train, self.control.rollout_side_s(rollout_s))
+        assessment = None if pool is None else self.assess(t_train, self.control.rollout_side_s(rollout_s))
         if assessment is not None:
-            assessment["steps"] = [t[0] for t in window]
+            assessment["steps"] = steps
         out = self.control.after_rollout(b, self.now(), rollout_s, t_train)
         for considered in self.control.considered[before:]:
             details = {k: v for k, v in considered.items() if k not in ("step", "kind")}
-            decision = "applied" if details.get("apply") else "kept"
-            c.runlog.event("plan_considered", step=b, what="replan", check=considered.get("kind"), decision=decision,
-                           **details)
+            s.runlog.event("plan_considered", step=b, what="replan", check=considered.get("kind"),
+                           decision="applied" if details.get("apply") else "kept", **details)
         if out.change is not None:
             self._hold(out.change)
-        elif hybrid is not None and out.pool_decided:
-            hybrid.carry_out(out.pool_events, assessment)
+            return []
+        if pool is not None and out.pool_decided:
+            return self.carry_out(out.pool_events, assessment)
+        return []
+
+    def assess(self, t_train: float, t_rollout: float) -> dict:
+        """Which way the pool's gate points, and the step time a move is predicted to save
+        (taken before the control loop decides: its answer changes the pool)."""
+        control = self.control
+        direction = control.hybrid_direction(t_train, t_rollout)
+        gain = control.hybrid_gain(direction, t_train, t_rollout) if direction else None
+        out = {"direction": direction, "t_train": round(t_train, 3), "t_rollout": round(t_rollout, 3),
+               "predicted_gain_s": None if gain is None else round(gain, 3)}
+        if direction == "borrow" and control.lend_held(t_train, t_rollout):
+            out["held_by"] = f"a lend at this balance made the step slower (training/rollout ≤ {control.borrow_floor:.3g})"
+        return out
+
+    def carry_out(self, events: list, assessment: dict) -> Sends:
+        """The pool's answer to one ``after_rollout``: borrow, release, or hold (logged)."""
+        s = self.s
+        direction, gain = assessment["direction"], assessment["predicted_gain_s"]
+        moved = [e for e in events if e.changed and e.to_state in ("requested", "releasing")]
+        if moved:  # the gate's move, or a lend judged by what it did (the control loop's lend trial)
+            what = "borrow" if moved[0].to_state == "requested" else "release"
+            reason = "predicted to shorten the step by more than the margin" if what == direction else moved[0].reason
+        else:
+            what = direction or "hold"
+            reason = ("within the margin" if direction is None else assessment["held_by"] if "held_by" in assessment
+                      else "nothing to move that way" if gain is None
+                      else "predicted to shorten the step by less than the margin")
+        s.runlog.event("plan_considered", step=s.version - 1, what=f"hybrid pool: {what}", **assessment,
+                       decision="applied" if moved else "hold" if direction is None or gain is None else "kept",
+                       reason=reason)
+        sends: Sends = []
+        for event in events:
+            s.runlog.event("hybrid", replica=event.replica, state=event.to_state, from_state=event.from_state,
+                           reason=event.reason, refused=event.refused, **assessment)
+            if event.refused or not event.changed:
+                continue
+            rid = event.replica
+            switch = {"replica": rid, "predicted_gain_s": gain,
+                      "direction": "join" if event.to_state == "requested" else "leave"}
+            if event.to_state == "requested":
+                sends += self.relayout.lend(self.instances[rid], self.pool_instances(), switch)
+            elif event.to_state == "releasing":
+                sends += self.relayout.give_back(rid, frozenset(self.pool.replica(rid).slots), self.instances[rid],
+                                                 self.pool_instances(), switch)
+        return sends
+
+    def left(self, instance: int) -> Sends:
+        """A lent replica's instance left rollout; once all have, the replica joins."""
+        rid = next(r for r, insts in self.instances.items() if instance in insts)
+        if not all(i in self.relayout.drained for i in self.instances[rid]):
+            return []
+        events = self._progress(rid)
+        if self.pool.replica(rid).state != "fetching_state":  # rolled back (a timeout) after its engine stopped
+            raise RuntimeError(f"hybrid replica {rid} was rolled back to rollout while its instances drained "
+                               f"({events[-1].reason if events else 'no event'}); restarting their engines is not "
+                               "supported")
+        return self.relayout.join(rid, frozenset(self.pool.replica(rid).slots), self.instances[rid])
+
+    def _progress(self, rid: int) -> list:
+        events = self.control.progress(rid, self.now())
+        for event in events:
+            self.s.runlog.event("hybrid", replica=event.replica, state=event.to_state, from_state=event.from_state,
+                                reason=event.reason, refused=event.refused)
+        return events
+
+    def _zero_grad_done(self) -> None:
+        """The first step after a join was the new replica's zero-gradient step."""
+        if self.zero_grad_at is not None and self.s.version > self.zero_grad_at:
+            for r in self.pool.in_state("zero_grad_sync"):
+                self._progress(r.rid)
+            self.zero_grad_at = None
+
+    # ------------------------------------------------------------------ replans and re-shards
 
     def _hold(self, change: Any) -> None:
-        c = self.c
-        self.pending = change
-        self.decided = time.perf_counter()
+        s = self.s
+        self.pending = PendingChange(change, time.perf_counter(), moves_training(s.layout, change.layout))
         what = "re-shard" if change.reshard else "replan"
         if change.reshard:  # EARL's selector: training to another TP size, the same GPUs
-            c.runlog.event("tp_reshard", step=c.version, from_tp=c.layout.training.tp, to_tp=change.plan.train.tp,
+            s.runlog.event("tp_reshard", step=s.version, from_tp=s.layout.training.tp, to_tp=change.plan.train.tp,
                            plan=change.plan.describe(), reason=change.reason)
         else:
-            c.runlog.event("replan", step=c.version, plan=change.plan.describe(), reason=change.reason,
+            s.runlog.event("replan", step=s.version, plan=change.plan.describe(), reason=change.reason,
                            predicted_gain_s=None if change.gain_s is None else round(change.gain_s, 3),
                            calibration=self.control.cal.note)
-        c.runlog.event("progress", line=f"{what} decided at step {c.version}: {change.plan.describe()} "
-                                         f"({change.reason}); draining the batches in flight")
-        self.maybe_apply()
+        s.runlog.event("progress", line=f"{what} decided at step {s.version}: {change.plan.describe()} "
+                                        f"({change.reason}); draining the batches in flight")
 
-    def holding(self) -> bool:
-        """No new batch goes into the queue: a replan waits for the pipeline to drain."""
-        return self.pending is not None
+    def hold_batch(self, b: int) -> bool:
+        """Batch ``b`` waits (a change waits for the pipeline to drain): True if held."""
+        if self.pending is None:
+            return False
+        self.pending.held.append(b)
+        return True
 
-    def maybe_apply(self) -> None:
-        """Apply the waiting layout once nothing is in flight (every submitted batch trained)."""
-        c = self.c
-        if self.pending is None or c.training or c.in_flight() or (c.hybrid is not None and c.hybrid.busy()):
-            return
-        change = self.pending
-        c.hybrid.replace(change, on_done=self._applied)
+    def maybe_apply(self, rolling: bool, untrained: bool) -> Sends:
+        """Start the waiting change once the pending-change rule says it is due
+        (``rolling``, ``untrained``: the batch tracker's answers)."""
+        p = self.pending
+        if p is None or self.relayout.pending is not None or not p.due(
+                rolling=rolling, untrained=untrained, training=self.s.training, moving=self.relayout.moving()):
+            return []
+        return self.relayout.replace(p.change, self.pool_instances())
 
-    def _applied(self, record: dict) -> None:
-        c = self.c
-        change, self.pending = self.pending, None
-        self.control.apply(change)
-        if change.reshard:
-            self.reshards += 1
+    def applied(self, done: Applied) -> list[int]:
+        """A layout change every rank carried out: the pool and the loop follow, the
+        window starts over; the batches held for a replan, to submit now."""
+        s = self.s
+        held: list[int] = []
+        if done.kind == "replan":
+            change, pending = done.what, self.pending
+            self.pending = None
+            self.control.apply(change)
+            if change.reshard:
+                self.reshards += 1
+            else:
+                self.replans += 1
+            done.record.update(predicted_gain_s=None if change.gain_s is None else round(change.gain_s, 3),
+                               decided_to_applied_s=round(time.perf_counter() - pending.decided_at, 3))
+            s.runlog.event("layout_applied", step=s.version,
+                           by="planner (re-shard)" if change.reshard else "planner (replan)",
+                           plan=change.plan.describe(), **s.layout.summary(), **done.record)
+            self._map_pool()
+            held = pending.held
         else:
-            self.replans += 1
-        record.update(predicted_gain_s=None if change.gain_s is None else round(change.gain_s, 3),
-                      decided_to_applied_s=round(time.perf_counter() - self.decided, 3))
-        c.runlog.event("layout_applied", step=c.version, by="planner (re-shard)" if change.reshard else "planner (replan)",
-                       plan=change.plan.describe(),
-                       **c.layout.summary(), **record)
-        held, self.held = self.held, []
-        for b in held:
-            c._submit(b)
+            self.hybrid_applied += 1
+            self.pauses.append(done.record)
+            s.runlog.event("layout_applied", step=s.version, by="planner (hybrid pool)", **s.layout.summary(),
+                           **done.record)
+            self._progress(done.what)  # join: fetched, the zero-gradient step is next; leave: back to rollout
+            if done.kind == "join":
+                self.zero_grad_at = s.version
+        self.window.switched(s.version, done.record)
+        return held

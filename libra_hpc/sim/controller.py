@@ -32,7 +32,8 @@ from collections import deque
 from collections.abc import Callable
 
 from libra_hpc.cluster.layout import Layout
-from libra_hpc.planner.control import ControlLoop, LayoutChange, PoolEvent, length_profile
+from libra_hpc.planner.control import ControlLoop, PoolEvent, length_profile
+from libra_hpc.planner.window import PendingChange, moves_training
 from libra_hpc.planner.costs import TrainShape
 from libra_hpc.sim.context import Context, describe, instances_of, samples_of
 from libra_hpc.sim.engine import Event, SimClock
@@ -125,7 +126,7 @@ class PolicyRun:
         self.train_done: dict[int, float] = {}
         self.synced = 0  # weight version the rollout instances hold
         self.blocked_until = 0.0  # after a plan change nothing restarts before this
-        self.pending: LayoutChange | None = None  # a layout waiting for rollout to drain
+        self.pending: PendingChange | None = None  # a layout change waiting for its moment (planner/window.py)
         self.reshard_due_s = 0.0  # a re-shard's pause, paid by the next training step
         self.last = {"rollout_s": None, "train_s": None}
         self.fetching: set[int] = set()
@@ -332,7 +333,7 @@ class PolicyRun:
         return self._train(j, self.ctx.batch(j), now)
 
     def _memory_pending(self) -> bool:
-        return self.pending is not None and self.pending.reason.startswith("memory")
+        return self.pending is not None and self.pending.for_memory
 
     def _start_partial(self, now: float) -> list[Event]:
         """Partial rollout: train step ``j`` as soon as the tail decoupler lets it (enough
@@ -402,7 +403,7 @@ class PolicyRun:
         self.last["train_s"] = info["train_s"]
         prev = self.train_done.get(j - 1, 0.0)
         self.rec.step(j, now, now - prev, info, self.ctx.gpus if self.colocated else None)
-        events = self._hybrid_after_step(now)
+        events = self._hybrid_after_step(now) + self._apply_pending(now)
         return events + self._start_training(now) + self._try_submit(now)
 
     # ------------------------------------------------------------------ carrying out the control loop's decisions
@@ -415,18 +416,23 @@ class PolicyRun:
         future = ((lambda: length_profile(samples_of(self.ctx.batch(nxt)), self.cfg.batch_size) if nxt < self.cfg.rl.steps else None)
                   if self.setup.clairvoyant else None)
         out = self.control.after_rollout(step, now, self.last["rollout_s"], self.last["train_s"], future)
-        if out.change is not None and out.change.reshard:
-            return self._apply_reshard(out.change, now)
         if out.change is not None:
-            self.pending = out.change
+            self.pending = PendingChange(out.change, now, moves_training(self.layout, out.change.layout))
             return self._apply_pending(now)
         return self._carry_out(now, out.pool_events) if out.pool_decided else []
 
     def _apply_pending(self, now: float) -> list[Event]:
-        """Apply the waiting layout once rollout has drained."""
-        if self.rollout.active:
+        """Apply the waiting change once the pending-change rule says it is due (the job's
+        rule: :class:`~libra_hpc.planner.window.PendingChange`). No other layout change is
+        under way here in the job's sense: a replan replaces the pool, a join in progress
+        with it."""
+        p = self.pending
+        if p is None or not p.due(rolling=bool(self.rollout.active), untrained=bool(self.ready or self.finished_traj),
+                                  training=self.training, moving=False):
             return []
-        change, self.pending = self.pending, None
+        change, self.pending = p.change, None
+        if change.reshard:
+            return self._apply_reshard(change, now)
         self.control.apply(change)
         self.layout, self.train = change.layout, change.plan.train
         self.fetching.clear()

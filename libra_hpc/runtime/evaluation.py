@@ -1,0 +1,49 @@
+"""The held-out evaluations on rank 0 (:class:`HeldOut`): which leader scores which
+held-out prompts (greedy, a share each), and what they scored."""
+
+from __future__ import annotations
+
+import logging
+import statistics
+from typing import Any
+
+from libra_hpc.runtime.state import Sends
+
+log = logging.getLogger(__name__)
+
+
+class HeldOut:
+    def __init__(self, cfg: Any, task: Any, runlog: Any, summary: dict):
+        self.cfg, self.task, self.runlog, self.summary = cfg, task, runlog, summary
+        self.parts: dict[str, list[dict]] = {}
+        self.expect = 0
+
+    def start(self, phase: str, leaders: dict[int, int]) -> Sends:
+        """The ``eval`` commands of ``phase``; none when there is nothing to evaluate (the
+        caller then ends the phase at once with :meth:`result`)."""
+        n = min(self.cfg.job.eval_prompts, len(self.task.splits.heldout))
+        ranks = [rank for _, rank in sorted(leaders.items())]
+        self.parts[phase] = []
+        sends = [(rank, {"op": "eval", "phase": phase, "indices": list(range(k, n, len(ranks)))})
+                 for k, rank in enumerate(ranks) if k < n]
+        self.expect = len(sends)
+        if sends:
+            self.runlog.event("progress", line=f"held-out evaluation ({phase}): {n} prompts on {self.expect} instances")
+        return sends
+
+    def got(self, message: dict) -> bool:
+        """A leader's share came back: True once the phase is complete."""
+        self.parts[message["phase"]].append(message)
+        return len(self.parts[message["phase"]]) == self.expect
+
+    def result(self, phase: str, version: int) -> float | None:
+        """The phase's success rate, written to the summary and the events."""
+        parts = self.parts.get(phase, [])
+        rewards = [r for p in parts for r in p["rewards"]]
+        success = statistics.fmean(rewards) if rewards else None
+        self.summary[f"eval_success_{phase}"] = None if success is None else round(success, 4)
+        self.summary["eval_prompts"] = len(rewards)
+        self.runlog.event("eval", phase=phase, success=success, prompts=len(rewards), version=version,
+                          wall_s=max((p["wall_s"] for p in parts), default=0.0))
+        log.info("held-out success (%s): %s on %d prompts", phase, success, len(rewards))
+        return success
