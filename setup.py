@@ -13,7 +13,7 @@ import sys
 from setuptools import setup
 from setuptools.command.build_ext import build_ext
 
-COMPILED = ("state", "tree", "routers", "service")  # = libra_hpc._compiled.COMPILED (a test checks)
+COMPILED = ("state", "tree", "routers", "protocol", "records", "service")  # = libra_hpc._compiled.COMPILED (a test checks)
 
 
 class OptionalBuildExt(build_ext):

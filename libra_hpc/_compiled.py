@@ -25,7 +25,7 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 PACKAGE = "libra_hpc.scheduler"
-COMPILED = ("state", "tree", "routers", "service")
+COMPILED = ("state", "tree", "routers", "protocol", "records", "service")
 """Modules setup.py compiles: the hot path of a decision. types.py stays interpreted (the
 data types every other package shares, and errors that subclass builtin errors, which a
 compiled class cannot)."""

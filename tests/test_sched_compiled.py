@@ -24,8 +24,8 @@ def test_setup_compiles_the_modules_the_loader_knows():
 
 
 def test_ci_runs_the_compiled_scheduler():
-    from libra_hpc.scheduler import routers, service, state, tree
-    compiled = {m.__name__: _compiled.is_compiled(m) for m in (state, tree, routers, service)}
+    from libra_hpc.scheduler import protocol, records, routers, service, state, tree
+    compiled = {m.__name__: _compiled.is_compiled(m) for m in (state, tree, routers, protocol, records, service)}
     if os.environ.get("CI"):  # scripts/install.sh builds it; a silent fallback would hide a broken build
         assert all(compiled.values()), f"the install left these modules uncompiled: {compiled}"
     assert _compiled.status() == ("compiled" if compiled["libra_hpc.scheduler.service"] else "source")

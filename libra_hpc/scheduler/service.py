@@ -1,50 +1,16 @@
 """The C-MLFQ queue service: trajectories, their turns, and the leases on them.
 
 Pure: no MPI, no torch, no clock of its own (every call that needs the time takes
-``now``, seconds on one monotonic clock). scheduler/mpi_service.py carries the protocol
-over MPI; the simulator may call :meth:`QueueService.handle` directly.
+``now``, seconds on one monotonic clock). The protocol, its requests, replies and
+refusals, is scheduler/protocol.py's; scheduler/mpi_service.py carries it over MPI; the
+simulator may call :meth:`QueueService.handle` directly. The service's record of each
+instance and each active trajectory is in scheduler/records.py.
 
 A trajectory alternates generated turns and tool calls. Its turns run one at a time: a
 turn is *queued* on a rollout instance, *leased* to the instance that asked for it, and
 ends with a tool return (the router places the next turn, which may migrate to another
 bucket) or with the finish of the trajectory (the router learns from it). At any moment
 an active trajectory has exactly one turn, queued or leased; a finished one has none.
-
-Protocol (requests and replies are plain dicts; lease ids are ints):
-
-``{"op": "ask", "instance": int, "max": int}``
-    → ``{"ok": True, "turns": [turn, ...], "active": int}``: up to ``min(max, max_batch)``
-    turns queued on that instance, then on the other instances of its bucket (so a dead
-    instance's queue is drained by its siblings). A turn is ``{"lease", "tid",
-    "prompt_id", "turn" (tool returns so far), "bucket", "migrated" (its KV cache must be
-    recomputed here), "prev_instance" (where its previous turn ran; None for the first),
-    "lease_s" (seconds the lease lasts without a report or heartbeat)}``. ``active`` is
-    the number of unfinished trajectories. Asking also renews the instance's leases.
-``{"op": "tool_return", "lease": int, "tool": str, "output": str, "exit_code": int|None,
-"timed_out": bool, "tokens": int}`` (``exit_code`` defaults to None, a tool without a
-process; ``timed_out`` to False), or, classified where the tool ran (the output stays
-there; same thresholds and markers, :class:`~libra_hpc.scheduler.state.Classifier`),
-``{"op": "tool_return", "lease": int, "tool": str, "size": str, "status": str, "tokens": int}``
-    → ``{"ok": True, "tid", "bucket", "instance", "migrated", "reason"}``: the turn that
-    ended in a tool call generated ``tokens`` output tokens; the tool's outcome is
-    classified into a ToolState (or taken as given) and the next turn is placed and queued.
-``{"op": "finish", "lease": int, "tokens": int}``
-    → ``{"ok": True, "tid", "turns": int}``: the last turn generated ``tokens`` tokens
-    and the trajectory is complete (exactly once; see :meth:`QueueService.drain_finished`).
-``{"op": "heartbeat", "instance": int}`` → ``{"ok": True, "leases": int}``: every lease
-    the instance holds now lasts ``lease_s`` from ``now``; ``leases`` is how many it holds.
-``{"op": "stats"}`` → ``{"ok": True, "stats": {...}}`` (see :meth:`QueueService.stats`).
-``{"op": "batch", "requests": [request, ...]}`` → ``{"ok": True, "replies": [reply, ...]}``:
-    up to :data:`MAX_BATCH_REQUESTS` requests (no nested batch) answered in order, each
-    exactly as if sent alone: one message for the reports of every turn that ended in an
-    engine step, plus the instance's next ask.
-
-Every refusal is ``{"ok": False, "reason": str, "error": str}`` and is counted under
-``reason``: ``malformed`` (not a dict, unknown op, missing or ill-typed field),
-``unknown_instance``, ``unknown_lease`` (never issued), ``late_report`` (the lease
-expired and its turn was re-queued, or it ended too long ago to remember how),
-``duplicate_report`` (the lease was already used by a report). A refused report changes
-nothing, so nothing is generated twice into the training batch.
 
 Leases. A lease lasts ``lease_s`` from when it was handed out or from the holder's last
 ``ask``/``heartbeat``, whichever is later. :meth:`QueueService.expire` (run at the start
@@ -80,14 +46,24 @@ from __future__ import annotations
 
 import heapq
 import logging
-from collections import deque
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple, NoReturn
+from typing import Any
 
+from libra_hpc.scheduler.protocol import (
+    MAX_BATCH_REQUESTS,
+    MAX_TURN_TOKENS,
+    OPS,
+    REASONS,
+    Reject,
+    check_tool_return,
+    int_field,
+)
+from libra_hpc.scheduler.records import LEASED, NOWHERE, QUEUED, InstanceRecord, TrajectoryRecord
 from libra_hpc.scheduler.routers import RouterBase
 from libra_hpc.scheduler.state import Classifier
 from libra_hpc.scheduler.types import (
     BucketSpec,
+    CompletedTrajectory,
     FinishedTrajectory,
     Placement,
     Router,
@@ -99,83 +75,6 @@ from libra_hpc.scheduler.types import (
 )
 
 log = logging.getLogger(__name__)
-
-QUEUED, LEASED = "queued", "leased"
-OPS = ("ask", "tool_return", "finish", "heartbeat", "stats", "batch")
-MAX_BATCH_REQUESTS = 1024
-MAX_TURN_TOKENS = 1 << 24
-"""Most output tokens one turn may report. A larger value is refused as malformed: it would
-enter the causal tree's statistics (and its saved file) and overflow float arithmetic at
-the next placement."""
-REASONS = ("malformed", "unknown_instance", "unknown_lease", "late_report", "duplicate_report")
-
-
-class _Reject(Exception):
-    def __init__(self, reason: str, error: str):
-        super().__init__(error)
-        self.reason = reason
-        self.error = error
-
-
-class CompletedTrajectory(NamedTuple):
-    """A finished trajectory, for the trainer side. ``turn_tokens[d]``: output tokens of
-    the turn generated after ``d`` tool returns (``len(states) + 1`` turns)."""
-
-    tid: str
-    prompt_id: str
-    states: tuple[ToolState, ...]
-    turn_tokens: tuple[int, ...]
-    migrations: int  # placements that changed bucket
-    requeues: int  # leases that expired under it
-
-
-class _Instance:
-    """One rollout instance as the service keeps it: its bucket, the turns queued on it, the
-    leases it holds, when it last asked or sent a heartbeat (None: never), and the queues
-    its asks drain (its own first, then its bucket's other instances)."""
-
-    __slots__ = ("bucket", "held", "id", "queue", "renewed", "sources")
-
-    def __init__(self, instance_id: int, bucket: str):
-        self.id = instance_id
-        self.bucket = bucket
-        self.queue: deque[_Trajectory] = deque()
-        self.held = 0
-        self.renewed: float | None = None
-        self.sources: list[_Instance] = []
-
-
-class _Trajectory:
-    """One active trajectory. While its turn is leased, ``lease`` is the lease id (0: none)
-    and ``deadline`` when it lapses unless renewed; ``at`` is the instance its turn is
-    queued on or leased to and ``expected`` the tokens it is charged there: a trajectory
-    holds at most one lease, so the lease needs no object of its own."""
-
-    __slots__ = ("at", "bucket", "deadline", "expected", "generated", "keys", "lease", "migrated", "migrations",
-                 "phase", "prev_instance", "prompt_id", "requeues", "states", "tid", "true_remaining", "turn_tokens")
-
-    def __init__(self, tid: str, prompt_id: str, true_remaining: int | None):
-        self.tid = tid
-        self.prompt_id = prompt_id
-        self.true_remaining = true_remaining  # output tokens in all, if known (oracle)
-        self.states: tuple[ToolState, ...] = ()  # tuples: handed to the router as they are
-        self.keys: tuple[str, ...] = ()  # the states' tree keys (TrajectoryView.keys)
-        self.turn_tokens: tuple[int, ...] = ()
-        self.generated = 0
-        self.bucket: str | None = None  # of the current turn
-        self.at = _NOWHERE  # queued on / leased to (set when its first turn is placed)
-        self.expected = 0  # tokens its current turn is charged to that instance (load accounting)
-        self.prev_instance: int | None = None  # where the previous turn ran
-        self.migrated = False
-        self.phase = QUEUED
-        self.lease = 0
-        self.deadline = 0.0
-        self.migrations = 0
-        self.requeues = 0
-
-
-_NOWHERE = _Instance(-1, "")
-
 
 class _Delegate(RouterBase):
     """A router that is not a :class:`RouterBase` (a test's stub, a user's own object),
@@ -232,19 +131,19 @@ class QueueService:
                                                                             thresholds, markers)
         self._default_turn_tokens = int(default_turn_tokens)
         self._remember = int(remember_leases)
-        self._instances: dict[int, _Instance] = {}
+        self._instances: dict[int, InstanceRecord] = {}
         for bucket in buckets:
             for instance in bucket.instances:
                 if instance in self._instances:
                     raise ValueError(f"QueueService: instance {instance} is in buckets "
                                      f"{self._instances[instance].bucket!r} and {bucket.name!r}")
-                self._instances[instance] = _Instance(instance, bucket.name)
+                self._instances[instance] = InstanceRecord(instance, bucket.name)
             for i, instance in enumerate(bucket.instances):
                 self._instances[instance].sources = [self._instances[source]
                                                      for source in bucket.instances[i:] + bucket.instances[:i]]
         self._depth: dict[str, int] = {b.name: 0 for b in buckets}
-        self._trajs: dict[str, _Trajectory] = {}
-        self._leases: dict[int, _Trajectory] = {}  # lease id → the trajectory whose turn it holds
+        self._trajs: dict[str, TrajectoryRecord] = {}
+        self._leases: dict[int, TrajectoryRecord] = {}  # lease id → the trajectory whose turn it holds
         self._down: set[int] = set()  # silent instances (see _silent)
         self._retired: set[int] = set()  # instances out of rollout until restore() (the hybrid pool lent)
         self._first_seen: float | None = None  # time of the first maintenance
@@ -253,7 +152,7 @@ class QueueService:
         self._prune_expired_at = 1024
         self._expiry: list[tuple[float, int]] = []
         self._next_lease = 1
-        self._finished: list[_Trajectory] = []  # completed, not drained yet (drain_finished builds the records)
+        self._finished: list[TrajectoryRecord] = []  # completed, not drained yet (drain_finished builds the records)
         self._turn_tokens_total = 0
         self._turns_total = 0
         # Counters (stats()): attributes, not a dict, since several change per decision.
@@ -274,7 +173,7 @@ class QueueService:
             raise TypeError(f"submit: tid and prompt_id must be str, got {tid!r}, {prompt_id!r}")
         if tid in self._trajs:
             raise ValueError(f"submit: trajectory {tid!r} is already active ({self._trajs[tid].phase})")
-        traj = _Trajectory(tid, prompt_id, true_remaining)
+        traj = TrajectoryRecord(tid, prompt_id, true_remaining)
         self._trajs[tid] = traj
         self._submitted += 1
         return self._place(traj, front=False)
@@ -300,7 +199,7 @@ class QueueService:
             self._back(instance)
 
     def handle(self, message: Any, now: float) -> dict:
-        """Answer one protocol request (module docstring). Never raises for a bad request;
+        """Answer one protocol request (scheduler/protocol.py). Never raises for a bad request;
         raises :class:`RouterError` only when the router misbehaves."""
         if self._expiry and self._expiry[0][0] <= now:
             self.expire(now)
@@ -316,7 +215,7 @@ class QueueService:
             return self._refuse("malformed", f"request op {op!r} is unknown here; valid ops: {valid}")
         try:
             return handler(message, now)
-        except _Reject as refused:
+        except Reject as refused:
             return self._refuse(refused.reason, refused.error)
 
     def expire(self, now: float) -> int:
@@ -347,7 +246,7 @@ class QueueService:
         self._requeue(lost)  # oldest lease first
         return expired
 
-    def _requeue(self, trajs: list[_Trajectory]) -> None:
+    def _requeue(self, trajs: list[TrajectoryRecord]) -> None:
         """Place turns again, at the queue fronts, the first of ``trajs`` ahead."""
         for traj in reversed(trajs):
             moved = traj.migrated  # its KV cache was never built where the turn now goes
@@ -364,14 +263,14 @@ class QueueService:
         if now < self._next_liveness:
             return
         self._next_liveness = now + self._lease_s / 4
-        lost: list[_Trajectory] = []
+        lost: list[TrajectoryRecord] = []
         for instance, at in self._instances.items():
             renewed = at.renewed if at.renewed is not None else self._first_seen
             if at.queue and instance not in self._down and now - renewed >= self._lease_s:
                 lost.extend(self._silent(instance, now, f"held {len(at.queue)} queued turns without asking"))
         self._requeue(lost)
 
-    def _take_queue(self, instance: int) -> list[_Trajectory]:
+    def _take_queue(self, instance: int) -> list[TrajectoryRecord]:
         """Empty ``instance``'s queue (oldest first), its load accounting included."""
         at = self._instances[instance]
         taken = list(at.queue)
@@ -382,7 +281,7 @@ class QueueService:
             self._calls.turn_ended(instance, traj.expected)
         return taken
 
-    def _silent(self, instance: int, now: float, why: str) -> list[_Trajectory]:
+    def _silent(self, instance: int, now: float, why: str) -> list[TrajectoryRecord]:
         """``instance`` did not ask or send a heartbeat in time: tell the router to place
         nothing there while another instance can take it, and take back the turns queued
         on it (returned, oldest first, to be placed again): a bucket of one dead instance
@@ -469,7 +368,7 @@ class QueueService:
             raise ServiceInvariantError(f"counters drifted: depth {self._depth} vs {depth}, held {counted} vs {held}")
         return seen
 
-    def _audit_one(self, seen: dict[str, str], traj: _Trajectory, phase: str, instance: int) -> None:
+    def _audit_one(self, seen: dict[str, str], traj: TrajectoryRecord, phase: str, instance: int) -> None:
         if traj.tid in seen:
             raise ServiceInvariantError(f"trajectory {traj.tid} is both {seen[traj.tid]} and {phase}")
         if traj.phase != phase or traj.at.id != instance or self._trajs.get(traj.tid) is not traj:
@@ -481,7 +380,7 @@ class QueueService:
 
     def _ask(self, message: dict, now: float) -> dict:
         at = self._instance(message, "ask")
-        want = _int(message, "max", "ask", minimum=1)
+        want = int_field(message, "max", "ask", minimum=1)
         at.renewed = now
         if at.id in self._retired:
             return {"ok": True, "turns": [], "active": len(self._trajs)}
@@ -505,21 +404,21 @@ class QueueService:
         size = message.get("size") if output is None else None
         if (type(tool) is not str or type(tokens) is not int or not 0 <= tokens <= MAX_TURN_TOKENS
                 or type(lid) is not int):  # one test on the hot path; the slow path names the field
-            _check_tool_return(message)
+            check_tool_return(message)
         try:
             if size is not None:  # classified by the worker
                 status = message.get("status")
                 if type(size) is not str or type(status) is not str:
-                    _check_tool_return(message)
+                    check_tool_return(message)
                 state = self._fast_classify.state(tool, size, status)
             else:
                 exit_code, timed_out = message.get("exit_code"), message.get("timed_out", False)
                 if type(output) is not str or (exit_code is not None and type(exit_code) is not int) \
                         or type(timed_out) is not bool:
-                    _check_tool_return(message)
+                    check_tool_return(message)
                 state = self._classify(tool, output, exit_code, timed_out)
         except ValueError as exc:
-            raise _Reject("malformed", f"tool_return (lease {lid}): {exc}") from None
+            raise Reject("malformed", f"tool_return (lease {lid}): {exc}") from None
         traj = self._claim(lid, "tool_return")
         traj.states += (state,)
         traj.keys += (state.key(),)
@@ -533,8 +432,8 @@ class QueueService:
                 "reason": reason}
 
     def _finish(self, message: dict, now: float) -> dict:
-        tokens = _int(message, "tokens", "finish", minimum=0, maximum=MAX_TURN_TOKENS)
-        traj = self._claim(_int(message, "lease", "finish"), "finish")
+        tokens = int_field(message, "tokens", "finish", minimum=0, maximum=MAX_TURN_TOKENS)
+        traj = self._claim(int_field(message, "lease", "finish"), "finish")
         self._record_turn(traj, tokens)
         turns = traj.turn_tokens
         total, remaining = traj.generated, []
@@ -550,7 +449,7 @@ class QueueService:
     def _batch(self, message: dict, now: float) -> dict:
         requests = message.get("requests")
         if type(requests) is not list or len(requests) > MAX_BATCH_REQUESTS:
-            raise _Reject("malformed", f"batch: field 'requests' must be a list of at most {MAX_BATCH_REQUESTS} "
+            raise Reject("malformed", f"batch: field 'requests' must be a list of at most {MAX_BATCH_REQUESTS} "
                                        f"requests, got {type(requests).__name__}"
                                        f"{f' of {len(requests)}' if type(requests) is list else ''}")
         replies: list[dict] = []
@@ -565,7 +464,7 @@ class QueueService:
                     replies.append(self._ask(request, now))
                 else:
                     replies.append(self._dispatch(request, now, self._batched_ops))  # the rest, or what is wrong
-            except _Reject as refused:
+            except Reject as refused:
                 replies.append(self._refuse(refused.reason, refused.error))
         return {"ok": True, "replies": replies}
 
@@ -578,7 +477,7 @@ class QueueService:
 
     # ---------------------------------------------------------------------- helpers
 
-    def _place(self, traj: _Trajectory, front: bool) -> Placement:
+    def _place(self, traj: TrajectoryRecord, front: bool) -> Placement:
         remaining = None if traj.true_remaining is None else max(0, traj.true_remaining - traj.generated)
         view = new_tuple(TrajectoryView, (traj.tid, traj.prompt_id, traj.states, traj.generated, traj.bucket,
                                            remaining, traj.turn_tokens, traj.prev_instance, traj.keys))
@@ -603,7 +502,7 @@ class QueueService:
         self._depth[bucket] += 1
         return placement
 
-    def _hand_out(self, traj: _Trajectory, at: _Instance, now: float) -> dict:
+    def _hand_out(self, traj: TrajectoryRecord, at: InstanceRecord, now: float) -> dict:
         bucket = traj.bucket
         assert bucket is not None, "a queued turn has a bucket"
         self._depth[bucket] -= 1
@@ -627,18 +526,18 @@ class QueueService:
                 "bucket": traj.bucket, "migrated": traj.migrated, "prev_instance": traj.prev_instance,
                 "lease_s": self._lease_s}
 
-    def _claim(self, lid: int, op: str) -> _Trajectory:
+    def _claim(self, lid: int, op: str) -> TrajectoryRecord:
         """End the lease ``lid`` for a report (returns its trajectory), or refuse the report."""
         traj = self._leases.get(lid)
         if traj is None:
             if not 0 < lid < self._next_lease:
-                raise _Reject("unknown_lease", f"{op}: lease {lid} was never handed out")
+                raise Reject("unknown_lease", f"{op}: lease {lid} was never handed out")
             if lid in self._expired:
-                raise _Reject("late_report", f"{op}: lease {lid} expired and its turn was re-queued; "
+                raise Reject("late_report", f"{op}: lease {lid} expired and its turn was re-queued; "
                                              "this report is dropped")
             if lid >= self._next_lease - self._remember:  # neither live nor expired: reported
-                raise _Reject("duplicate_report", f"{op}: lease {lid} was already reported; this report is dropped")
-            raise _Reject("late_report", f"{op}: lease {lid} ended too long ago to remember; this report is dropped")
+                raise Reject("duplicate_report", f"{op}: lease {lid} was already reported; this report is dropped")
+            raise Reject("late_report", f"{op}: lease {lid} ended too long ago to remember; this report is dropped")
         del self._leases[lid]  # as _end_lease(traj), inlined on the hot path
         traj.lease = 0
         at = traj.at
@@ -647,7 +546,7 @@ class QueueService:
         traj.prev_instance = at.id
         return traj
 
-    def _end_lease(self, traj: _Trajectory, expired: bool) -> None:
+    def _end_lease(self, traj: TrajectoryRecord, expired: bool) -> None:
         lid = traj.lease
         del self._leases[lid]
         traj.lease = 0
@@ -660,17 +559,17 @@ class QueueService:
         traj.at.held -= 1
         self._calls.turn_ended(traj.at.id, traj.expected)
 
-    def _record_turn(self, traj: _Trajectory, tokens: int) -> None:
+    def _record_turn(self, traj: TrajectoryRecord, tokens: int) -> None:
         traj.turn_tokens += (tokens,)
         traj.generated += tokens
         self._turn_tokens_total += tokens
         self._turns_total += 1
 
-    def _instance(self, message: dict, op: str) -> _Instance:
-        instance = _int(message, "instance", op)
+    def _instance(self, message: dict, op: str) -> InstanceRecord:
+        instance = int_field(message, "instance", op)
         at = self._instances.get(instance)
         if at is None:
-            raise _Reject("unknown_instance", f"{op}: instance {instance} is in no bucket; known instances: "
+            raise Reject("unknown_instance", f"{op}: instance {instance} is in no bucket; known instances: "
                                               f"{sorted(self._instances)}")
         return at
 
@@ -678,41 +577,3 @@ class QueueService:
         self._rejected[reason] += 1
         log.warning("queue request refused (%s): %s", reason, error)
         return {"ok": False, "reason": reason, "error": error}
-
-
-def _check_tool_return(message: dict) -> NoReturn:
-    """Raise the refusal that names the first ill-typed field of a tool_return."""
-    op = "tool_return"
-    _str(message, "tool", op)
-    _int(message, "tokens", op, minimum=0, maximum=MAX_TURN_TOKENS)
-    _int(message, "lease", op)
-    if "output" not in message and "size" in message:
-        _str(message, "size", op)
-        _str(message, "status", op)
-        raise AssertionError(f"tool_return fields judged ill-typed, then passed every check: {message!r}")
-    _str(message, "output", op)
-    exit_code = message.get("exit_code")
-    if exit_code is not None and (type(exit_code) is not int):
-        raise _Reject("malformed", f"{op}: field 'exit_code' must be an int or None, got {exit_code!r}")
-    timed_out = message.get("timed_out", False)
-    if type(timed_out) is not bool:
-        raise _Reject("malformed", f"{op}: field 'timed_out' must be a bool, got {timed_out!r}")
-    raise AssertionError(f"tool_return fields judged ill-typed, then passed every check: {message!r}")
-
-
-def _int(message: dict, name: str, op: str, minimum: int | None = None, maximum: int | None = None) -> int:
-    value = message.get(name)
-    if (type(value) is not int or (minimum is not None and value < minimum)
-            or (maximum is not None and value > maximum)):
-        bound = (f" >= {minimum}" if minimum is not None else "") + (f" and <= {maximum}" if maximum is not None else "")
-        missing = "missing" if name not in message else f"got {value!r} ({type(value).__name__})"
-        raise _Reject("malformed", f"{op}: field {name!r} must be an int{bound}, {missing}")
-    return value
-
-
-def _str(message: dict, name: str, op: str) -> str:
-    value = message.get(name)
-    if type(value) is not str:
-        missing = "missing" if name not in message else f"got {type(value).__name__}"
-        raise _Reject("malformed", f"{op}: field {name!r} must be a str, {missing}")
-    return value

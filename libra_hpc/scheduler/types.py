@@ -107,6 +107,19 @@ class FinishedTrajectory(NamedTuple):
     """``states``' tree keys, when the caller keeps them (see :attr:`TrajectoryView.keys`)."""
 
 
+class CompletedTrajectory(NamedTuple):
+    """A finished trajectory, for the trainer side (what ``QueueService.drain_finished``
+    returns). ``turn_tokens[d]``: output tokens of the turn generated after ``d`` tool
+    returns (``len(states) + 1`` turns)."""
+
+    tid: str
+    prompt_id: str
+    states: tuple[ToolState, ...]
+    turn_tokens: tuple[int, ...]
+    migrations: int  # placements that changed bucket
+    requeues: int  # leases that expired under it
+
+
 class Router(Protocol):
     """Where turns run. Implementations: CmlfqRouter and the baselines, by registered name."""
 
