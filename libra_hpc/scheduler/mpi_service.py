@@ -1,8 +1,8 @@
 """The queue service over MPI: a handler of rank 0's event loop, a client for rollout
 instance leaders.
 
-Thin transport: every decision is :meth:`QueueService.handle`'s (scheduler/service.py,
-where the protocol is documented). Requests are pickled dicts sent to the server rank
+Thin transport: every decision is :meth:`QueueService.handle`'s (scheduler/service.py;
+the protocol is documented in scheduler/protocol.py). Requests are pickled dicts sent to the server rank
 with tag :data:`~libra_hpc.cluster.messages.QUEUE_REQUEST`; each gets exactly one reply,
 to the sender, with tag :data:`~libra_hpc.cluster.messages.QUEUE_REPLY`. A client has at
 most one request outstanding (one thread per rank talks to the queue).
