@@ -237,7 +237,7 @@ FITTED = ("bandwidth_eff", "rollout_comm_eff", "decode_step_overhead_s", "collec
 
 
 def test_fit_recovers_known_coefficients_from_exact_timings(caplog):
-    with caplog.at_level("INFO", logger="libra_hpc.planner.costs"):
+    with caplog.at_level("INFO", logger="libra_hpc.planner.calibration"):
         fit = fit_calibration(_history())
     for name in FITTED:
         assert getattr(fit, name) == pytest.approx(getattr(TRUE, name), rel=1e-6), name

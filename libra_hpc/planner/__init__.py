@@ -1,27 +1,21 @@
 """Global resource planner (pure logic: no MPI, no torch).
 
 Hardware and model profiles (configs/hardware, configs/models), the rollout / training
-cost models with calibration from measured timings, the plan search, the replanning gate,
-the elastic hybrid pool's state machine, and Libra's control loop over them
-(:mod:`libra_hpc.planner.control`), the one decision-maker the simulator drives and
-``launch.py --plan`` asks. The job's controller still follows the config's scripted
-borrow/return until it is wired to the control loop.
+cost models (``costs``) with calibration from measured timings (``calibration``), the plan
+search, the replanning gate, the elastic hybrid pool's state machine, and Libra's control
+loop over them (:mod:`libra_hpc.planner.control`, with its parts: ``valuation``,
+``allocation``, ``lending``, ``reshard``, ``decisions``, ``loop_state``), the one
+decision-maker the job and the simulator drive and ``launch.py --plan`` asks.
 """
 
-from libra_hpc.planner.control import ControlLoop, ControlOptions, LayoutChange
-from libra_hpc.planner.costs import (
-    Calibration,
-    LengthProfile,
-    LengthSample,
-    RolloutCost,
-    TimingRecord,
-    TrainingCost,
-    TrainShape,
-    fit_calibration,
-    rollout_makespan,
-)
+from libra_hpc.planner.calibration import Calibration, TimingRecord, fit_calibration
+from libra_hpc.planner.control import ControlLoop
+from libra_hpc.planner.costs import RolloutCost, TrainingCost, TrainShape, rollout_makespan
+from libra_hpc.planner.decisions import LayoutChange
 from libra_hpc.planner.gate import Decision, GateOptions, ReplanGate
 from libra_hpc.planner.hybrid import HybridPool, HybridPoolError, HybridReplica, PhaseTimeouts, PoolEvent
+from libra_hpc.planner.lengths import LengthProfile, LengthSample
+from libra_hpc.planner.options import ControlOptions
 from libra_hpc.planner.profiles import HardwareProfile, ModelProfile, load_hardware, load_model
 from libra_hpc.planner.search import (
     Plan,

@@ -15,9 +15,10 @@ Training (Megatron-Core TP×PP×DP with the distributed optimizer):
   PP and DP communication; never below FLOPs at peak;
 - memory: bf16 weights, fp32 gradients, Adam states sharded over DP, activations, reserve.
 
-Every efficiency and overhead is a :class:`Calibration` field; :func:`fit_calibration` fits
-them from measured timings, each record holding the *ideal* components (seconds at 100%
-efficiency, counts) that the cost model predicted for the measured operation.
+Every efficiency and overhead is a :class:`~libra_hpc.planner.calibration.Calibration` field,
+fitted from measured timings by :func:`~libra_hpc.planner.calibration.fit_calibration` (each
+record: the *ideal* components this module predicts for the measured operation). The
+lengths a makespan is priced on are a :class:`~libra_hpc.planner.lengths.LengthProfile`.
 Units: seconds, bytes, FLOP, tokens.
 """
 
@@ -26,174 +27,21 @@ from __future__ import annotations
 import heapq
 import logging
 import math
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
-from typing import Literal, NamedTuple
+from collections.abc import Sequence
+from dataclasses import dataclass
 
+# Re-exported: the calibration and the length profile were defined here before
+# (libra_hpc.planner.calibration, libra_hpc.planner.lengths); callers import them from here.
+from libra_hpc.planner.calibration import DEFAULT as DEFAULT
+from libra_hpc.planner.calibration import Calibration as Calibration
+from libra_hpc.planner.calibration import TimingRecord as TimingRecord
+from libra_hpc.planner.calibration import fit_calibration as fit_calibration
+from libra_hpc.planner.lengths import LengthProfile as LengthProfile
+from libra_hpc.planner.lengths import LengthSample as LengthSample
+from libra_hpc.planner.lengths import apportion
 from libra_hpc.planner.profiles import HardwareProfile, ModelProfile
 
 log = logging.getLogger(__name__)
-Kind = Literal["decode", "prefill", "train"]
-
-
-# ------------------------------------------------------------------------ calibration
-
-
-@dataclass(frozen=True)
-class Calibration:
-    """Efficiencies and overheads of the cost models. Defaults are typical published or
-    folklore values for vLLM and Megatron on NVLink nodes, meant to be replaced by
-    :func:`fit_calibration` once the run has measured timings."""
-
-    bandwidth_eff: float = 0.7
-    """Fraction of peak HBM bandwidth a decode step achieves (vLLM decode: 0.6–0.8)."""
-    prefill_mfu: float = 0.5
-    """Fraction of peak BF16 FLOP/s achieved by prefill (and by decode when compute-bound)."""
-    train_mfu: float = 0.4
-    """Fraction of peak BF16 FLOP/s achieved by training matmuls (Megatron: 0.35–0.55)."""
-    rollout_comm_eff: float = 0.7
-    """Fraction of link bandwidth achieved by the rollout TP all-reduces."""
-    train_comm_eff: float = 0.7
-    """Fraction of link bandwidth achieved by training collectives (TP, PP, DP)."""
-    decode_step_overhead_s: float = 0.002
-    """Fixed cost of one decode step, s (scheduler, sampling, kernel launches)."""
-    collective_latency_s: float = 10e-6
-    """Fixed cost of one collective call, s."""
-    train_step_overhead_s: float = 0.2
-    """Fixed cost of one optimizer step, s (optimizer kernels, bookkeeping)."""
-    kv_memory_fraction: float = 0.9
-    """Fraction of GPU memory a rollout engine may use (vLLM ``gpu_memory_utilization``)."""
-    rollout_reserve_gb: float = 2.0
-    """GB per rollout GPU not available to the KV cache besides weights (activations,
-    CUDA graphs, communication buffers)."""
-    train_reserve_gb: float = 4.0
-    """GB per training GPU for the CUDA context, NCCL buffers and fragmentation."""
-    max_num_seqs: int = 256
-    """Most sequences one rollout instance runs at once (vLLM ``max_num_seqs``)."""
-    note: str = "defaults"
-    """Where these values come from (logged with every plan)."""
-    fit_errors: tuple[tuple[str, float], ...] = ()
-    """Relative RMS error of the fit per timing kind (``decode``, ``prefill``, ``train``)
-    when fitted from measurements (:func:`fit_calibration`): how far the model's
-    predictions are from what the run measured. The replanning gate will not act on a
-    predicted gain smaller than that share of the step."""
-
-    def __post_init__(self) -> None:
-        for name in ("bandwidth_eff", "prefill_mfu", "train_mfu", "rollout_comm_eff", "train_comm_eff",
-                     "kv_memory_fraction"):
-            value = getattr(self, name)
-            if not 0 < value <= 1:
-                raise ValueError(f"Calibration.{name} must lie in (0, 1], got {value}")
-        for name in ("decode_step_overhead_s", "collective_latency_s", "train_step_overhead_s",
-                     "rollout_reserve_gb", "train_reserve_gb"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"Calibration.{name} must be >= 0, got {getattr(self, name)}")
-        if self.max_num_seqs < 1:
-            raise ValueError(f"Calibration.max_num_seqs must be >= 1, got {self.max_num_seqs}")
-
-    def time(self, kind: Kind, c: Mapping[str, float]) -> float:
-        """Predicted seconds of an operation from its ideal components ``c``."""
-        g = c.get
-        fixed = g("collectives", 0.0) * self.collective_latency_s
-        if kind == "decode":
-            return (g("steps", 1.0) * self.decode_step_overhead_s + g("comm_s", 0.0) / self.rollout_comm_eff + fixed
-                    + max(g("mem_s", 0.0) / self.bandwidth_eff, g("compute_s", 0.0) / self.prefill_mfu))
-        if kind == "prefill":
-            return (g("comm_s", 0.0) / self.rollout_comm_eff + fixed
-                    + max(g("compute_s", 0.0) / self.prefill_mfu, g("mem_s", 0.0) / self.bandwidth_eff))
-        if kind == "train":
-            return (g("compute_s", 0.0) / self.train_mfu + g("comm_s", 0.0) / self.train_comm_eff + fixed
-                    + g("steps", 1.0) * self.train_step_overhead_s)
-        raise ValueError(f"unknown timing kind {kind!r}; valid: decode, prefill, train")
-
-
-DEFAULT = Calibration()
-
-
-class TimingRecord(NamedTuple):
-    """One measurement: what the cost model predicted (ideal components) and what it took."""
-
-    kind: Kind
-    components: Mapping[str, float]
-    measured_s: float
-
-
-# Linear terms fitted per kind: component -> (Calibration field, True when the field is an
-# efficiency, i.e. the fitted coefficient is its inverse). Decode is fitted as bandwidth
-# bound and prefill as compute bound (the other side of the roofline max() is left out of
-# the fit: ``_OFF_ROOFLINE``); components not listed are held at the current values.
-_TERMS: dict[str, dict[str, tuple[str, bool]]] = {
-    "decode": {"mem_s": ("bandwidth_eff", True), "comm_s": ("rollout_comm_eff", True),
-               "steps": ("decode_step_overhead_s", False), "collectives": ("collective_latency_s", False)},
-    "prefill": {"compute_s": ("prefill_mfu", True)},
-    "train": {"compute_s": ("train_mfu", True), "comm_s": ("train_comm_eff", True),
-              "steps": ("train_step_overhead_s", False)},
-}
-_OFF_ROOFLINE = {"decode": "compute_s", "prefill": "mem_s", "train": ""}
-_EFFICIENCIES = {field for terms in _TERMS.values() for field, eff in terms.values() if eff}
-
-
-def fit_calibration(history: Sequence[TimingRecord], base: Calibration = DEFAULT) -> Calibration:
-    """Least-squares fit of the calibration from measured timings: decode first, then
-    prefill and training, each with the other kinds' fields held. A term whose column is
-    all zero or dependent, or whose coefficient comes out non-positive, keeps its current
-    value (and the rest is refitted without it); efficiencies are clipped to (0, 1]. The
-    result's ``note`` says what was fitted from how many records with which relative RMS
-    error; it is also logged."""
-    cal, lines, errors = base, [], []
-    for kind in ("decode", "prefill", "train"):
-        records = [r for r in history if r.kind == kind and r.measured_s > 0]
-        if records:
-            cal, line, rms = _fit_kind(cal, kind, records)  # type: ignore[arg-type]
-            lines.append(line)
-            errors.append((kind, rms))
-    note = "fit: " + "; ".join(lines) if lines else base.note
-    cal = replace(cal, note=note, fit_errors=tuple(errors))
-    log.info("calibration %s", note)
-    return cal
-
-
-def _fit_kind(cal: Calibration, kind: Kind, records: Sequence[TimingRecord]) -> tuple[Calibration, str, float]:
-    terms = dict(_TERMS[kind])
-    values: dict[str, float] = {}
-    while terms:
-        names = list(terms)
-        rows = [[float(r.components.get(n, 1.0 if n == "steps" else 0.0)) for n in names] for r in records]
-        off = {n: 0.0 for n in names} | ({_OFF_ROOFLINE[kind]: 0.0} if _OFF_ROOFLINE[kind] else {})
-        rhs = [r.measured_s - cal.time(kind, {**r.components, **off}) for r in records]
-        coef = _least_squares(rows, rhs)
-        bad = next((n for n, x in zip(names, coef) if x is None), None)  # zero or dependent column first
-        bad = bad or next((n for n, x in zip(names, coef) if x <= 0), None)  # type: ignore[operator]
-        if bad is None:
-            values = {terms[n][0]: (1.0 / x if terms[n][1] else x) for n, x in zip(names, coef)}  # type: ignore[operator]
-            break
-        del terms[bad]
-    values = {f: (min(1.0, v) if f in _EFFICIENCIES else v) for f, v in values.items()}
-    fitted = replace(cal, **values)
-    errs = [(fitted.time(kind, r.components) - r.measured_s) / r.measured_s for r in records]
-    rms = math.sqrt(sum(e * e for e in errs) / len(errs))
-    changed = ", ".join(f"{f} {getattr(cal, f):.4g}->{getattr(fitted, f):.4g}" for f in values) or "nothing fitted"
-    return fitted, f"{kind} n={len(records)}: {changed} (rms rel err {rms:.1%})", rms
-
-
-def _least_squares(rows: list[list[float]], rhs: list[float]) -> list[float | None]:
-    """Solve min ||A x - b|| by the normal equations (a handful of unknowns, columns
-    scaled to unit norm). An unknown whose column is zero or dependent comes back None."""
-    n = len(rows[0])
-    ata = [[sum(r[i] * r[j] for r in rows) for j in range(n)] for i in range(n)]
-    atb = [sum(r[i] * b for r, b in zip(rows, rhs)) for i in range(n)]
-    scale = [math.sqrt(ata[i][i]) or 1.0 for i in range(n)]
-    m = [[ata[i][j] / (scale[i] * scale[j]) for j in range(n)] + [atb[i] / scale[i]] for i in range(n)]
-    for col in range(n):
-        piv = max(range(col, n), key=lambda r: abs(m[r][col]))
-        if abs(m[piv][col]) < 1e-9:
-            return [None if i == col else math.nan for i in range(n)]
-        m[col], m[piv] = m[piv], m[col]
-        for r in range(n):
-            if r != col:
-                f = m[r][col] / m[col][col]
-                m[r] = [a - f * b for a, b in zip(m[r], m[col])]
-    return [m[i][n] / m[i][i] / scale[i] for i in range(n)]
 
 
 # ---------------------------------------------------------------------------- rollout
@@ -278,98 +126,6 @@ class RolloutCost:
         then its tool time."""
         context = prompt_len + gen_len / 2 if context is None else context
         return self.prefill_s(prompt_len) + gen_len * self.decode_step_s(1, context) + tool_time_s
-
-
-class LengthSample(NamedTuple):
-    """One observed trajectory: prompt and generated tokens (all turns), turns, tool seconds,
-    and ``tool_tokens``, the part of ``prompt_len`` that tools returned between turns."""
-
-    prompt_len: float
-    gen_len: float
-    turns: int
-    tool_time_s: float
-    tool_tokens: float = 0.0
-
-    @property
-    def decode_context(self) -> float:
-        """Mean KV context a generated token of this trajectory sees: the first prompt, half
-        of what it generates and half of what its tools return (both arrive turn by turn,
-        so the average token sees half of each). Counting every tool output from the start
-        overpredicts decode steps where tools return much (measured: 2× on context-growth)."""
-        return self.prompt_len - self.tool_tokens / 2 + self.gen_len / 2
-
-    def serial_s(self, cost: RolloutCost) -> float:
-        """This trajectory alone on ``cost``'s instance (:meth:`RolloutCost.serial_s`)."""
-        return cost.serial_s(self.prompt_len, self.gen_len, self.tool_time_s, self.decode_context)
-
-
-@dataclass(frozen=True)
-class LengthProfile:
-    """A window of observed trajectories scaled to an RL batch and cut into buckets, so a
-    makespan costs O(buckets × pools), not O(trajectories). Buckets are quantiles of the
-    generated length, longest first; the longest trajectory is a bucket of its own, so the
-    tail is never averaged away. ``extremes`` (the samples no other sample beats in both
-    generated length and tool time) give the exact serial bound."""
-
-    prompt: tuple[float, ...]
-    gen: tuple[float, ...]
-    tool_s: tuple[float, ...]
-    count: tuple[int, ...]
-    extremes: tuple[LengthSample, ...]
-    mean_seq_tokens: float
-    mean_context: float
-    max_seq_tokens: float
-    context: tuple[float, ...] = ()
-    """Per bucket: the mean KV context a generated token sees (:attr:`LengthSample.decode_context`)."""
-
-    @classmethod
-    def from_samples(cls, samples: Sequence[LengthSample], batch_size: int, buckets: int = 32) -> LengthProfile:
-        if not samples or batch_size < 1 or buckets < 2:
-            raise ValueError(f"need samples, batch_size >= 1, buckets >= 2 (got {len(samples)}, {batch_size}, {buckets})")
-        s = sorted(samples, key=lambda x: (x.gen_len, x.tool_time_s), reverse=True)
-        n_rest = max(0, batch_size - 1)
-        groups = [[s[0]]] + [g for g in _split(s[1:] or s[:1], buckets - 1) if g]
-        counts = [1] + _apportion([len(g) for g in groups[1:]], n_rest)
-        keep = [(g, c) for g, c in zip(groups, counts) if c > 0]
-        mean = lambda g, f: sum(getattr(x, f) for x in g) / len(g)
-        extremes, best_tool = [], -1.0
-        for x in s:  # descending gen: keep those with more tool time than every longer one
-            if x.tool_time_s > best_tool:
-                extremes.append(x)
-                best_tool = x.tool_time_s
-        return cls(prompt=tuple(mean(g, "prompt_len") for g, _ in keep), gen=tuple(mean(g, "gen_len") for g, _ in keep),
-                   tool_s=tuple(mean(g, "tool_time_s") for g, _ in keep), count=tuple(c for _, c in keep),
-                   extremes=tuple(extremes),
-                   mean_seq_tokens=sum(x.prompt_len + x.gen_len for x in s) / len(s),
-                   mean_context=sum(x.decode_context for x in s) / len(s),
-                   max_seq_tokens=max(x.prompt_len + x.gen_len for x in s),
-                   context=tuple(mean(g, "decode_context") for g, _ in keep))
-
-    @property
-    def batch_size(self) -> int:
-        return sum(self.count)
-
-
-def _split(items: list, parts: int) -> list[list]:
-    k, r = divmod(len(items), parts)
-    out, i = [], 0
-    for p in range(parts):
-        j = i + k + (1 if p < r else 0)
-        out.append(items[i:j])
-        i = j
-    return out
-
-
-def _apportion(weights: list[int], total: int) -> list[int]:
-    """Integers proportional to ``weights`` summing to ``total`` (largest remainders)."""
-    w = sum(weights)
-    if not w:
-        return [0] * len(weights)
-    raw = [total * x / w for x in weights]
-    out = [int(x) for x in raw]
-    for i in sorted(range(len(raw)), key=lambda i: out[i] - raw[i])[: total - sum(out)]:
-        out[i] += 1
-    return out
 
 
 @dataclass(frozen=True)
@@ -515,7 +271,7 @@ def _spread(counts: Sequence[int], pools: Sequence[tuple[int, Sequence[float]]])
     throughput. Returns what :func:`_assign` does."""
     per_bucket = [[0] * len(counts) for _ in pools]
     for k, m in enumerate(counts):
-        for p, share in enumerate(_apportion([lanes for lanes, _ in pools], m)):
+        for p, share in enumerate(apportion([lanes for lanes, _ in pools], m)):
             per_bucket[p][k] = share
     makespan = 0.0
     for p, (lanes, dur) in enumerate(pools):

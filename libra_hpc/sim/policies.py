@@ -64,16 +64,23 @@ SETUPS: dict[str, PolicySetup] = {s.name: s for s in (
 )}
 
 
+def _policy_setup(ctx: Context, setup: PolicySetup) -> dict:
+    """What the simulator adds to the scenario's control options: its reconfiguration
+    cost and phase timeouts, and what the policy may do."""
+    return dict(reconfig_s=ctx.cfg.costs.reconfig_s, hybrid_timeouts=HYBRID_TIMEOUTS, replan=setup.replan,
+                hybrid=setup.hybrid, clairvoyant=setup.clairvoyant, single_tp=setup.single_tp,
+                length_aware_routing=setup.router in ("oracle", "length_aware"))
+
+
 def control_options(ctx: Context, setup: PolicySetup) -> ControlOptions:
     """The control loop's options for one simulated policy: the scenario's (the same
     :meth:`ControlOptions.from_config` as ``launch.py --plan``), the feasible rollout TP
     sizes, the simulator's reconfiguration cost, and what the policy may do."""
-    return ControlOptions.from_config(
-        ctx.cfg, ctx.tps, reconfig_s=ctx.cfg.costs.reconfig_s, hybrid_timeouts=HYBRID_TIMEOUTS,
-        replan=setup.replan, hybrid=setup.hybrid, clairvoyant=setup.clairvoyant, single_tp=setup.single_tp,
-        length_aware_routing=setup.router in ("oracle", "length_aware"))
+    return ControlOptions.from_config(ctx.cfg, ctx.tps, **_policy_setup(ctx, setup))
 
 
 def control_loop(ctx: Context, setup: PolicySetup) -> ControlLoop:
-    """Libra's control loop (libra_hpc/planner/control.py) for a planned policy."""
-    return ControlLoop(ctx.model, ctx.hw, control_options(ctx, setup), ctx.cal)
+    """Libra's control loop (libra_hpc/planner/control.py) for a planned policy, built from
+    the scenario as the job builds its own (:meth:`ControlLoop.from_config`), on the
+    simulator's calibration and rollout TP sizes."""
+    return ControlLoop.from_config(ctx.cfg, rollout_tps=ctx.tps, calibration=ctx.cal, **_policy_setup(ctx, setup))

@@ -1,0 +1,178 @@
+"""The cost models' calibration: their efficiencies and overheads (:class:`Calibration`),
+and the least-squares fit of those from measured timings (:func:`fit_calibration`; pure:
+no torch, no MPI).
+
+Each :class:`TimingRecord` holds the *ideal* components of one measured operation (seconds
+at 100% efficiency, counts: what :class:`~libra_hpc.planner.costs.RolloutCost` and
+:class:`~libra_hpc.planner.costs.TrainingCost` predict for it) and the seconds it took;
+:meth:`Calibration.time` turns components into predicted seconds. Units: seconds, GB.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
+from typing import Literal, NamedTuple
+
+log = logging.getLogger(__name__)
+Kind = Literal["decode", "prefill", "train"]
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """Efficiencies and overheads of the cost models. Defaults are typical published or
+    folklore values for vLLM and Megatron on NVLink nodes, meant to be replaced by
+    :func:`fit_calibration` once the run has measured timings."""
+
+    bandwidth_eff: float = 0.7
+    """Fraction of peak HBM bandwidth a decode step achieves (vLLM decode: 0.6–0.8)."""
+    prefill_mfu: float = 0.5
+    """Fraction of peak BF16 FLOP/s achieved by prefill (and by decode when compute-bound)."""
+    train_mfu: float = 0.4
+    """Fraction of peak BF16 FLOP/s achieved by training matmuls (Megatron: 0.35–0.55)."""
+    rollout_comm_eff: float = 0.7
+    """Fraction of link bandwidth achieved by the rollout TP all-reduces."""
+    train_comm_eff: float = 0.7
+    """Fraction of link bandwidth achieved by training collectives (TP, PP, DP)."""
+    decode_step_overhead_s: float = 0.002
+    """Fixed cost of one decode step, s (scheduler, sampling, kernel launches)."""
+    collective_latency_s: float = 10e-6
+    """Fixed cost of one collective call, s."""
+    train_step_overhead_s: float = 0.2
+    """Fixed cost of one optimizer step, s (optimizer kernels, bookkeeping)."""
+    kv_memory_fraction: float = 0.9
+    """Fraction of GPU memory a rollout engine may use (vLLM ``gpu_memory_utilization``)."""
+    rollout_reserve_gb: float = 2.0
+    """GB per rollout GPU not available to the KV cache besides weights (activations,
+    CUDA graphs, communication buffers)."""
+    train_reserve_gb: float = 4.0
+    """GB per training GPU for the CUDA context, NCCL buffers and fragmentation."""
+    max_num_seqs: int = 256
+    """Most sequences one rollout instance runs at once (vLLM ``max_num_seqs``)."""
+    note: str = "defaults"
+    """Where these values come from (logged with every plan)."""
+    fit_errors: tuple[tuple[str, float], ...] = ()
+    """Relative RMS error of the fit per timing kind (``decode``, ``prefill``, ``train``)
+    when fitted from measurements (:func:`fit_calibration`): how far the model's
+    predictions are from what the run measured. The replanning gate will not act on a
+    predicted gain smaller than that share of the step."""
+
+    def __post_init__(self) -> None:
+        for name in ("bandwidth_eff", "prefill_mfu", "train_mfu", "rollout_comm_eff", "train_comm_eff",
+                     "kv_memory_fraction"):
+            value = getattr(self, name)
+            if not 0 < value <= 1:
+                raise ValueError(f"Calibration.{name} must lie in (0, 1], got {value}")
+        for name in ("decode_step_overhead_s", "collective_latency_s", "train_step_overhead_s",
+                     "rollout_reserve_gb", "train_reserve_gb"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"Calibration.{name} must be >= 0, got {getattr(self, name)}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"Calibration.max_num_seqs must be >= 1, got {self.max_num_seqs}")
+
+    def time(self, kind: Kind, c: Mapping[str, float]) -> float:
+        """Predicted seconds of an operation from its ideal components ``c``."""
+        g = c.get
+        fixed = g("collectives", 0.0) * self.collective_latency_s
+        if kind == "decode":
+            return (g("steps", 1.0) * self.decode_step_overhead_s + g("comm_s", 0.0) / self.rollout_comm_eff + fixed
+                    + max(g("mem_s", 0.0) / self.bandwidth_eff, g("compute_s", 0.0) / self.prefill_mfu))
+        if kind == "prefill":
+            return (g("comm_s", 0.0) / self.rollout_comm_eff + fixed
+                    + max(g("compute_s", 0.0) / self.prefill_mfu, g("mem_s", 0.0) / self.bandwidth_eff))
+        if kind == "train":
+            return (g("compute_s", 0.0) / self.train_mfu + g("comm_s", 0.0) / self.train_comm_eff + fixed
+                    + g("steps", 1.0) * self.train_step_overhead_s)
+        raise ValueError(f"unknown timing kind {kind!r}; valid: decode, prefill, train")
+
+
+DEFAULT = Calibration()
+
+
+class TimingRecord(NamedTuple):
+    """One measurement: what the cost model predicted (ideal components) and what it took."""
+
+    kind: Kind
+    components: Mapping[str, float]
+    measured_s: float
+
+
+# Linear terms fitted per kind: component -> (Calibration field, True when the field is an
+# efficiency, i.e. the fitted coefficient is its inverse). Decode is fitted as bandwidth
+# bound and prefill as compute bound (the other side of the roofline max() is left out of
+# the fit: ``_OFF_ROOFLINE``); components not listed are held at the current values.
+_TERMS: dict[str, dict[str, tuple[str, bool]]] = {
+    "decode": {"mem_s": ("bandwidth_eff", True), "comm_s": ("rollout_comm_eff", True),
+               "steps": ("decode_step_overhead_s", False), "collectives": ("collective_latency_s", False)},
+    "prefill": {"compute_s": ("prefill_mfu", True)},
+    "train": {"compute_s": ("train_mfu", True), "comm_s": ("train_comm_eff", True),
+              "steps": ("train_step_overhead_s", False)},
+}
+_OFF_ROOFLINE = {"decode": "compute_s", "prefill": "mem_s", "train": ""}
+_EFFICIENCIES = {field for terms in _TERMS.values() for field, eff in terms.values() if eff}
+
+
+def fit_calibration(history: Sequence[TimingRecord], base: Calibration = DEFAULT) -> Calibration:
+    """Least-squares fit of the calibration from measured timings: decode first, then
+    prefill and training, each with the other kinds' fields held. A term whose column is
+    all zero or dependent, or whose coefficient comes out non-positive, keeps its current
+    value (and the rest is refitted without it); efficiencies are clipped to (0, 1]. The
+    result's ``note`` says what was fitted from how many records with which relative RMS
+    error; it is also logged."""
+    cal, lines, errors = base, [], []
+    for kind in ("decode", "prefill", "train"):
+        records = [r for r in history if r.kind == kind and r.measured_s > 0]
+        if records:
+            cal, line, rms = _fit_kind(cal, kind, records)  # type: ignore[arg-type]
+            lines.append(line)
+            errors.append((kind, rms))
+    note = "fit: " + "; ".join(lines) if lines else base.note
+    cal = replace(cal, note=note, fit_errors=tuple(errors))
+    log.info("calibration %s", note)
+    return cal
+
+
+def _fit_kind(cal: Calibration, kind: Kind, records: Sequence[TimingRecord]) -> tuple[Calibration, str, float]:
+    terms = dict(_TERMS[kind])
+    values: dict[str, float] = {}
+    while terms:
+        names = list(terms)
+        rows = [[float(r.components.get(n, 1.0 if n == "steps" else 0.0)) for n in names] for r in records]
+        off = {n: 0.0 for n in names} | ({_OFF_ROOFLINE[kind]: 0.0} if _OFF_ROOFLINE[kind] else {})
+        rhs = [r.measured_s - cal.time(kind, {**r.components, **off}) for r in records]
+        coef = _least_squares(rows, rhs)
+        bad = next((n for n, x in zip(names, coef) if x is None), None)  # zero or dependent column first
+        bad = bad or next((n for n, x in zip(names, coef) if x <= 0), None)  # type: ignore[operator]
+        if bad is None:
+            values = {terms[n][0]: (1.0 / x if terms[n][1] else x) for n, x in zip(names, coef)}  # type: ignore[operator]
+            break
+        del terms[bad]
+    values = {f: (min(1.0, v) if f in _EFFICIENCIES else v) for f, v in values.items()}
+    fitted = replace(cal, **values)
+    errs = [(fitted.time(kind, r.components) - r.measured_s) / r.measured_s for r in records]
+    rms = math.sqrt(sum(e * e for e in errs) / len(errs))
+    changed = ", ".join(f"{f} {getattr(cal, f):.4g}->{getattr(fitted, f):.4g}" for f in values) or "nothing fitted"
+    return fitted, f"{kind} n={len(records)}: {changed} (rms rel err {rms:.1%})", rms
+
+
+def _least_squares(rows: list[list[float]], rhs: list[float]) -> list[float | None]:
+    """Solve min ||A x - b|| by the normal equations (a handful of unknowns, columns
+    scaled to unit norm). An unknown whose column is zero or dependent comes back None."""
+    n = len(rows[0])
+    ata = [[sum(r[i] * r[j] for r in rows) for j in range(n)] for i in range(n)]
+    atb = [sum(r[i] * b for r, b in zip(rows, rhs)) for i in range(n)]
+    scale = [math.sqrt(ata[i][i]) or 1.0 for i in range(n)]
+    m = [[ata[i][j] / (scale[i] * scale[j]) for j in range(n)] + [atb[i] / scale[i]] for i in range(n)]
+    for col in range(n):
+        piv = max(range(col, n), key=lambda r: abs(m[r][col]))
+        if abs(m[piv][col]) < 1e-9:
+            return [None if i == col else math.nan for i in range(n)]
+        m[col], m[piv] = m[piv], m[col]
+        for r in range(n):
+            if r != col:
+                f = m[r][col] / m[col][col]
+                m[r] = [a - f * b for a, b in zip(m[r], m[col])]
+    return [m[i][n] / m[i][i] / scale[i] for i in range(n)]
+

@@ -1,0 +1,159 @@
+"""Plan valuation: what a plan's step is worth to this run (pure: no MPI, no torch).
+
+The plan search (:mod:`libra_hpc.planner.search`) prices training and rollout with the
+cost models and knows nothing of the pipeline or the hybrid pool. A :class:`PlanValuation`
+weighs its plans as the run will see them: the pipelined step at this run's staleness
+(:func:`~libra_hpc.planner.pipeline.pipelined_step_s`), the better of the asynchronous and
+synchronous searches, the hybrid pool's worth (a replica lent where that shortens the
+step), and the cost models' error measured on the running plan.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+
+from libra_hpc.planner.allocation import pool_of, resplit_hybrid, resplit_sizes
+from libra_hpc.planner.calibration import Calibration
+from libra_hpc.planner.costs import LengthProfile, LengthSample, TrainingCost, TrainShape
+from libra_hpc.planner.hybrid import HybridPool
+from libra_hpc.planner.options import ControlOptions
+from libra_hpc.planner.pipeline import moved_times, pipelined_step_s, rollout_side_s
+from libra_hpc.planner.profiles import HardwareProfile, ModelProfile
+from libra_hpc.planner.reshard import memory_need
+from libra_hpc.planner.search import Plan, PlanError, PlannerOptions, PlanResult, RLBatch, plan, reprice
+
+
+def grown(shape: TrainShape, extra_replicas: int) -> TrainShape:
+    """``shape`` with ``extra_replicas`` more DP replicas (hybrid replicas lent to training);
+    the replicas may then hold unequal shares of the batch (``TrainShape.uneven``)."""
+    return replace(shape, dp=shape.dp + extra_replicas, uneven=shape.uneven or extra_replicas > 0)
+
+
+def same_plan(a: Plan, b: Plan) -> bool:
+    """Same training shape and the same rollout instances per TP size: applying one over the
+    other would only permute slots (a drain and a reconfiguration for nothing)."""
+    return a.train == b.train and a.train_gpus == b.train_gpus and a.rollout_counts == b.rollout_counts
+
+
+def length_profile(samples: Sequence[LengthSample], batch_size: int) -> LengthProfile:
+    """The planner's view of finished trajectories, for a batch of ``batch_size``."""
+    return LengthProfile.from_samples(list(samples), batch_size)
+
+
+def measured_scale(measured: tuple[float, float | None] | None, now: Plan, lent: bool) -> tuple[float, float]:
+    """Measured over predicted (training, rollout) time of the running plan (``now``:
+    repriced on the lengths of this check; ``measured``: the last batch's rollout makespan
+    and training step); (1, 1) before a measurement or while hybrid replicas train
+    (``lent``: the measured step is then another shape's)."""
+    if measured is None or measured[1] is None or lent:
+        return (1.0, 1.0)
+    makespan, t_train = measured
+    if not (now.t_train > 0 and now.t_rollout > 0 and math.isfinite(now.t_rollout)):
+        return (1.0, 1.0)
+    return (t_train / now.t_train, makespan / now.t_rollout)
+
+
+@dataclass(frozen=True)
+class PlanValuation:
+    """How the control loop values plans at one moment: its profiles, options and current
+    calibration, the plan search's options, the measured/predicted scale of the running
+    plan, and whether a lend at a given training/rollout balance is held (the lend trial's
+    verdict, :meth:`~libra_hpc.planner.lending.HybridLending.held`)."""
+
+    model: ModelProfile
+    hw: HardwareProfile
+    o: ControlOptions
+    cal: Calibration
+    search: PlannerOptions | None = None
+    """The plan search's options (None only while the loop picks its single TP size)."""
+    scale: tuple[float, float] = (1.0, 1.0)
+    """Measured over predicted training and rollout time of the running plan at the last
+    check (:func:`measured_scale`)."""
+    held: Callable[[float, float], bool] = lambda t_train, t_roll: False
+    """``held(t_train, t_rollout_side)``: a lend at this balance made the step slower."""
+
+    def step_objective(self, t_train: float, t_rollout: float) -> float:
+        """:func:`~libra_hpc.planner.pipeline.pipelined_step_s` at this run's staleness."""
+        return pipelined_step_s(t_train, t_rollout, self.o.max_staleness, self.o.stream_groups)
+
+    def best_plan(self, lengths: LengthProfile, options: PlannerOptions | None = None) -> PlanResult:
+        """The better of plan()'s asynchronous and synchronous searches on ``lengths`` under
+        :meth:`step_objective` (plan()'s async objective max(T_train, T_rollout) assumes one
+        batch in flight; with overlapping batches the step mixes both objectives, and the
+        sync search minimises T_train + T_rollout, the rollout-bound case). Its
+        ``plan.objective`` is the step objective. Training sequences are packed to the
+        profile's mean length. ``options`` None: the loop's search, the hybrid pool's worth
+        counted (:meth:`_with_pool`)."""
+        o = self.o
+        batch = RLBatch(o.global_batch, math.ceil(lengths.mean_seq_tokens))
+        opts = replace(options or self.search, fit_seq_len=memory_need(lengths, o.seq_len, o.memory_headroom))
+        best = None
+        for mode in ("async", "sync"):
+            r = plan(self.model, self.hw, o.nodes, o.gpus_per_node, lengths, batch, mode=mode,
+                     options=opts, calibration=self.cal)
+            obj = self.step_objective(r.plan.t_train, r.plan.t_rollout)
+            if best is None or obj < best[0]:
+                best = (obj, replace(r, plan=replace(r.plan, objective=obj)))
+        result = best[1]
+        if options is None and o.hybrid and o.hybrid_nodes:
+            result = replace(result, plan=self._with_pool(result.plan, lengths, batch))
+        return result
+
+    def _with_pool(self, plan_: Plan, lengths: LengthProfile, batch: RLBatch) -> Plan:
+        """``plan_`` or, when its hybrid node's instances must be re-split for the pool to
+        form, the re-split plan, whichever is worth more counting what the pool can do:
+        each is valued at :meth:`pooled_objective` (its step with a replica lent, where
+        that is shorter). The search itself knows nothing of the pool; without this a plan
+        whose training would bind once a replica is lent never forms it, as a tie of the
+        step objectives leaves the pool out."""
+        o = self.o
+        best = replace(plan_, objective=self.pooled_objective(plan_, pool_of(plan_, o)))
+        for tp in resplit_sizes(o):
+            candidate = resplit_hybrid(plan_, tp, o.nodes - o.hybrid_nodes)
+            pool = None if candidate is None else pool_of(candidate, o)
+            if pool is None:
+                continue
+            candidate = reprice(candidate, self.model, self.hw, o.gpus_per_node, lengths, self.cal, batch,
+                                in_flight=o.max_staleness + 1, length_aware=o.length_aware_routing)
+            candidate = replace(candidate, objective=self.pooled_objective(candidate, pool))
+            if candidate.objective < best.objective:
+                best = candidate
+            break  # the widest split that forms the pool
+        return best
+
+    def pooled_objective(self, plan_: Plan, pool: HybridPool | None) -> float:
+        """``plan_``'s step objective, or its step with one hybrid replica lent to training
+        if that is shorter (:func:`~libra_hpc.planner.pipeline.moved_times`, as
+        :func:`~libra_hpc.planner.lending.hybrid_gain` scales them), when ``pool`` can lend
+        one. Whether lending pays, and which of two plans is faster, turns on the balance of
+        the two times, so they are first scaled by what the running plan measured against
+        its prediction (:attr:`scale`: the cost models' error there, taken to hold for every
+        candidate; (1, 1) for the initial plan)."""
+        plan_ = replace(plan_, t_train=plan_.t_train * self.scale[0], t_rollout=plan_.t_rollout * self.scale[1])
+        now = self.step_objective(plan_.t_train, plan_.t_rollout)
+        if pool is None:
+            return now
+        if self.held(plan_.t_train, rollout_side_s(plan_.t_rollout, self.o.max_staleness, self.o.stream_groups)):
+            return now  # lending at this balance was tried and made the step slower (the lend trial)
+        dp, gpus, size = plan_.train.dp, plan_.rollout_gpus, pool.replica_size
+        if gpus - size < max(1, self.o.min_rollout_gpus) or \
+                TrainingCost(self.model, self.hw, grown(plan_.train, 1), self.cal).infeasible:
+            return now
+        return min(now, self.step_objective(*moved_times(plan_.t_train, plan_.t_rollout, dp, gpus, size, 1)))
+
+    def best_single_tp(self, prior: LengthProfile) -> int:
+        """The one rollout TP size whose plan for ``prior`` is best (``single_tp``)."""
+        best = None
+        for tp in self.o.rollout_tps:
+            try:
+                r = self.best_plan(prior, PlannerOptions(rollout_tps=(tp,), min_rollout_gpus=self.o.min_rollout_gpus,
+                                                         in_flight=self.o.max_staleness + 1))
+            except PlanError:
+                continue
+            if best is None or r.plan.objective < best[0]:
+                best = (r.plan.objective, tp)
+        if best is None:
+            raise PlanError("no single rollout TP size gives a plan for the prior")
+        return best[1]
