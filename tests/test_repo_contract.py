@@ -51,22 +51,22 @@ layer, never another package of its own layer (the simulator and the runtime dri
 same cores and never each other). Imports inside functions count too: they run all the
 same. Beside STYLE.md's coarse order (cli/runtime → cluster/engines → planner/scheduler →
 types) two things are as the code has them: cluster/ sits under the cores (they share its
-pure layout and message tags; the world's effects stay in cluster/world.py), and rl/ sits
-over engines/ (the warm start and the GRPO batch build on the training engine)."""
+layout, message tags and process environment; it decides nothing), and rl/ sits over
+engines/ (the warm start and the GRPO batch build on the training engine)."""
 
 
 def _package(path: Path) -> str:
     """``libra_hpc/a/b.py`` → ``a``; ``libra_hpc/config_yaml.py`` → ``config``."""
-    parts = path.relative_to(ROOT / "libra_hpc").parts
-    name = parts[0].removesuffix(".py")
-    return "config" if name.startswith("config") and name != "config_reference" else name
+    return _grouped(path.relative_to(ROOT / "libra_hpc").parts[0].removesuffix(".py"))
 
 
 def _module_package(dotted: str) -> str | None:
+    """``libra_hpc.a.b`` → ``a``; None outside ``libra_hpc``."""
     parts = dotted.split(".")
-    if parts[0] != "libra_hpc" or len(parts) < 2:
-        return None
-    name = parts[1]
+    return _grouped(parts[1]) if parts[0] == "libra_hpc" and len(parts) > 1 else None
+
+
+def _grouped(name: str) -> str:
     return "config" if name.startswith("config") and name != "config_reference" else name
 
 
