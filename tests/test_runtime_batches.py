@@ -10,7 +10,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from libra_hpc.runtime.batches import JobFailed, WholeBatches
+from libra_hpc.runtime.batches import WholeBatches
+from libra_hpc.runtime.state import JobFailed
 from libra_hpc.runtime.controller import JobController
 from libra_hpc.runtime.episodes import group_of
 from libra_hpc.runtime.partial import TailDecoupledBatches

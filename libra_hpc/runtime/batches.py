@@ -19,29 +19,12 @@ reports and answers the controller's questions; the controller sends every comma
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from libra_hpc.config_learning import epochs_at
 from libra_hpc.parallel.dispatch import least_loaded
 from libra_hpc.runtime.episodes import batch_of, group_of, trajectory_id
-from libra_hpc.runtime.state import JobState
-
-
-class JobFailed(RuntimeError):
-    """A rank reported an error, or something the job cannot go on from; the message names
-    the rank and its role."""
-
-
-@dataclass
-class StepStart:
-    """What a training step trains: each DP replica's groups, and the groups the trainers
-    throw away (regenerated); ``abort``: trajectory ids the leaders stop at their next turn
-    boundary."""
-
-    groups: dict[int, list[str]]
-    discard: list[str] = field(default_factory=list)
-    abort: list[str] = field(default_factory=list)
+from libra_hpc.runtime.state import JobFailed, JobState, StepStart
 
 
 class BatchTracker(Protocol):

@@ -23,7 +23,7 @@ from libra_hpc.cluster.messages import COMMAND, QUEUE_REQUEST, REPORT
 from libra_hpc.config_learning import epochs_at
 from libra_hpc.parallel.dispatch import make_dispatcher
 from libra_hpc.runtime import records
-from libra_hpc.runtime.batches import JobFailed, tracker_from_config
+from libra_hpc.runtime.batches import tracker_from_config
 from libra_hpc.runtime.checkpointing import CheckpointDriver
 from libra_hpc.runtime.evaluation import HeldOut
 from libra_hpc.runtime.heartbeat import stand_down
@@ -31,7 +31,7 @@ from libra_hpc.runtime.planning import PlannerDriver
 from libra_hpc.runtime.relayout import Relayouts
 from libra_hpc.runtime.roles import roles_from_layout
 from libra_hpc.runtime.startup import queue_service, warm_start
-from libra_hpc.runtime.state import JobState, Sends
+from libra_hpc.runtime.state import JobFailed, JobState, Sends
 
 __all__ = ["JobController", "JobFailed"]
 

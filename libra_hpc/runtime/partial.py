@@ -32,9 +32,8 @@ from typing import Any
 
 from libra_hpc.rl.partial import TailDecoupler, p90
 from libra_hpc.parallel.dispatch import least_loaded
-from libra_hpc.runtime.batches import StepStart
 from libra_hpc.runtime.episodes import group_of, trajectory_id
-from libra_hpc.runtime.state import JobState
+from libra_hpc.runtime.state import JobState, StepStart
 
 
 class TailDecoupledBatches:

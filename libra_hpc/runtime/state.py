@@ -66,3 +66,19 @@ class JobState:
         roll = set(self.layout.slots_of("rollout"))
         return {"training": len(train - hybrid), "rollout": len(roll - hybrid),
                 "hybrid_training": len(train & hybrid), "hybrid_rollout": len(roll & hybrid)}
+
+
+class JobFailed(RuntimeError):
+    """A rank reported an error, or something the job cannot go on from; the message names
+    the rank and its role."""
+
+
+@dataclass
+class StepStart:
+    """What a training step trains: each DP replica's groups, and the groups the trainers
+    throw away (regenerated); ``abort``: trajectory ids the leaders stop at their next turn
+    boundary."""
+
+    groups: dict[int, list[str]]
+    discard: list[str] = field(default_factory=list)
+    abort: list[str] = field(default_factory=list)
