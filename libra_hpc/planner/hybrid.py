@@ -189,6 +189,15 @@ class HybridPool:
         return f"HybridPool(t={self.now}, rollout={self.rollout_gpus()}, training={self.training_gpus()}, [{states}])"
 
     @classmethod
+    def restored(cls, replicas: Sequence[HybridReplica], **kwargs) -> HybridPool:
+        """A pool whose replicas are in recorded states (a checkpoint's): built as a new
+        pool (every replica on the rollout side, the constructor's invariants checked),
+        then each replica put back in its state and times. ``kwargs``: the constructor's."""
+        pool = cls([HybridReplica(r.rid, r.slots) for r in replicas], **kwargs)
+        pool._by_id = {r.rid: r for r in sorted(replicas, key=lambda r: r.rid)}
+        return pool
+
+    @classmethod
     def from_layout(cls, layout: Layout, *, min_rollout_gpus: int, timeouts: PhaseTimeouts | None = None,
                     now: float = 0.0) -> HybridPool:
         """The replicas are the DP replicas :func:`lend_hybrid_to_training` makes of the

@@ -116,19 +116,11 @@ def pool_state(pool: HybridPool | None) -> dict | None:
 
 
 def pool_from(data: dict | None) -> HybridPool | None:
-    """The pool :func:`pool_state` describes, its replicas in their recorded states.
-
-    :class:`HybridPool` is built with every replica on the rollout side (its constructor's
-    invariant for a new pool) and has no public way to enter a replica in another state
-    (it moves replicas only through its transitions), so the recorded replicas are put in
-    place here, the one write to its internals outside ``planner/hybrid.py``. A
-    ``HybridPool.from_state`` there would be the better home."""
+    """The pool :func:`pool_state` describes, its replicas in their recorded states."""
     if data is None:
         return None
     replicas = [HybridReplica(r["rid"], slots_from(r["slots"]), r["state"], r["since"], r["requested_at"],
                               r["activated_at"]) for r in data["replicas"]]
-    pool = HybridPool([HybridReplica(r.rid, r.slots) for r in replicas], min_rollout_gpus=data["min_rollout_gpus"],
-                      rollout_core_gpus=data["rollout_core_gpus"], training_core_gpus=data["training_core_gpus"],
-                      timeouts=PhaseTimeouts(**data["timeouts"]), now=data["now"])
-    pool._by_id = {r.rid: r for r in sorted(replicas, key=lambda r: r.rid)}
-    return pool
+    return HybridPool.restored(replicas, min_rollout_gpus=data["min_rollout_gpus"],
+                               rollout_core_gpus=data["rollout_core_gpus"], training_core_gpus=data["training_core_gpus"],
+                               timeouts=PhaseTimeouts(**data["timeouts"]), now=data["now"])

@@ -39,8 +39,8 @@ import statistics
 import time
 from typing import Any
 
-from libra_hpc.planner.control import ControlLoop, ControlOptions, feasible_tps, profiles
-from libra_hpc.planner.costs import Calibration, LengthSample, RolloutCost, TimingRecord, TrainingCost, TrainShape, fit_calibration
+from libra_hpc.planner.control import ControlLoop
+from libra_hpc.planner.costs import LengthSample, RolloutCost, TimingRecord, TrainingCost, TrainShape, fit_calibration
 from libra_hpc.planner.hybrid import PhaseTimeouts
 from libra_hpc.planner.search import Plan, RLBatch, reprice
 from libra_hpc.planner.search import RolloutInstance as PlanInstance
@@ -68,13 +68,10 @@ class PlannerDriver:
     def __init__(self, state: JobState, relayout: Relayouts):
         self.s, self.relayout = state, relayout
         cfg = state.cfg
-        self.model, self.hw = profiles(cfg)
-        self.base = Calibration()
-        tps = feasible_tps(self.model, self.hw, sorted({g.tp for g in state.layout.rollout_instances}
-                                                       | set(cfg.scheduler.bucket_token_limits)), self.base)
-        options = ControlOptions.from_config(cfg, tps, reconfig_s=cfg.planner.reconfig_s, hybrid_timeouts=JOB_TIMEOUTS,
-                                             replan=cfg.planner.replan)
-        self.control = ControlLoop(self.model, self.hw, options, self.base)
+        tps = sorted({g.tp for g in state.layout.rollout_instances} | set(cfg.scheduler.bucket_token_limits))
+        self.control = ControlLoop.from_config(cfg, rollout_tps=tps, reconfig_s=cfg.planner.reconfig_s,
+                                               hybrid_timeouts=JOB_TIMEOUTS, replan=cfg.planner.replan)
+        self.model, self.hw, self.base, options = self.control.model, self.control.hw, self.control.cal, self.control.o
         plan = config_plan(state.layout, cfg)
         prior = self.control.prior()
         plan = reprice(plan, self.model, self.hw, cfg.cluster.gpus_per_node, prior, self.base,

@@ -1,0 +1,112 @@
+"""One rule for a layout change that waits for its moment (libra_hpc/planner/window.py
+``PendingChange``), in the live job and in the simulator. The rule alone, then the job's
+planner driver (runtime/planning.py) and the simulator's policy run (sim/controller.py)
+driven through one scripted trace of the pipeline: both apply each change at the same
+moment of the trace, in the same order."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from libra_hpc.cluster.layout import Group, Layout, Slot
+from libra_hpc.planner.window import PendingChange, moves_training
+from libra_hpc.runtime.planning import PlannerDriver
+from libra_hpc.sim.controller import PolicyRun
+
+
+def change(reason="pressure", reshard=False, tag="a"):
+    return SimpleNamespace(reason=reason, reshard=reshard, tag=tag, step=0,
+                           layout=SimpleNamespace(training=None), plan=SimpleNamespace(train=tag))
+
+
+def test_the_rule_waits_for_rollout_the_step_boundary_and_untrained_batches_only_when_training_moves():
+    moving = PendingChange(change(), 0.0, moves_training=True)
+    rollout_only = PendingChange(change(), 0.0, moves_training=False)
+    memory = PendingChange(change(reason="memory: 40 GB needed"), 0.0, moves_training=True)
+    quiet = dict(rolling=False, untrained=False, training=False, moving=False)
+    for p in (moving, rollout_only, memory):
+        assert p.due(**quiet)
+        for busy in ("rolling", "training", "moving"):
+            assert not p.due(**{**quiet, busy: True}), busy
+    waiting = {**quiet, "untrained": True}
+    assert not moving.due(**waiting) and rollout_only.due(**waiting) and memory.due(**waiting)
+
+
+def test_moves_training_compares_the_training_groups_slots_and_shape():
+    slots = tuple(Slot(0, g) for g in range(4))
+    def layout(tp, dp, n=4):
+        return Layout(nodes=1, gpus_per_node=4, groups=(Group(0, "training", slots[:n], tp=tp, dp=dp),))
+    assert not moves_training(layout(2, 2), layout(2, 2))
+    assert moves_training(layout(2, 2), layout(1, 4))  # a re-shard
+    assert moves_training(layout(2, 1, n=2), layout(2, 2))  # other slots
+
+
+# ------------------------------------------------------------------ the job and the simulator on one trace
+
+# (rolling, untrained, training) at each moment the job and the simulator consult the rule:
+# a change is decided at moment 0 with batches in flight; rollout drains, then training.
+TRACE = [(True, False, True), (True, True, False), (False, True, True), (False, True, False),
+         (False, False, True), (False, False, False), (False, False, False)]
+
+
+def job_driver(applied):
+    d = object.__new__(PlannerDriver)
+    d.s = SimpleNamespace(training=False)
+    d.relayout = SimpleNamespace(pending=None, moving=lambda: False,
+                                 replace=lambda c, pool: applied.append(c.tag) or [])
+    d.instances = {}
+    return d
+
+
+def sim_run(applied):
+    run = object.__new__(PolicyRun)
+    run.rollout = SimpleNamespace(active=set(), configure=lambda *a: None)
+    run.ready, run.finished_traj, run.training = set(), {}, False
+    run.control = SimpleNamespace(apply=lambda c: applied.append(c.tag))
+    run.cfg = SimpleNamespace(costs=SimpleNamespace(reconfig_s=30.0, reshard_s=10.0))
+    run.fetching, run.blocked_until, run.reshard_due_s = set(), 0.0, 0.0
+    run.rec = SimpleNamespace(events=[])
+    run.layout = run.train = None
+    run.recent = []
+    run._record_allocation = lambda now, why: None
+    run._instances = lambda: []
+    return run
+
+
+def decisions(changes, moves):
+    """Which change each side applies at each moment of TRACE (the first change decided at
+    moment 0, the next once the first is applied)."""
+    job, sim = [], []
+    d, run = job_driver(job), sim_run(sim)
+    d.pending = PendingChange(changes[0], 0.0, moves)
+    run.pending = PendingChange(changes[0], 0.0, moves)
+    out_job, out_sim = [], []
+    for t, (rolling, untrained, training) in enumerate(TRACE):
+        d.s.training = training
+        n = len(job)
+        d.maybe_apply(rolling, untrained)
+        if len(job) > n:
+            d.pending = None  # carried out (the relayout's Applied clears it in the job)
+        run.rollout.active = {1} if rolling else set()
+        run.ready, run.training = ({0} if untrained else set()), training
+        run._apply_pending(float(t))
+        out_job.append(list(job))
+        out_sim.append(list(sim))
+        for side, applied in ((d, job), (run, sim)):  # the next change is decided once one is applied
+            left = [c for c in changes if c.tag not in applied]
+            if side.pending is None and left:
+                side.pending = PendingChange(left[0], float(t), moves)
+    return out_job, out_sim
+
+
+@pytest.mark.parametrize("moves", [True, False])
+def test_the_job_and_the_simulator_apply_the_same_changes_at_the_same_moments(moves):
+    first, second = change(tag="replan"), change(reshard=True, tag="reshard")
+    job, sim = decisions([first, second], moves)
+    assert job == sim
+    applied_at = [next(t for t, done in enumerate(job) if tag in done) for tag in ("replan", "reshard")]
+    # training moves: it waits for the untrained batches (moment 5); rollout only: the first
+    # quiet step boundary with rollout drained (moment 3); the second change follows at once
+    assert applied_at == ([5, 6] if moves else [3, 5])
