@@ -1,12 +1,20 @@
 """Heartbeats, the watchdog and the post-mortem (libra_hpc/runtime/heartbeat.py), the
-requeue decision, and tool fault injection: on files and processes of this host, no MPI."""
+requeue decision, and tool fault injection: on files and processes of this host, no MPI.
+
+No assertion depends on how fast the machine is: the heartbeat module's wall clock is
+frozen (``clock``) where a test reads ages, and the beating and watching threads run
+their real loops with a stand-in for the event they wait on (:class:`Waits`: each wait
+returns at once, and the test says when the loop stops), so "every interval" and "at
+once" are asserted as "at each wait" and "at the first look"."""
 
 from __future__ import annotations
 
 import json
+import socket
 import subprocess
 import sys
 import time
+import types
 
 import pytest
 
@@ -14,70 +22,152 @@ from libra_hpc.metrics.runlog import read_jsonl
 from libra_hpc.runtime import heartbeat as hb
 from libra_hpc.runtime.resume import requeue_refusal
 
+NOW = 1_800_000_000.0
+"""The frozen wall clock of :func:`clock` (seconds since the epoch)."""
 
-def _beat(folder, rank, **fields):
+
+class Clock:
+    def __init__(self):
+        self.now = NOW
+
+    def time(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def clock(monkeypatch) -> Clock:
+    """``time.time()`` as the heartbeat module sees it, frozen at :data:`NOW` (and moved
+    by hand); the rest of ``time`` is the real one."""
+    frozen = Clock()
+    patched = types.SimpleNamespace(**{k: getattr(time, k) for k in dir(time) if not k.startswith("_")})
+    patched.time = frozen.time
+    monkeypatch.setattr(hb, "time", patched)
+    return frozen
+
+
+class Waits:
+    """Stands in for the ``threading.Event`` a heartbeat or watchdog loop waits on:
+    ``wait(timeout)`` notes the timeout, calls ``between(k)`` (k: the waits before this
+    one) and returns at once, ``True`` (stop) from the ``stop_at``-th wait on, else
+    ``False`` (go on); ``is_set`` says whether that point was reached."""
+
+    def __init__(self, stop_at: int, between=lambda k: None):
+        self.stop_at, self.between, self.timeouts = stop_at, between, []
+
+    def wait(self, timeout=None) -> bool:
+        self.between(len(self.timeouts))
+        self.timeouts.append(timeout)
+        return self.is_set()
+
+    def is_set(self) -> bool:
+        return len(self.timeouts) > self.stop_at
+
+    def set(self) -> None:
+        self.stop_at = -1
+
+
+def _beat(folder, rank, now=NOW, **fields):
     folder.mkdir(parents=True, exist_ok=True)
-    record = {"rank": rank, "slot": f"n{rank}g0", "t": time.time(), "pid": 1, "host": "h", "role": "trainer",
-              "activity": "training batch 3", "since": time.time() - 4, **fields}
+    record = {"rank": rank, "slot": f"n{rank}g0", "t": now, "pid": 1, "host": "h", "role": "trainer",
+              "activity": "training batch 3", "since": now - 4, **fields}
     hb.beat_path(folder, rank).write_text(json.dumps(record))
 
 
-def test_a_rank_beats_with_its_role_and_last_activity(tmp_path):
+def test_a_rank_beats_with_its_role_and_last_activity_at_every_interval(tmp_path):
+    before = time.time()
     hb.note("trainer: training batch 7", role="trainer")
-    beat = hb.Heartbeat(tmp_path, 3, interval_s=0.05, timeout_s=0, slot="n1g1").start()
-    try:
-        time.sleep(0.2)
-        got = hb.read_beat(tmp_path, 3)
-    finally:
-        beat.close()
-    assert got["role"] == "trainer" and got["slot"] == "n1g1" and got["activity"] == "trainer: training batch 7"
-    assert time.time() - got["t"] < 1.0
+    seen = []
+
+    def between(k):  # the thread, waiting: what the last beat said; then the rank moves on
+        seen.append(hb.read_beat(tmp_path, 3))
+        hb.note(f"trainer: training batch {8 + k}")
+
+    beat = hb.Heartbeat(tmp_path, 3, interval_s=30, timeout_s=0, slot="n1g1")
+    beat._stop = Waits(stop_at=3, between=between)
+    beat.start()  # the first beat is written before start() returns, then the thread beats 3 times
+    beat._thread.join()
+    assert beat._stop.timeouts == [30] * 4  # one interval's wait before each beat, and before stopping
+    assert [b["activity"] for b in seen] == [f"trainer: training batch {n}" for n in (7, 8, 9, 10)]
+    assert all(b["role"] == "trainer" and b["slot"] == "n1g1" and b["rank"] == 3 for b in seen)
+    assert all(before <= b["since"] <= b["t"] <= time.time() for b in seen)
 
 
-def test_the_watchdog_names_the_worker_that_fell_silent(tmp_path):
+def test_a_worker_whose_controller_fell_silent_gives_up_at_its_first_beat_past_the_timeout(tmp_path, clock):
+    lost = []
+    beat = hb.Heartbeat(tmp_path, 2, interval_s=1, timeout_s=5, slot="n0g2", on_controller_lost=lost.append)
+    beat.started = NOW - 60  # as if the worker had been up for a minute
+    _beat(tmp_path, 0)  # the controller beat just now
+
+    def between(k):  # rank 0 beats at first, then is silent: 3 s, then 6 s since its last beat
+        clock.now = NOW + (0, 3, 6, 9)[k]
+
+    beat._stop = Waits(stop_at=10, between=between)
+    beat.start()
+    beat._thread.join()
+    assert len(beat._stop.timeouts) == 3 and len(lost) == 1  # silent 0 s, 3 s: beats on; 6 s > 5 s: gives up
+    assert lost[0] == ("rank 2: the controller (rank 0) has not beaten for 6 s (job.heartbeat_timeout_s=5); "
+                       "exiting")
+
+
+def test_the_watchdog_names_the_worker_that_fell_silent(tmp_path, clock):
     dog = hb.Watchdog(tmp_path, [1, 2], lambda r: {"slot": f"n{r}g0", "node": r}, interval_s=1, timeout_s=5,
                       on_lost=lambda lost: None)
     _beat(tmp_path, 1)
     _beat(tmp_path, 2)
     assert dog.check(5) is None
     dog.started -= 60  # as if the watchdog had been up for a minute
-    _beat(tmp_path, 2, t=time.time() - 20)
+    _beat(tmp_path, 2, now=NOW - 20)
+    assert dog.check(20) is None  # silent exactly 20 s: not past a 20 s timeout
     lost = dog.check(5)
     assert lost["rank"] == 2 and lost["role"] == "trainer" and lost["how"] == "stopped answering"
+    assert lost["silent_s"] == 20 and lost["activity_for_s"] == 24
     line = hb.describe_lost(lost)
     assert line.startswith("rank 2 (trainer on slot n2g0, node 2") and "no heartbeat for 20 s" in line
-    assert "its last activity: training batch 3 (for 4 s)" in line
+    assert "its last activity: training batch 3 (for 24 s)" in line
 
 
-def test_a_beat_left_by_an_earlier_run_counts_for_nothing(tmp_path):
-    _beat(tmp_path, 1, t=time.time() - 3600)
+def test_a_beat_left_by_an_earlier_run_counts_for_nothing(tmp_path, clock):
+    _beat(tmp_path, 1, now=NOW - 3600)
     dog = hb.Watchdog(tmp_path, [1], lambda r: {}, interval_s=1, timeout_s=5, on_lost=lambda lost: None)
-    assert dog.check(5) is None  # silent for an hour, but only seconds since this watchdog started
+    assert dog.check(5) is None  # silent for an hour, but not since this watchdog started
+    clock.now += 5
+    assert dog.check(5) is None
+    clock.now += 0.5  # 5.5 s since the watchdog started: that rank never beat in this run
+    assert dog.check(5)["rank"] == 1
 
 
-def test_the_watchdog_names_a_dead_local_process_at_once(tmp_path):
-    import socket
-
+def test_the_watchdog_names_a_dead_local_process_at_its_first_look(tmp_path):
+    """SIGUSR1 from mpiexec (``peer_failed``) wakes the watchdog at once; its first look at
+    the local workers' processes names the one that is gone."""
     hb.standing_down.clear()  # another test of this process may have shut a world down
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     seen = []
-    dog = hb.Watchdog(tmp_path, [4], lambda r: {"slot": "n2g0", "node": 2}, interval_s=0.2, timeout_s=30,
+    dog = hb.Watchdog(tmp_path, [4], lambda r: {"slot": "n2g0", "node": 2}, interval_s=3600, timeout_s=3600,
                       on_lost=seen.append)
-    _beat(tmp_path, 4, pid=child.pid, host=socket.gethostname(), role="leader")
-    dog.check(30)  # notes the local worker's pid
-    dog.start()
+    _beat(tmp_path, 4, now=time.time(), pid=child.pid, host=socket.gethostname(), role="leader")
+    dog.check(3600)  # notes the local worker's pid
+    looks, look = [], dog.check_processes
+
+    def counted():  # at most three looks, then the watchdog is closed (a test that fails ends)
+        looks.append(1)
+        if len(looks) >= 3:
+            dog.close()
+        return look()
+
+    dog.check_processes = counted
+    child.kill()
+    child.wait()
+    hb.peer_failed.set()
     try:
-        child.kill()
-        child.wait()
-        deadline = time.monotonic() + 5
-        while not seen and time.monotonic() < deadline:
-            time.sleep(0.05)
+        dog.start()
+        dog._thread.join()
     finally:
-        dog.close()
-    assert seen and seen[0]["rank"] == 4 and seen[0]["role"] == "leader" and "died" in seen[0]["how"]
+        hb.peer_failed.clear()
+    assert len(looks) == 1 and len(seen) == 1, (looks, seen)
+    assert seen[0]["rank"] == 4 and seen[0]["role"] == "leader" and "died" in seen[0]["how"]
 
 
-def test_the_post_mortem_names_the_task_srun_reports_dead(tmp_path):
+def test_the_post_mortem_names_the_task_srun_reports_dead(tmp_path, clock):
     beats = tmp_path / "heartbeats"
     for r in range(4):
         _beat(beats, r, role="leader" if r == 3 else "trainer", activity=f"rank {r} busy")
@@ -85,7 +175,7 @@ def test_the_post_mortem_names_the_task_srun_reports_dead(tmp_path):
     output = "srun: error: node-2: task 3: Killed\nsrun: error: node-0: tasks 0-2: Terminated\n"
     line = hb.post_mortem(tmp_path, output, {"SLURM_JOB_ID": "77", "SLURM_RESTART_COUNT": "1"}, True, 3)
     assert line.startswith("rank 3 (leader on slot n3g0") and "reported by srun on node-2" in line
-    assert "its last activity: rank 3 busy" in line
+    assert "its last activity: rank 3 busy (for 4 s)" in line
     events = read_jsonl(tmp_path / "events.jsonl")
     assert [e["kind"] for e in events] == ["world_started", "rank_lost", "failure"] and events[1]["requeue"]
     assert "job 77: rank 3" in (tmp_path / "REQUEUE").read_text()
@@ -93,7 +183,7 @@ def test_the_post_mortem_names_the_task_srun_reports_dead(tmp_path):
     assert hb.post_mortem(tmp_path, output, {}, True, 3) == line and len(read_jsonl(tmp_path / "events.jsonl")) == 3
 
 
-def test_the_post_mortem_asks_no_requeue_when_slurm_itself_ended_the_world(tmp_path):
+def test_the_post_mortem_asks_no_requeue_when_slurm_itself_ended_the_world(tmp_path, clock):
     """``scontrol requeue`` (or the time limit, or scancel) kills every task: srun then
     reports them as Terminated. Naming one as lost and asking for a requeue would requeue
     the job a second time, after its next run finished (CI saw a job run four times)."""
@@ -112,7 +202,7 @@ def test_the_post_mortem_asks_no_requeue_when_slurm_itself_ended_the_world(tmp_p
     assert hb.slurm_ended("srun: error: node1: task 2: Killed") is None
 
 
-def test_the_post_mortem_adds_nothing_when_the_run_said_why(tmp_path):
+def test_the_post_mortem_adds_nothing_when_the_run_said_why(tmp_path, clock):
     _beat(tmp_path / "heartbeats", 1)
     (tmp_path / "events.jsonl").write_text(
         "\n".join(json.dumps(e) for e in ({"kind": "world_started"}, {"kind": "failure", "error": "x"})) + "\n")

@@ -1,7 +1,16 @@
 """Rank 0's event loop (libra_hpc/runtime/loop.py): in-process with a stand-in
-communicator (dispatch, errors, timers, idle sleeps), and on real MPI worlds
-(tests/loop_world.py): a queue client and a control client served at once, errors that do
-not stop the loop, an idle loop's CPU time."""
+communicator (dispatch, errors, timers, idle sleeps, the order clients are served in) on a
+virtual clock, and on real MPI worlds (tests/loop_world.py): a queue client and a control
+client served at once, errors that do not stop the loop, an idle loop that sleeps and
+still answers.
+
+No assertion here depends on how fast this machine is or how its cores are shared: the
+loop reads a virtual clock (``clock=``) and its sleeps (its own naps and its Backoff's, both
+``time.sleep`` of their modules) move that clock instead of waiting, so timers, sleeps and
+turns are asserted exactly; the MPI worlds are asserted on counts and on the order rank 0
+served messages in. What takes how long (tick gaps on a real clock, an idle loop's share of
+a core, the control client's latency beside a busy queue) is measured by
+benchmarks/bench_runtime.py."""
 
 from __future__ import annotations
 
@@ -10,13 +19,16 @@ import json
 import logging
 import sys
 import time
+import types
 from collections import deque
 from pathlib import Path
 
 import pytest
 from mpi4py import MPI
 
-from libra_hpc.cluster.messages import QUEUE_REPLY, QUEUE_REQUEST, REPORT, TOOL_DONE
+import libra_hpc.cluster.messages as messages_module
+import libra_hpc.runtime.loop as loop_module
+from libra_hpc.cluster.messages import COMMAND, QUEUE_REPLY, QUEUE_REQUEST, REPORT, TOOL_DONE
 from libra_hpc.runtime.loop import EventLoop
 from libra_hpc.scheduler.mpi_service import QueueHandler
 
@@ -24,6 +36,40 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 import loop_world  # noqa: E402
 from mpi_worlds import run_world  # noqa: E402
+
+
+class VirtualTime:
+    """The loop's clock in virtual seconds: ``clock()`` reads ``now``; ``sleep(s)`` (what
+    the loop's naps and Backoff's sleeps call, see :func:`vtime`) notes the sleep with the
+    probes made since the one before and moves ``now`` on without waiting; ``advance(s)``
+    stands for work that takes ``s`` (a handler)."""
+
+    def __init__(self):
+        self.now, self.probes = 0.0, 0
+        self.sleeps: list[tuple[float, int]] = []  # (seconds, probes since the previous sleep)
+
+    def clock(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.sleeps.append((seconds, self.probes))
+        self.probes = 0
+        self.now += seconds
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+@pytest.fixture
+def vtime(monkeypatch) -> VirtualTime:
+    """A :class:`VirtualTime`; ``time.sleep`` as the loop's module and the messages module
+    (Backoff) see it sleeps on it (the rest of ``time`` is the real one)."""
+    virtual = VirtualTime()
+    patched = types.SimpleNamespace(**{k: getattr(time, k) for k in dir(time) if not k.startswith("_")})
+    patched.sleep = virtual.sleep
+    monkeypatch.setattr(loop_module, "time", patched)
+    monkeypatch.setattr(messages_module, "time", patched)
+    return virtual
 
 
 class Message:
@@ -41,10 +87,12 @@ class Comm:
     source, payload; a payload that is an exception fails to unpickle), ``forever`` one
     entry again and again; ``send`` records."""
 
-    def __init__(self, inbox=(), forever=None):
-        self.inbox, self.forever, self.sent = deque(inbox), forever, []
+    def __init__(self, inbox=(), forever=None, vtime: VirtualTime | None = None):
+        self.inbox, self.forever, self.sent, self.vtime = deque(inbox), forever, [], vtime
 
     def improbe(self, source, tag, status):
+        if self.vtime is not None:
+            self.vtime.probes += 1
         entry = self.inbox.popleft() if self.inbox else self.forever
         if entry is None:
             return None
@@ -119,97 +167,207 @@ def test_a_shutdown_request_stops_only_a_loop_that_lets_clients_stop_it():
     assert loop.stopped == "rank 1" and comm.sent == [(1, QUEUE_REPLY, {"ok": True})]
 
 
-def test_timers_run_when_idle_and_under_constant_load():
-    # No garbage collections here: in a long test process a full one can outlast the run.
-    loop = EventLoop(Comm(), idle_sleep_s=1e-4, max_sleep_s=1e-3, collect_every_s=None)
+def test_timers_run_in_idle_moments_at_their_period_and_a_failing_one_stays_scheduled(vtime):
+    loop = EventLoop(Comm(vtime=vtime), clock=vtime.clock, idle_sleep_s=1e-4, max_sleep_s=1e-3, collect_every_s=None)
     loop.on(REPORT, lambda report, source: None)
-    ticks, once = [], []
-    loop.every(0.02, lambda: ticks.append(time.monotonic()), name="tick")
-    loop.after(0.05, lambda: once.append(1), name="once")
+    ticks, once, broken = [], [], []
+
+    def fail():
+        broken.append(vtime.now)
+        return 1 / 0
+
+    loop.every(0.02, lambda: ticks.append(vtime.now), name="tick")
+    loop.after(0.05, lambda: once.append(vtime.now), name="once")
     loop.after(0.05, lambda: once.append("cancelled"), name="cancelled").cancel()
-    loop.every(0.03, lambda: 1 / 0, name="broken")
-    started = time.monotonic()
-    # Until both timers have shown themselves, or 10 s (a loaded machine may stall the run).
-    counters = loop.run(stop_when=lambda: (once and len(ticks) >= 10) or time.monotonic() - started > 10)
-    gaps = sorted(b - a for a, b in zip(ticks, ticks[1:]))
-    assert once == [1] and len(ticks) >= 10, (once, ticks)
-    assert 0.02 <= gaps[len(gaps) // 2] < 0.04, gaps  # every 20 ms (and a little more) when idle
-    assert counters["timer_errors"] >= 5 and counters["sleeps"] > 0  # a failing timer stays scheduled
+    loop.every(0.03, fail, name="broken")
+    counters = loop.run(stop_when=lambda: vtime.now > 0.3)
+    # Each runs at the first idle moment after it is due: within one sleep (at most
+    # max_sleep_s, the idle loop's reaction time) of it; a period counts from the last run.
+    eps, slack = 1e-9, 1e-3  # eps: float sums of virtual seconds
+    assert len(once) == 1 and 0.05 - eps <= once[0] <= 0.05 + slack + eps, once
+    gaps = [b - a for a, b in zip([0.0, *ticks], ticks)]
+    assert all(0.02 - eps <= gap <= 0.02 + slack + eps for gap in gaps), gaps
+    assert 14 <= len(ticks) <= 15  # 0.3 s / (20 to 21 ms)
+    failed_gaps = [b - a for a, b in zip([0.0, *broken], broken)]
+    assert all(0.03 - eps <= gap <= 0.03 + slack + eps for gap in failed_gaps) and len(broken) >= 9, failed_gaps
+    assert counters["timer_errors"] == len(broken) and counters["timer_runs"] == len(ticks) + 1
+    assert counters["sleeps"] == len(vtime.sleeps) > 0 and counters["messages"] == 0
 
-    # Constant load: the loop never idles; a timer runs between two messages once overdue
-    # by busy_after_s, however long each message takes.
-    loop = EventLoop(Comm(forever=(REPORT, 1, {})), idle_sleep_s=1e-4, collect_every_s=None)
-    loop.on(REPORT, lambda report, source: time.sleep(0.004))
+
+@pytest.mark.parametrize("message_s", [0.004, 0.05])
+def test_under_constant_load_an_overdue_timer_runs_between_two_messages(vtime, message_s):
+    """The loop never idles (a message always waits); a timer runs between two messages
+    once overdue by ``busy_after_s``, however long each message takes (4 ms, or more than
+    the period)."""
+    loop = EventLoop(Comm(forever=(REPORT, 1, {}), vtime=vtime), clock=vtime.clock, idle_sleep_s=1e-4,
+                     collect_every_s=None)
+    loop.on(REPORT, lambda report, source: vtime.advance(message_s))
     loop.when_idle(lambda now: pytest.fail("the loop never idles here"))
-    busy_ticks = []
-    loop.every(0.02, lambda: busy_ticks.append(time.monotonic()), name="tick", busy_after_s=0.01)
-    started = time.monotonic()
-    counters = loop.run(stop_when=lambda: time.monotonic() - started > 0.3)
-    gaps = [b - a for a, b in zip(busy_ticks, busy_ticks[1:])]
-    assert counters["sleeps"] == 0 and len(busy_ticks) >= 5 and max(gaps) < 0.1, gaps
+    ticks = []
+    loop.every(0.02, lambda: ticks.append(vtime.now), name="tick", busy_after_s=0.01)
+    counters = loop.run(stop_when=lambda: vtime.now > 0.6)
+    # due 20 ms after the last run, overdue 10 ms later: it runs after the first message
+    # that ends past that
+    gaps = [b - a for a, b in zip([0.0, *ticks], ticks)]
+    assert all(0.03 - 1e-9 <= gap <= 0.03 + message_s + 1e-9 for gap in gaps), gaps
+    assert len(ticks) >= 0.6 / (0.03 + message_s) - 1
+    assert counters["sleeps"] == 0 and vtime.sleeps == [] and counters["messages"] >= 0.6 / message_s - 1
 
 
-def test_an_idle_loop_backs_off_to_its_longest_sleep():
-    loop = EventLoop(Comm(), idle_sleep_s=2e-4, short_idle_s=0.01, max_sleep_s=5e-3, collect_every_s=None)
+def test_an_idle_loop_naps_then_backs_off_to_its_longest_sleep_with_one_probe_between(vtime):
+    """Within ``short_idle_s`` of the last message: naps of ``idle_sleep_s``, ``spin``
+    probes between two; then sleeps doubling up to ``max_sleep_s``, one probe between two:
+    an idle controller wakes every ``max_sleep_s`` and probes once (its share of a core is
+    measured by benchmarks/bench_runtime.py)."""
+    loop = EventLoop(Comm(vtime=vtime), clock=vtime.clock, spin=200, idle_sleep_s=2e-4, short_idle_s=0.01,
+                     max_sleep_s=5e-3, collect_every_s=None)
     loop.on(REPORT, lambda report, source: None)
-    started, cpu = time.monotonic(), time.process_time()
-    counters = loop.run(stop_when=lambda: time.monotonic() - started > 0.5)
-    # 10 ms of naps (at most 50), then 0.2, 0.4, ... ms up to 5 ms: about 100 sleeps in the
-    # rest of the 0.5 s (2,000 at the first sleep's length)
-    assert 60 <= counters["sleeps"] <= 160
-    assert time.process_time() - cpu < 0.5 * 0.25
+    counters = loop.run(stop_when=lambda: vtime.now > 0.5)
+    spins = next(i for i, sleep in enumerate(vtime.sleeps) if sleep != (2e-4, 200))
+    # 10 ms of 0.2 ms naps, and the first backoff sleep (as long, after spin probes too)
+    assert 50 <= spins <= 52, vtime.sleeps[:60]
+    backoff = vtime.sleeps[spins:]
+    assert [s for s, _ in backoff[:4]] == pytest.approx([4e-4, 8e-4, 1.6e-3, 3.2e-3])
+    assert all(s == 5e-3 for s, _ in backoff[4:]) and all(probes == 1 for _, probes in backoff)
+    assert len(backoff) == pytest.approx(4 + (0.5 - 0.0162) / 5e-3, abs=2)  # ~100 wake-ups in 0.5 s
+    assert counters["sleeps"] == len(vtime.sleeps)
+
+
+# ------------------------------------------------------------- the order clients are served in
+
+
+class ArrivalOrder(Comm):
+    """MPI's matching as the event loop relies on it (MPICH keeps one queue of arrived,
+    unmatched messages): a probe for any tag gets the oldest arrived message, a probe for
+    one tag the oldest with that tag. Closed-loop clients: each has one message in flight
+    and sends its next as soon as its reply comes (queue clients ask, the control client
+    reports), ``rounds`` messages each; the loop is stopped once every client is done and
+    nothing is left. ``served``: the sources in the order their messages were received;
+    ``ahead``: per control report, the queue requests received between its arrival and its
+    own."""
+
+    def __init__(self, clients: dict[int, int], rounds: int, first: list[int]):
+        super().__init__()
+        self.clients, self.rounds, self.loop = clients, rounds, None
+        self.left = {rank: rounds for rank in clients}
+        self.served: list[int] = []
+        self.ahead: list[int] = []
+        self.arrived: deque = deque()
+        for rank in first:
+            self._arrive(rank)
+
+    def _arrive(self, rank: int) -> None:
+        self.left[rank] -= 1
+        tag = self.clients[rank]
+        self.arrived.append((tag, rank, {"op": "ask", "instance": rank, "max": 1} if tag == QUEUE_REQUEST
+                             else {"seq": self.rounds - self.left[rank]}, len(self.served)))
+
+    def improbe(self, source, tag, status):
+        for i, (entry_tag, rank, payload, arrived_at) in enumerate(self.arrived):
+            if tag in (MPI.ANY_TAG, entry_tag):
+                del self.arrived[i]
+                if entry_tag == REPORT:
+                    self.ahead.append(sum(self.clients[r] == QUEUE_REQUEST for r in self.served[arrived_at:]))
+                self.served.append(rank)
+                status.Set_tag(entry_tag)
+                status.Set_source(rank)
+                return Message(payload)
+        if not self.arrived and not any(self.left.values()):
+            self.loop.stop("every client is done")
+        return None
+
+    def send(self, obj, dest, tag):
+        super().send(obj, dest, tag)
+        if self.left[dest]:
+            self._arrive(dest)
+
+
+def serve_four_clients(rule: str, rounds: int = 20, first: tuple = (4, 1, 2, 3)) -> ArrivalOrder:
+    """Queue clients 1-3 and control client 4 (REPORT, acked with COMMAND) served by the
+    event loop (``rule`` "loop") or by the wrong rule of tests/loop_world.py that reads other
+    messages only when the queue is idle ("control-when-idle")."""
+    comm = ArrivalOrder({1: QUEUE_REQUEST, 2: QUEUE_REQUEST, 3: QUEUE_REQUEST, 4: REPORT}, rounds, list(first))
+    comm.loop = loop = EventLoop(comm, idle_sleep_s=0, collect_every_s=None)
+    service = Service()
+
+    def control(report, source):
+        comm.send({"ack": report["seq"]}, dest=source, tag=COMMAND)
+
+    if rule == "loop":
+        QueueHandler(comm, service).attach(loop)
+        loop.on(REPORT, control)
+        loop.on(TOOL_DONE, lambda completion, source: None)
+        loop.run()
+    else:
+        loop_world.run_control_when_idle(comm, loop, service, control, lambda completion, source: None)
+    assert sorted(comm.served) == sorted([1, 2, 3, 4] * rounds) and loop.stopped == "every client is done"
+    return comm
+
+
+@pytest.mark.parametrize("first", [(1, 2, 3, 4), (4, 1, 2, 3), (2, 4, 3, 1)])
+def test_arrival_order_gives_each_client_one_turn_per_round_whatever_the_queue_load(first):
+    """The fairness the loop owes its control client: served in arrival order, each of the
+    four clients (one message in flight each) gets exactly one turn in every round of four,
+    and a control report waits behind at most one request per queue client."""
+    comm = serve_four_clients("loop", first=first)
+    rounds = [comm.served[i:i + 4] for i in range(0, len(comm.served), 4)]
+    assert all(sorted(r) == [1, 2, 3, 4] for r in rounds), rounds
+    assert comm.served[:4] == list(first) and len(comm.ahead) == 20 and max(comm.ahead) <= 3, comm.ahead
+
+
+def test_the_fairness_check_catches_a_loop_that_reads_control_messages_only_when_idle():
+    comm = serve_four_clients("control-when-idle")
+    control_turns = [r.count(4) for r in (comm.served[i:i + 4] for i in range(0, 60, 4))]
+    assert control_turns == [0] * 15  # starved while the queue is busy: 60 queue requests first
+    assert comm.served[:60].count(4) == 0 and comm.served[60:] == [4] * 20 and max(comm.ahead) == 60
 
 
 # ------------------------------------------------------------------- real MPI worlds
 
 def run_loop_world(scenario: str, ranks: int, tmp_path: Path) -> dict:
     out = tmp_path / f"{scenario}.json"
-    run_world("loop_world.py", ranks, scenario, out, timeout=90, what=f"the loop world {scenario}")
+    run_world("loop_world.py", ranks, scenario, out, timeout=120, what=f"the loop world {scenario}")
     return json.loads(out.read_text())
-
-
-def fairness(summary: dict) -> tuple[list[dict], dict]:
-    clients = summary["clients"]
-    return [clients[str(rank)] for rank in loop_world.QUEUE_CLIENTS], clients[str(loop_world.CONTROL_CLIENT)]
 
 
 @pytest.mark.mpi
 def test_the_loop_serves_queue_and_control_clients_at_once_and_goes_on_after_errors(tmp_path):
     summary = run_loop_world("mixed", 6, tmp_path)
-    queue, control = fairness(summary)
-    # Both kinds active the whole time: round trips in every half second of the run.
-    assert all(min(client["windows"]) > 0 for client in [*queue, control]), [c["windows"] for c in [*queue, control]]
-    # Comparable rates: arrival order gives each client one turn per round.
-    mean_queue = sum(c["count"] for c in queue) / len(queue)
-    assert 0.5 * mean_queue <= control["count"] <= 2 * mean_queue, (control["count"], mean_queue)
-    # Bounded latency while three clients keep the queue busy: about three requests of 10 ms ahead.
-    assert control["p50_s"] < 0.1 and control["max_s"] < 1.0, control
-    # Timers fire while requests flow and in the idle stretch after the clients are done.
-    ticks, run_s = summary["ticks"], loop_world.RUN_S
-    during = [t for t in ticks if t < run_s]
-    assert len(during) >= run_s / loop_world.TICK_S / 4 and max(b - a for a, b in zip(during, during[1:])) < 0.5
-    assert len([t for t in ticks if t > run_s + 0.1]) >= 3
+    clients, order = summary["clients"], summary["order"]
+    served = lambda kind, rank: sum(1 for k, r in order if (k, r) == (kind, rank))
+    # Every round trip of every client answered, through one loop serving both kinds; the
+    # control client was served while queue requests were still being served (its rate
+    # beside a busy queue, and the fairness of the order, are benchmarks/bench_runtime.py's
+    # and the in-process tests' above).
+    rounds = loop_world.ROUNDS
+    askers = (*loop_world.QUEUE_CLIENTS, loop_world.CONTROL_CLIENT)
+    assert [clients[str(rank)]["count"] for rank in askers] == [rounds] * 4
+    assert [served("queue", rank) for rank in loop_world.QUEUE_CLIENTS] == [rounds] * 3
+    assert served("control", loop_world.CONTROL_CLIENT) == rounds + 1  # and its done report
+    # Timers fire while requests flow (serving takes 3 × ROUNDS × SERVICE_S of rank 0's
+    # time, many tick periods: an overdue tick runs between two messages) and in the idle
+    # stretch after the clients are done (a tick is due before the loop's stop).
+    last_queue = max(i for i, (kind, _) in enumerate(order) if kind == "queue")
+    ticks_after = summary["ticks_after"]
+    assert any(0 < n <= last_queue for n in ticks_after), (ticks_after, last_queue)
+    assert ticks_after[-1] == len(order), (ticks_after, len(order))
     # Errors: each named with rank 5 and counted; the loop went on serving rank 5.
-    counters, errors = summary["counters"], summary["clients"][str(loop_world.ERROR_CLIENT)]
+    counters, errors = summary["counters"], clients[str(loop_world.ERROR_CLIENT)]
     assert counters["bad_payloads"] == 2 and counters["handler_errors"] == 1 and counters["unexpected"] == 1
     assert len(summary["log"]) == 4 and all("rank 5" in line for line in summary["log"]), summary["log"]
     assert errors["malformed_reply"]["reason"] == "malformed" and "rank 5" in errors["malformed_reply"]["error"]
-    assert errors["after_errors"] == "answered" and summary["tools"] == list(range(errors["completions_sent"]))
+    assert errors["after_errors"] == "answered" and errors["completions_sent"] == loop_world.COMPLETIONS
+    assert summary["tools"] == list(range(loop_world.COMPLETIONS)) and served("queue", loop_world.ERROR_CLIENT) == 1
+    assert counters["messages"] == len(order) + 3  # the two that did not unpickle and the stray one
     assert summary["stopped"] == "every client is done"
 
 
 @pytest.mark.mpi
-def test_the_fairness_check_catches_a_loop_that_reads_control_messages_only_when_idle(tmp_path):
-    queue, control = fairness(run_loop_world("control-when-idle", 6, tmp_path))
-    mean_queue = sum(c["count"] for c in queue) / len(queue)
-    assert control["count"] < 0.25 * mean_queue and control["max_s"] > 1.0, (control, mean_queue)
-
-
-@pytest.mark.mpi
-def test_an_idle_loop_leaves_the_core_and_still_answers_within_milliseconds(tmp_path):
+def test_an_idle_loop_sleeps_runs_its_timers_and_still_answers(tmp_path):
     summary = run_loop_world("idle", 2, tmp_path)
-    idle = summary["idle"]
-    share = (idle["cpu"] - idle["cpu0"]) / (idle["wall"] - idle["wall0"])
-    assert share < 0.05, f"rank 0 idle in its loop used {share:.1%} of a core"
-    assert idle["seen_late_s"] < 0.1 and summary["counters"]["sleeps"] > 100
-    assert len(summary["ticks"]) >= loop_world.IDLE_S / loop_world.TICK_S / 2  # timers run while idle
+    # Rank 1 slept IDLE_S (ten tick periods) before its report: rank 0 slept and ran its
+    # timer meanwhile, then answered. How much of a core it used and how late it saw the
+    # report are benchmarks/bench_runtime.py's.
+    assert summary["stopped"] == "the report came" and summary["order"] == [["control", 1]]
+    assert summary["counters"]["sleeps"] > 0 and summary["counters"]["messages"] == 1
+    assert summary["ticks_after"] and all(n == 0 for n in summary["ticks_after"])
