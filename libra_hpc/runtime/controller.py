@@ -198,8 +198,7 @@ class JobController:
     def _on_weights_taken(self, message: dict, source: int) -> None:
         self.state.leader_version[source] = message["version"]
         self.idle_rollout_s += message["idle_s"]
-        if self.phase == "rl" and self.state.version == self.cfg.rl.steps and self._leaders_current():
-            self._start_eval("final")
+        self._maybe_final_eval()
 
     def _on_trained(self, message: dict, source: int) -> None:
         s, cfg = self.state, self.cfg
@@ -221,8 +220,7 @@ class JobController:
         if self.planner is not None:  # a waiting replan or re-shard first, at this step boundary
             self._send_all(self.planner.maybe_apply(self.batches.rolling(), self.batches.untrained()))
         self._maybe_train()
-        if s.version == cfg.rl.steps and self._leaders_current():
-            self._start_eval("final")
+        self._maybe_final_eval()
 
     def _on_checkpointed(self, message: dict, source: int) -> None:
         self.checkpoints.checkpointed(message)
@@ -243,12 +241,13 @@ class JobController:
                 self._submit(b)
         if done is not None or trainers_back:
             self._maybe_train()
+        self._maybe_final_eval()  # the leaders changed
 
     # ------------------------------------------------------------------ evaluation
 
     def _start_eval(self, phase: str) -> None:
         self.phase = f"eval:{phase}"
-        sends = self.heldout.start(phase, self.state.roles.leaders)
+        sends = self.heldout.start(phase, self.relayout.serving())
         self._send_all(sends)
         if not sends:
             self._eval_done(phase)
@@ -308,7 +307,7 @@ class JobController:
             return
         s.training = True
         if start.abort:
-            for rank in self.relayout.serving():
+            for rank in self.relayout.serving().values():
                 self._send(rank, {"op": "abort", "tids": start.abort})
         leaders = self.relayout.training_leaders()
         for rank in s.roles.trainers:
@@ -316,8 +315,12 @@ class JobController:
                               "leaders": leaders})
         self._stream()  # the next batch's groups that are complete already
 
-    def _leaders_current(self) -> bool:
-        return all(self.state.leader_version.get(r, 0) >= self.state.version for r in self.state.roles.leaders.values())
+    def _maybe_final_eval(self) -> None:
+        """The last step is trained and every serving leader runs its policy: evaluate."""
+        s = self.state
+        if self.phase == "rl" and s.version == self.cfg.rl.steps and all(
+                s.leader_version.get(r, 0) >= s.version for r in self.relayout.serving().values()):
+            self._start_eval("final")
 
     def _record_step(self, b: int, reports: list[dict]) -> list[dict]:
         s = self.state

@@ -79,9 +79,10 @@ class Relayouts:
         """The DP replicas a new group may go to (not one about to return to rollout)."""
         return [d for d in range(len(self.s.roles.replicas)) if d not in self.no_route]
 
-    def serving(self) -> list[int]:
-        """The leaders that run their loop (a drained one left it for a relayout)."""
-        return [r for i, r in self.s.roles.leaders.items() if i not in self.drained]
+    def serving(self) -> dict[int, int]:
+        """Instance → leader rank of the leaders that run their loop (a drained one left
+        it for a relayout)."""
+        return {i: r for i, r in self.s.roles.leaders.items() if i not in self.drained}
 
     def training_leaders(self) -> list[int]:
         """The leaders a new policy goes to (not one leaving rollout)."""
@@ -158,8 +159,10 @@ class Relayouts:
         return True
 
     def advance(self) -> Sends:
-        """Start the pending relayout if its moment came: the commands that start it."""
-        if self.pending is None or self.relaying or not self._ready():
+        """Start the pending relayout if its moment came: the commands that start it. Once
+        the last step is trained nothing re-forms: what waits is abandoned (the held-out
+        evaluation runs on the leaders that serve)."""
+        if self.pending is None or self.relaying or not self._ready() or self.s.version >= self.s.cfg.rl.steps:
             return []
         s = self.s
         kind, what, changed = self.pending
