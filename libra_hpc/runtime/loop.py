@@ -7,7 +7,7 @@ The controller rank answers several kinds of messages (tags from
 |---|---|
 | ``QUEUE_REQUEST`` | the C-MLFQ queue: one request, one reply (scheduler/mpi_service.py ``QueueHandler``) |
 | ``REPORT`` | control: command answers, step reports, heartbeats (the controller) |
-| ``TOOL_DONE`` | a tool action's completion (the tool orchestrator) |
+| ``TOOL_REQUEST`` | a tool action for the shared Tangram pool; its result goes back as ``TOOL_RESULT`` (runtime/tools.py ``ToolService``) |
 
 and runs timers (planner checks, checkpoints, saving the routing tree) and idle hooks
 (lease expiry, the router's maintenance) between messages.

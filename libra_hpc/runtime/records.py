@@ -1,5 +1,5 @@
-"""What the controller writes down: a step's metrics row and progress line, the run's
-``summary.json``, the export's index. Functions of what they are given; no state."""
+"""What the controller writes down: a step's metrics row and progress line (:class:`StepLog`,
+which holds only where they go), the run's ``summary.json``, the export's index."""
 
 from __future__ import annotations
 

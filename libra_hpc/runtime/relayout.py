@@ -10,7 +10,7 @@ Every layout change the control loop decides goes through here, the same way:
 - **leave** (the replica back to rollout, :meth:`Relayouts.give_back`): no new group is
   routed to it; the relayout starts once no untrained batch has a group there;
 - **replan** and **re-shard** (:meth:`Relayouts.replace`, once the pipeline has drained:
-  :mod:`libra_hpc.planner.pending` says when): the instances the new layout drops leave,
+  :class:`~libra_hpc.planner.window.PendingChange` says when): the instances the new layout drops leave,
   then the relayout starts.
 
 The relayout itself (:meth:`Relayouts.advance`): the training ranks save their state and

@@ -1,7 +1,7 @@
 """What rank 0 knows of the job, as its helpers see it (:class:`JobState`).
 
-The controller (:mod:`.controller`) owns one :class:`JobState` and is the only object that
-holds the controller. Its helpers (the batch tracker, the relayouts, the planner's driver,
+The controller (:mod:`.controller`) owns one :class:`JobState`; nothing else holds the
+controller, and it is the only object that sends. Its helpers (the batch tracker, the relayouts, the planner's driver,
 the checkpoints) get this state, read it, and answer with what to do: the commands to send
 (:data:`Sends`) and outcomes the controller acts on. None of them sends a message or calls
 back into the controller.
