@@ -7,10 +7,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple, Protocol
 
-if TYPE_CHECKING:
-    from libra_hpc.planner.costs import RolloutCost
+
+class SerialCost(Protocol):
+    """What a trajectory's serial time is priced with (:class:`~libra_hpc.planner.costs.RolloutCost`)."""
+
+    def serial_s(self, prompt_len: float, gen_len: float, tool_time_s: float, context: float | None = None) -> float: ...
 
 
 class LengthSample(NamedTuple):
@@ -31,7 +34,7 @@ class LengthSample(NamedTuple):
         overpredicts decode steps where tools return much (measured: 2× on context-growth)."""
         return self.prompt_len - self.tool_tokens / 2 + self.gen_len / 2
 
-    def serial_s(self, cost: RolloutCost) -> float:
+    def serial_s(self, cost: SerialCost) -> float:
         """This trajectory alone on ``cost``'s instance (:meth:`RolloutCost.serial_s`)."""
         return cost.serial_s(self.prompt_len, self.gen_len, self.tool_time_s, self.decode_context)
 
