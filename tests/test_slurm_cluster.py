@@ -5,10 +5,32 @@ from __future__ import annotations
 import collections
 import sys
 import time
+from collections.abc import Callable
 
 import pytest
+from slurm_cluster import busiest_processes
 
 pytestmark = pytest.mark.slurm
+
+SLURM_WAIT_S = 120.0
+"""How long a test waits for the private cluster to get somewhere: a hang guard, never a
+measure of speed (slurmctld and slurmdbd share two busy cores with everything else)."""
+
+
+def wait_for_slurm(cluster, what: str, probe: Callable[[], object], until: Callable[[object], bool] = bool,
+                   timeout_s: float = SLURM_WAIT_S):
+    """Ask ``probe`` until its answer satisfies ``until`` and return that answer; after
+    ``timeout_s`` fail naming ``what``, the last answer, the cluster's queue and the busiest
+    processes."""
+    deadline = time.monotonic() + timeout_s
+    while not until(got := probe()):
+        if time.monotonic() > deadline:
+            queue = cluster.run("squeue", "-h", "-o", "%i %j %T %r", check=False)
+            pytest.fail(f"{what}: not after {timeout_s:g} s (last answer {got!r})\nsqueue:\n{queue}\n"
+                        f"{busiest_processes()}")
+        time.sleep(0.2)
+    return got
+
 
 RANK_REPORT = ("import os; from mpi4py import MPI; w = MPI.COMM_WORLD; "
                "print('RANK', w.Get_rank(), w.Get_size(), os.environ['SLURM_NODEID'], "
@@ -24,7 +46,7 @@ def test_mpi_step_with_controller_rank(slurm_cluster, tmp_path):
         f"--nodes={n}", f"--ntasks-per-node={g}", f"--gpus-per-node={g}",
         f"--chdir={tmp_path}", "--wrap", step).strip()
     output = tmp_path / f"{job_id}.out"
-    assert slurm_cluster.wait_job(job_id) == "COMPLETED", output.read_text()
+    assert slurm_cluster.wait_job(job_id, timeout_s=SLURM_WAIT_S) == "COMPLETED", output.read_text()
 
     rows = [line.split() for line in output.read_text().splitlines()
             if line.startswith("RANK ")]
@@ -40,12 +62,10 @@ def test_accounting_reports_final_states(slurm_cluster, tmp_path):
                                    "--wrap", cmd).strip()
            for want, cmd in (("COMPLETED", "true"), ("FAILED", "exit 3"))}
     for want, job_id in ids.items():
-        assert slurm_cluster.wait_job(job_id) == want
-        deadline = time.monotonic() + 10  # the record reaches slurmdbd asynchronously
-        while (got := slurm_cluster.run("sacct", "-X", "-n", "-j", job_id, "-o",
-                                        "State").strip()) != want:
-            assert time.monotonic() < deadline, f"sacct says {got!r} for job {job_id}"
-            time.sleep(0.2)
+        assert slurm_cluster.wait_job(job_id, timeout_s=SLURM_WAIT_S) == want
+        wait_for_slurm(slurm_cluster, f"sacct reporting job {job_id} {want}",  # slurmdbd gets it asynchronously
+                       lambda: slurm_cluster.run("sacct", "-X", "-n", "-j", job_id, "-o", "State").strip(),
+                       until=lambda state: state == want)
 
 
 def test_a_query_killed_by_sigpipe_is_asked_again_and_a_submission_is_not(tmp_path, monkeypatch):
@@ -62,7 +82,7 @@ def test_a_query_killed_by_sigpipe_is_asked_again_and_a_submission_is_not(tmp_pa
         script.chmod(0o755)
     monkeypatch.setenv("PATH", f"{tmp_path}:{__import__('os').environ['PATH']}")
     cluster = LocalSlurmCluster(tmp_path / "root")
-    assert cluster.wait_job("1", timeout_s=10) == "COMPLETED"
+    assert cluster.wait_job("1", timeout_s=SLURM_WAIT_S) == "COMPLETED"
     with pytest.raises(RuntimeError, match=r"sbatch .*failed \(-13\)"):
         cluster.run("sbatch", "--wrap", "true")
     assert calls.read_text().split() == ["scontrol", "scontrol", "sbatch"]

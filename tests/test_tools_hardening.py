@@ -5,11 +5,13 @@ accounts. The filter's bytes are also decoded and run by a small BPF interpreter
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import struct
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -25,9 +27,36 @@ from libra_hpc.tools import sandbox as sandbox_module
 from libra_hpc.tools.slots import SlotBusy
 
 ROOT = Path(__file__).resolve().parents[1]
-LIMITS = SandboxLimits(wall_time_s=5.0, memory_mb=512, max_processes=16)
+HANG_GUARD_S = 60.0
+"""The calls' wall limit, and how long a test waits for another thread's call to start: only
+against a hang, never a measure of speed (no test here is about the wall limit)."""
+LIMITS = SandboxLimits(wall_time_s=HANG_GUARD_S, memory_mb=512, max_processes=16)
 UID = 230000  # this file's slot uids
 AS_ROOT = os.geteuid() == 0
+GATED = ("import os, time\nhere = os.path.dirname(os.path.abspath(__file__))\n"
+         "while not os.path.exists(os.path.join(here, 'release')):\n    time.sleep(0.01)\n")
+"""Prefix of a snippet that runs until :func:`release` drops a file beside its code (in the
+call's host directory, which bwrap binds read-only and the rlimit mode runs from)."""
+
+
+def _call_dir(uid: int) -> str | None:
+    """The host directory of the call running as slot ``uid`` (it holds the call's code)."""
+    found = [d for d in glob.glob(os.path.join(tempfile.gettempdir(), "libra-sbx-*")) if os.stat(d).st_uid == uid]
+    return found[0] if len(found) == 1 else None
+
+
+def wait_for_call(uid: int) -> str:
+    """Wait until a call runs as ``uid``; returns its host directory."""
+    deadline = time.monotonic() + HANG_GUARD_S
+    while not (owned_pids(uid=uid) and (found := _call_dir(uid))):
+        assert time.monotonic() < deadline, f"no call of slot uid {uid} running after {HANG_GUARD_S} s (hang guard)"
+        time.sleep(0.01)
+    return found
+
+
+def release(call_dir: str) -> None:
+    """Let a :data:`GATED` snippet go on."""
+    Path(call_dir, "release").touch()
 
 
 # ---------------------------------------------------------------- the filter, decoded
@@ -183,23 +212,27 @@ def test_rlimit_code_of_a_concurrent_slot_is_unreadable(rlimit_sandbox):
     try:
         slow = {}
         thread = threading.Thread(target=lambda: slow.update(r=other.run_python(
-            "import time\n# the-other-slot's-secret\ntime.sleep(1.5)")))
+            GATED + "# the-other-slot's-secret\n")))
         thread.start()
-        time.sleep(0.5)
-        spy = rlimit_sandbox.run_python(
-            "import glob\nfound = glob.glob('/tmp/libra-sbx-*')\nprint(len(found))\nfor d in found:\n"
-            "    try:\n        print(open(d + '/main.py').read())\n    except OSError as err:\n        print(type(err).__name__)")
-        thread.join()
+        call_dir = wait_for_call(other.uid)  # its code is on the host's disk until it ends
+        try:
+            spy = rlimit_sandbox.run_python(
+                "import glob\nfound = glob.glob('/tmp/libra-sbx-*')\nprint(len(found))\nfor d in found:\n"
+                "    try:\n        print(open(d + '/main.py').read())\n    except OSError as err:\n"
+                "        print(type(err).__name__)")
+        finally:
+            release(call_dir)
+            thread.join()
     finally:
         other.close()
-    assert "secret" not in spy.stdout and int(spy.stdout.split()[0]) >= 1, spy.stdout  # it saw the dir, not the code
+    assert "secret" not in spy.stdout and "PermissionError" in spy.stdout, spy.stdout  # it saw the dir, not the code
     assert slow["r"].state.status == "success"
 
 
 @needs_root
 def test_rlimit_daemon_that_clears_its_environment_is_reaped(rlimit_sandbox):
     code = ("import os\nif os.fork() == 0:\n    os.setsid()\n    if os.fork() == 0:\n"
-            "        os.execve('/bin/sleep', ['sleep', '30'], {})\n    os._exit(0)\nprint('parent done')")
+            "        os.execve('/bin/sleep', ['sleep', '3600'], {})\n    os._exit(0)\nprint('parent done')")
     result = rlimit_sandbox.run_python(code)
     assert result.stdout == "parent done\n" and result.leftovers_killed >= 1 and result.state.status == "failure"
     assert owned_pids(uid=rlimit_sandbox.uid) == []
@@ -212,12 +245,15 @@ def test_a_slot_uid_is_held_by_one_sandbox_and_the_other_does_not_kill_its_call(
     first = Sandbox(LIMITS, uid=UID + 3, isolation="bwrap")
     try:
         out = {}
-        thread = threading.Thread(target=lambda: out.update(r=first.run_python("import time; time.sleep(1); print('alive')")))
+        thread = threading.Thread(target=lambda: out.update(r=first.run_python(GATED + "print('alive')")))
         thread.start()
-        time.sleep(0.3)
-        with pytest.raises(SlotBusy, match=f"uid {UID + 3} is in use"):
-            Sandbox(LIMITS, uid=UID + 3, isolation="bwrap")
-        thread.join()
+        call_dir = wait_for_call(first.uid)
+        try:
+            with pytest.raises(SlotBusy, match=f"uid {UID + 3} is in use"):  # while the call runs
+                Sandbox(LIMITS, uid=UID + 3, isolation="bwrap")
+        finally:
+            release(call_dir)
+            thread.join()
         assert (out["r"].stdout, out["r"].state.status) == ("alive\n", "success"), out["r"].stderr
         second = first_free_sandbox(LIMITS, UID + 3, 2, isolation="bwrap")
         assert second.uid == UID + 4
