@@ -199,9 +199,9 @@ class CausalTree:
         if len(remaining_after) != len(states) + 1:
             raise ValueError(f"remaining_after has {len(remaining_after)} entries for "
                              f"{len(states)} tool returns; expected {len(states) + 1}")
-        self._observe_keys(_keys(tuple(states)), tuple(remaining_after))
+        self.observe_keys(_keys(tuple(states)), tuple(remaining_after))
 
-    def _observe_keys(self, keys: tuple[str, ...], remaining_after: tuple[int, ...]) -> None:
+    def observe_keys(self, keys: tuple[str, ...], remaining_after: tuple[int, ...]) -> None:
         node = self.root
         node.add(remaining_after[0])
         depth = 0
@@ -300,8 +300,8 @@ class CausalIndex:
         tree = self.prompt_trees.get(finished.prompt_id)
         if tree is None:
             tree = self._prompt_tree(finished.prompt_id)
-        tree._observe_keys(keys, finished.remaining_after)
-        self.global_tree._observe_keys(keys, finished.remaining_after)
+        tree.observe_keys(keys, finished.remaining_after)
+        self.global_tree.observe_keys(keys, finished.remaining_after)
 
     def match(self, prompt_id: str, states: Sequence[ToolState]) -> Match | None:
         """The node to route on. Rule: the prompt's own tree answers with its deepest
@@ -335,7 +335,7 @@ class CausalIndex:
         """A new tree for ``prompt_id``, holding what the last rebuild deferred for it."""
         tree = self.prompt_trees[prompt_id] = CausalTree(self.window)
         for finished in self._deferred.pop(prompt_id, ()):
-            tree._observe_keys(_keys(finished.states, finished.keys), finished.remaining_after)
+            tree.observe_keys(_keys(finished.states, finished.keys), finished.remaining_after)
         return tree
 
     def rebuild(self) -> None:
@@ -355,10 +355,10 @@ class CausalIndex:
             for finished in self.recent:
                 counts[finished.prompt_id] = counts.get(finished.prompt_id, 0) + 1
             for finished in self.recent:
-                self.global_tree._observe_keys(_keys(finished.states, finished.keys), finished.remaining_after)
+                self.global_tree.observe_keys(_keys(finished.states, finished.keys), finished.remaining_after)
                 if counts[finished.prompt_id] >= self.min_samples:
                     tree = self.prompt_trees.get(finished.prompt_id) or self._prompt_tree(finished.prompt_id)
-                    tree._observe_keys(_keys(finished.states, finished.keys), finished.remaining_after)
+                    tree.observe_keys(_keys(finished.states, finished.keys), finished.remaining_after)
                 else:
                     self._deferred.setdefault(finished.prompt_id, []).append(finished)
         logger.info("rebuilt causal trees of %d prompts from %d finished trajectories in %.3f s",
