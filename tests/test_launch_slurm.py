@@ -86,11 +86,10 @@ def test_launch_py_reports_a_failed_job(slurm_cluster, tmp_path):
 
 
 @pytest.fixture(scope="module")
-def cache(tmp_path_factory) -> Path:
-    """The warm-start cache the RL jobs of this module share (built by the first). Not the
-    session's (conftest.py ``job_cache``): the requeue test's timing is tuned with the warm
-    start built in its module."""
-    return tmp_path_factory.mktemp("cache")
+def cache(job_cache) -> Path:
+    """The warm-start cache of the session's RL jobs (conftest.py ``job_cache``: built once,
+    by whichever module's job runs first)."""
+    return job_cache
 
 
 def test_sbatch_runs_the_rl_job_with_least_load_routing_gather_scatter_dispatch_and_a_tp_reshard(
@@ -159,32 +158,44 @@ def _since_last_start(events: list[dict]) -> list[dict]:
     return events[starts[-1]:] if starts else []
 
 
+def _elapsed_s(cluster, job_id: str) -> int:
+    """Seconds job ``job_id`` has run (``RunTime``, ``[D-]HH:MM:SS``)."""
+    run = cluster.run("scontrol", "show", "job", "-o", job_id).split("RunTime=")[1].split()[0]
+    days, _, clock = run.rpartition("-")
+    h, m, sec = (int(x) for x in clock.split(":"))
+    return ((int(days) if days else 0) * 24 + h) * 3600 + m * 60 + sec
+
+
 def test_a_job_requeued_by_its_time_limit_and_by_scontrol_resumes_and_finishes(slurm_cluster, tmp_path, cache):
-    """One sbatch job, three runs under one job id and log folder. Run 1 gets Slurm's
-    time-limit warning (``--time=5 --signal=USR2@150``): it finishes its step, saves a
-    checkpoint and requeues itself. The test then lifts the limit and, once run 2 has
-    resumed and saved a periodic checkpoint, requeues it from outside (``scontrol
-    requeue``: its ranks are killed mid-step). Run 3 resumes from that checkpoint and
-    finishes. From the logs: every step index once, every trajectory trained once, each
-    batch on the prompts an uninterrupted run draws."""
+    """One sbatch job, three runs under one job id and log folder. Run 1 is submitted with its
+    time limit far off (``--time=10 --signal=USR2@150``); once it has saved its first
+    checkpoint the limit is cut (``scontrol update TimeLimit``, as an admin would) so that
+    Slurm's time-limit warning is due within 30 s: the run finishes its step, saves a
+    checkpoint and requeues itself. The test then lifts the limit and, once run 2 has resumed
+    and saved a periodic checkpoint, requeues it from outside (``scontrol requeue``: its
+    ranks are killed mid-step). Run 3 resumes from that checkpoint and finishes. From the
+    logs: every step index once, every trajectory trained once, each batch on the prompts
+    an uninterrupted run draws."""
     from test_job import SMALL, _expected_prompts
 
     (tmp_path / "logs").mkdir()
-    # Twenty passes a step: 14 s each on a quiet machine, 25 s in CI, after 40-70 s of
-    # start-up: the warning (120-150 s after the start: slurmctld sends it up to 30 s
-    # early) comes at step 3-7. The test needs it before step 9 (run 2 must save a
-    # periodic checkpoint before the last step). An earlier warning (--time=4: 60-90 s,
-    # five passes) made the test 314 s instead of about 480, but twice left the ranks
-    # hanging at exit (not understood: docs/resilience.md, "Not yet").
+    # Steps 0-7 train twenty passes (14 s each on a quiet machine, 25 s in CI), so that the
+    # warning (due within 30 s of the cut, sent up to 30 s later) lands by step 5 and run 2
+    # resumes at a slow step, which the outside requeue interrupts; steps 8-9 train one pass.
     steps = 10
     job_id = subprocess.run(
-        ["sbatch", "--parsable", f"--chdir={tmp_path}", "--time=5", "--signal=USR2@150", str(ROOT / "sbatch" / "libra.sh"),
-         str(SMALL), f"rl.steps={steps}", "rl.update_epochs={0: 20}", "job.checkpoint_every_steps=1",
+        ["sbatch", "--parsable", f"--chdir={tmp_path}", "--time=10", "--signal=USR2@150", str(ROOT / "sbatch" / "libra.sh"),
+         str(SMALL), f"rl.steps={steps}", "rl.update_epochs={0: 20, 8: 1}", "job.checkpoint_every_steps=1",
          "cluster.max_requeues=4", f"job.cache_dir={cache}"],
         capture_output=True, text=True, check=True, env=_env(slurm_cluster)).stdout.strip()
     folder = tmp_path / "logs" / f"libra-{job_id}"
+    _wait_for_event(slurm_cluster, job_id, folder, lambda ev: any(e["kind"] == "checkpoint_saved" for e in ev),
+                    420, "first checkpoint")
+    # the warning is due at the limit less 150 s: here within 30 s of now, and 150 s before the limit
+    limit_min = _elapsed_s(slurm_cluster, job_id) // 60 + 3
+    slurm_cluster.run("scontrol", "update", f"JobId={job_id}", f"TimeLimit={limit_min}")
     _wait_for_event(slurm_cluster, job_id, folder, lambda ev: any(e["kind"] == "requeue_requested" for e in ev),
-                    420, "requeue request after the time-limit warning")
+                    300, "requeue request after the time-limit warning")
     slurm_cluster.run("scontrol", "update", f"JobId={job_id}", "TimeLimit=30")
     _wait_for_event(slurm_cluster, job_id, folder,
                     lambda ev: sum(e["kind"] == "world_started" for e in ev) >= 2
