@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from test_slurm_cluster import wait_for_slurm
 
 from libra_hpc.metrics.runlog import read_jsonl
 
@@ -68,8 +69,12 @@ def test_launch_py_submits_and_follows(slurm_cluster, tmp_path):
     assert f"job {job_id}: RUNNING" in done.stdout and "done: Slurm state COMPLETED" in done.stdout
     assert "layout_applied: v1" in done.stdout  # progress was streamed while it ran
     _assert_world_events(tmp_path / f"libra-{job_id}", nodes=4, gpus=2)
-    # With accounting on, Slurm keeps the real final state.
-    assert slurm_cluster.run("sacct", "-X", "-n", "-j", job_id, "-o", "State").split() == ["COMPLETED"]
+    # With accounting on, Slurm keeps the real final state (slurmdbd records it a moment
+    # after the job ends: RUNNING until then).
+    state = wait_for_slurm(slurm_cluster, f"job {job_id}'s final state in sacct",
+                           lambda: slurm_cluster.run("sacct", "-X", "-n", "-j", job_id, "-o", "State").split(),
+                           until=lambda got: got != ["RUNNING"])
+    assert state == ["COMPLETED"]
 
 
 def test_launch_py_reports_a_failed_job(slurm_cluster, tmp_path):
