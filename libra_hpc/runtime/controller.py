@@ -267,8 +267,7 @@ class JobController:
     # ------------------------------------------------------------------ rollout and training
 
     def _begin_rl(self) -> None:
-        """Training starts (or resumes) at the current version: its batch and the ones the
-        staleness bound lets run ahead are submitted."""
+        """Training starts (or resumes) at the current version (the tracker submits what runs first)."""
         self.phase = "rl"
         self.rl_started = time.perf_counter()
         self.batches.begin(self.state.version)
@@ -280,9 +279,8 @@ class JobController:
             self.batches.submit(b)
 
     def _route(self, source: int, tid: str, replica: int) -> None:
-        """Tell leader ``source`` where trajectory ``tid`` goes: every rank of DP
-        ``replica``, by the path of ``parallel.dispatch`` (direct, or through the first
-        training rank, which forwards: the ``forward`` hops)."""
+        """Tell leader ``source`` where trajectory ``tid`` goes: every rank of DP ``replica``, by
+        ``parallel.dispatch``'s path (direct, or through the first training rank: ``forward``)."""
         replicas = self.state.roles.replicas
         hops = make_dispatcher(self.cfg.parallel.dispatch, replicas[0][0]).path(source, replicas[replica])
         self._send(source, {"op": "route", "tid": tid, "dest": list(hops[0].dests), "replica": replica,
@@ -337,8 +335,7 @@ class JobController:
         return record["rows"]
 
     def rebuild_queue(self) -> None:
-        """A fresh queue service on the current layout's buckets (a replan's relayout
-        starts; nothing is in flight). Its migrations add to the ones counted before."""
+        """A fresh queue service on the layout's buckets (a replan's relayout starts; nothing in flight)."""
         s = self.state
         self.migrations_before += s.service.stats()["migrations"]
         self.migrations_seen = 0
