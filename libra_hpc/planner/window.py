@@ -74,16 +74,6 @@ class StepWindow:
                             "step_s_before": round(b, 3), "step_s_after": round(a, 3)})
         return out
 
-    def state_dict(self) -> dict:
-        return {"times": [list(t) for t in self.times], "step_times": [list(t) for t in self.step_times],
-                "measure_from": self.measure_from, "gain_checks": [[v, dict(r)] for v, r in self.gain_checks]}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.times = [tuple(t) for t in state["times"]]
-        self.step_times = [tuple(t) for t in state["step_times"]]
-        self.measure_from = state["measure_from"]
-        self.gain_checks = [(v, dict(r)) for v, r in state["gain_checks"]]
-
 
 @dataclass
 class PendingChange:

@@ -269,7 +269,7 @@ class PlannerDriver:
         """Start the waiting change once the pending-change rule says it is due
         (``rolling``, ``untrained``: the batch tracker's answers)."""
         p = self.pending
-        if p is None or self.relayout.pending is not None or not p.due(
+        if p is None or not p.due(
                 rolling=rolling, untrained=untrained, training=self.s.training, moving=self.relayout.moving()):
             return []
         return self.relayout.replace(p.change, self.pool_instances())

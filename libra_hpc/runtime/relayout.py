@@ -93,8 +93,7 @@ class Relayouts:
     def lend(self, instances: list[int], pool_instances: set[int], direction: dict) -> Sends:
         """A borrow: ``instances`` (the replica's) stop taking turns and leave once they
         hold none. ``direction``: the switch's record so far (replica, predicted gain)."""
-        self.switch = {**direction, "decided": time.perf_counter(), "step": self.s.version}
-        self._tokens_mark(pool_instances)
+        self._begin(direction, pool_instances)
         return self._leave(instances, self.s.next_step())
 
     def _leave(self, instances: list[int], until: int) -> Sends:
@@ -121,12 +120,11 @@ class Relayouts:
                   direction: dict) -> Sends:
         """A release: no new group goes to the replica's DP ranks; it leaves training once
         no untrained batch has a group there."""
-        self.switch = {**direction, "decided": time.perf_counter(), "step": self.s.version}
+        self._begin(direction, pool_instances)
         train, layout = self.s.layout.training, self.s.layout
         core = len([s for s in train.slots if s not in layout.hybrid]) // (train.tp * train.pp)
         self.no_route.update(range(core, train.dp))
         self.pending = ("leave", (rid, slots), list(instances))
-        self._tokens_mark(pool_instances)
         return self.advance()
 
     def replace(self, change: Any, pool_instances: set[int]) -> Sends:
@@ -140,8 +138,7 @@ class Relayouts:
         keep = {g.slots for g in layout.rollout_instances}
         dropped = [i for i in s.roles.leaders if s.roles.groups[i].slots not in keep]
         self.pending = ("replan", (change, layout, ids), dropped)
-        self.switch = {"direction": "replan", "decided": time.perf_counter(), "step": s.version}
-        self._tokens_mark(pool_instances)
+        self._begin({"direction": "replan"}, pool_instances)
         return self._leave(dropped, s.version) + self.advance()
 
     # ------------------------------------------------------------------ the relayout
@@ -188,7 +185,7 @@ class Relayouts:
             s.leader_version.pop(rank, None)
         command = {"op": "relayout", "roles": roles, "checkpoint": str(s.runlog.folder / f"relayout-v{layout.version}"),
                    "version": s.version, "fresh_leaders": fresh, "reason": layout.reason}
-        self.switch.update(started=time.perf_counter(), version=layout.version, kind=kind)
+        self.switch["started"] = time.perf_counter()
         sends: Sends = [(rank, command) for rank in sorted(moved)]
         sends += [(rank, {"op": "roles", "roles": roles}) for rank in roles.leaders.values() if rank not in moved]
         self.relaying = set(moved)
@@ -233,8 +230,10 @@ class Relayouts:
 
     # ------------------------------------------------------------------ measurements
 
-    def _tokens_mark(self, pool_instances: set[int]) -> None:
-        """The switch starts: the tokens the rollout instances outside the pool made so far."""
+    def _begin(self, direction: dict, pool_instances: set[int]) -> None:
+        """A switch is decided (``direction``: its kind and predicted gain): its clock starts,
+        and the tokens the rollout instances outside the pool made so far are marked."""
+        self.switch = {**direction, "decided": time.perf_counter()}
         self.mark = (time.perf_counter(), {i: m["tokens"] for i, m in self.s.leader_load.items()
                                            if i not in pool_instances})
 
