@@ -38,6 +38,7 @@ from libra_hpc.engines.rollout.options import (
     engine_kwargs,
     instance_devices,
 )
+from libra_hpc.engines.rollout.reaping import bind_workers_to_parent
 from libra_hpc.engines.rollout.types import Generation, RolloutStats
 
 log = logging.getLogger(__name__)
@@ -92,6 +93,8 @@ class VllmRolloutEngine:
         self._torch_threads = (torch.set_num_threads, torch.get_num_threads())
         if device == "cpu" and tp == 1:
             torch.set_num_threads(cpu_threads)
+        if tp > 1:
+            bind_workers_to_parent()  # a killed rank must not leave its TP workers running
         started = time.perf_counter()
         try:
             self._llm = LLM(**engine_kwargs(str(self.model_path), tp=tp, device=device, dtype=dtype, seed=seed,
