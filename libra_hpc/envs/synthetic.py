@@ -22,8 +22,14 @@ depend on which other steps were generated, and search can simulate a few steps 
   long turn (``stretch.failure``) fixing one bug; a hang costs the tool's full ``timeout_s``
   and a retry turn; a success leads to a short turn and, with ``check_again``, one more call.
   So failures causally lengthen what follows: the signal C-MLFQ routes on.
-- Drift: a multiplier ``m(step)`` (:func:`drift`) on turn length and on the odds of calling
-  again after a success (the policy learns to use tools, then becomes more economical).
+- Drift (:class:`DriftSpec`): how the policy's behaviour moves over RL steps. Per field, a
+  piecewise-linear multiplier over steps (:func:`piecewise`) on prompt length, turn length,
+  tool output size, tool latency, the failure and timeout rates, the bug rate, the odds of
+  another call and the turn budget, so drift can move rollout and training apart (longer
+  tool chains load rollout only; longer contexts load training more than decode). The older
+  form, one multiplier ``m(step)`` (:func:`drift`) on turn length and on the odds of calling
+  again after a success, stays valid and multiplies on top. Drift changes only the values
+  drawn, never the number of draws, so a batch without drift is the same draw for draw.
 - Every trajectory stops at ``max_turns`` turns or when its context reaches ``seq_len``
   (prompts are capped at half of ``seq_len``, the rest is room for turns and tool outputs).
 
@@ -39,7 +45,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from libra_hpc.config import RLConfig, _Section
 
@@ -93,10 +99,25 @@ class ToolSpec(_Section):
         return self
 
 
+Points = list[list[float]]
+"""A piecewise-linear multiplier over RL steps: ``[[step, multiplier], ...]``."""
+
+RATE_CAP = 0.95
+"""Highest probability a drifted rate (bug, failure, timeout, another call) reaches."""
+
+
 class DriftSpec(_Section):
-    """Non-stationary lengths over RL steps: multiplier ``m(s)`` on turn tokens and on the
-    odds of another tool call. It rises linearly from 1 to ``1 + growth`` at ``peak_step``,
-    then falls linearly by ``decline × growth`` until the last step."""
+    """Non-stationary workload over RL steps. Each per-field key (``prompt_tokens`` ...
+    ``max_turns``) is a piecewise-linear multiplier ``[[step, multiplier], ...]``: steps are
+    0-based RL steps, strictly increasing; the multiplier is linear between two points and
+    flat before the first and after the last (``[[0, 1], [40, 2.5]]``: ×1 at step 0, ×1.75
+    at step 20, ×2.5 from step 40 on). A key left out is ×1 at every step. Probabilities
+    (``bug_rate``, ``error_rate``, ``timeout_rate``, ``check_again``) are capped at 0.95
+    once multiplied. The older keys ``growth``, ``peak_step``, ``decline`` give one
+    multiplier ``m(s)`` on turn tokens and on the odds of another tool call: it rises
+    linearly from 1 to ``1 + growth`` at ``peak_step``, then falls linearly by ``decline ×
+    growth`` until the last step (``rl.steps`` − 1); a per-field multiplier on the same
+    quantity multiplies on top of it."""
 
     growth: float = Field(0.0, ge=0)
     """Relative growth of turn length and tool use at the peak (0.5: +50%)."""
@@ -104,6 +125,73 @@ class DriftSpec(_Section):
     """Step of the peak."""
     decline: float = Field(0.0, ge=0, le=1)
     """Fraction of the growth given back between the peak and the last step."""
+    prompt_tokens: Points | None = None
+    """Multiplier on the prompt length of every prompt (longer system prompts, task
+    statements or retrieved context); still capped at half of ``training.seq_len``."""
+    turn_tokens: Points | None = None
+    """Multiplier on the tokens of every turn (the policy thinks and writes more per turn)."""
+    tool_output_tokens: Points | None = None
+    """Multiplier on every tool's output size, every status (the policy reads more: wider
+    file views, longer test logs)."""
+    tool_latency: Points | None = None
+    """Multiplier on every tool's call latency (heavier commands, full test suites); a call
+    still ends at its tool's ``timeout_s``."""
+    error_rate: Points | None = None
+    """Multiplier on every tool's ``error_rate`` (failures unrelated to bugs: malformed
+    calls, bad queries)."""
+    bug_rate: Points | None = None
+    """Multiplier on each prompt's bug rate: more bugs make longer fail-and-fix tool chains
+    on bug-sensitive tools."""
+    timeout_rate: Points | None = None
+    """Multiplier on every tool's ``timeout_rate`` (hanging commands; each costs the tool's
+    ``timeout_s`` and a retry turn)."""
+    check_again: Points | None = None
+    """Multiplier on ``check_again``, the odds of one more tool call after a success
+    (turns per episode: how long the agent keeps verifying)."""
+    max_turns: Points | None = None
+    """Multiplier on ``max_turns``, the turn budget per trajectory (rounded, at least 1)."""
+
+    @field_validator("prompt_tokens", "turn_tokens", "tool_output_tokens", "tool_latency", "error_rate",
+                     "bug_rate", "timeout_rate", "check_again", "max_turns")
+    @classmethod
+    def _points(cls, points: Points | None) -> Points | None:
+        if points is None:
+            return None
+        if not points:
+            raise ValueError("needs at least one [step, multiplier] point")
+        for point in points:
+            if len(point) != 2:
+                raise ValueError(f"point {point}: need [step, multiplier]")
+            step, mult = point
+            if step < 0 or step != int(step):
+                raise ValueError(f"point {point}: the step must be a whole number >= 0")
+            if mult < 0:
+                raise ValueError(f"point {point}: the multiplier must be >= 0")
+        steps = [int(p[0]) for p in points]
+        if any(b <= a for a, b in zip(steps, steps[1:])):
+            raise ValueError(f"steps {steps} must be strictly increasing")
+        return points
+
+
+PER_FIELD = ("prompt_tokens", "turn_tokens", "tool_output_tokens", "tool_latency", "error_rate", "bug_rate",
+             "timeout_rate", "check_again", "max_turns")
+"""The per-field drift keys of :class:`DriftSpec`, in the order of :class:`Multipliers`."""
+
+
+@dataclass(frozen=True, slots=True)
+class Multipliers:
+    """The drift's multipliers at one step, one per :data:`PER_FIELD` key; ``turn_tokens``
+    and ``check_again`` include the older ``m(s)`` (:func:`drift`)."""
+
+    prompt_tokens: float = 1.0
+    turn_tokens: float = 1.0
+    tool_output_tokens: float = 1.0
+    tool_latency: float = 1.0
+    error_rate: float = 1.0
+    bug_rate: float = 1.0
+    timeout_rate: float = 1.0
+    check_again: float = 1.0
+    max_turns: float = 1.0
 
 
 class WorkloadSpec(_Section):
@@ -212,14 +300,42 @@ class Trajectory:
 
 
 def drift(step: int, steps: int, spec: DriftSpec) -> float:
-    """Multiplier at ``step`` (0-based) of ``steps``: 1 → 1 + growth at ``peak_step``,
-    then down by ``decline × growth`` at the last step."""
+    """The older form's multiplier at ``step`` (0-based) of ``steps``: 1 → 1 + growth at
+    ``peak_step``, then down by ``decline × growth`` at the last step."""
     if spec.growth == 0:
         return 1.0
     if step <= spec.peak_step:
         return 1.0 + spec.growth * step / spec.peak_step
     tail = max(1, steps - 1 - spec.peak_step)
     return 1.0 + spec.growth * (1.0 - spec.decline * min(1.0, (step - spec.peak_step) / tail))
+
+
+def piecewise(points: Points | None, step: float) -> float:
+    """``points`` (``[[step, multiplier], ...]``, steps increasing) at ``step``: linear
+    between two points, flat outside them; 1 when there are none."""
+    if not points:
+        return 1.0
+    if step <= points[0][0]:
+        return float(points[0][1])
+    for (s0, m0), (s1, m1) in zip(points, points[1:]):
+        if step <= s1:
+            return m0 + (m1 - m0) * (step - s0) / (s1 - s0)
+    return float(points[-1][1])
+
+
+def multipliers(step: int, steps: int, spec: DriftSpec) -> Multipliers:
+    """Every drifted quantity's multiplier at ``step`` (0-based) of ``steps``."""
+    m = {key: piecewise(getattr(spec, key), step) for key in PER_FIELD}
+    old = drift(step, steps, spec)
+    m["turn_tokens"] *= old
+    m["check_again"] *= old
+    return Multipliers(**m)
+
+
+def _rate(rate: float, m: float) -> float:
+    """A probability under a drift multiplier, capped at :data:`RATE_CAP` (unchanged at ×1,
+    so a workload without drift draws exactly as before)."""
+    return rate if m == 1.0 else min(RATE_CAP, rate * m)
 
 
 @dataclass(frozen=True)
@@ -266,27 +382,29 @@ class SyntheticWorkload:
     def batch(self, step: int) -> list[Trajectory]:
         """The ``prompts_per_step × group_size`` trajectories of RL step ``step``, group by group."""
         rng = random.Random(f"{self.seed}:step:{step}")
-        scale = drift(step, self.rl.steps, self.spec.drift)
+        m = multipliers(step, self.rl.steps, self.spec.drift)
         chosen = rng.sample(self.prompts, self.rl.prompts_per_step)
-        return [self._trajectory(rng, p, step, k, scale) for p in chosen for k in range(self.rl.group_size)]
+        return [self._trajectory(rng, p, step, k, m) for p in chosen for k in range(self.rl.group_size)]
 
-    def _trajectory(self, rng: random.Random, p: _Prompt, step: int, sample: int, scale: float) -> Trajectory:
+    def _trajectory(self, rng: random.Random, p: _Prompt, step: int, sample: int, m: Multipliers) -> Trajectory:
         s = self.spec
-        room = self.seq_len - p.prompt_tokens  # context left for turns and tool outputs
+        prompt_tokens = max(1, min(self.seq_len // 2, round(p.prompt_tokens * m.prompt_tokens)))
+        room = self.seq_len - prompt_tokens  # context left for turns and tool outputs
+        max_turns = max(1, round(s.max_turns * m.max_turns))
 
         def turn(kind: str) -> int:
-            return max(1, round(_lognormal(rng, s.turn_tokens.median * p.difficulty * scale * s.stretch[kind],
+            return max(1, round(_lognormal(rng, s.turn_tokens.median * p.difficulty * m.turn_tokens * s.stretch[kind],
                                            s.turn_tokens.sigma)))
 
-        bugs = 0
-        while rng.random() < p.bug_rate:
+        bugs, bug_rate = 0, _rate(p.bug_rate, m.bug_rate)
+        while rng.random() < bug_rate:
             bugs += 1
         turns, calls = [min(turn("write"), max(1, room))], []
         room -= turns[0]
         more = rng.random() >= s.no_tool
-        while more and len(turns) < s.max_turns and room > 1:
+        while more and len(turns) < max_turns and room > 1:
             tool = rng.choices(s.tools, p.tool_weights)[0]
-            call, fixed = _call(rng, tool, p, bugs)
+            call, fixed = _call(rng, tool, p, bugs, m)
             bugs -= fixed
             nxt = turn(call.status)
             if call.output_tokens + nxt > room:  # the context is full: the trajectory is cut here
@@ -295,25 +413,25 @@ class SyntheticWorkload:
             turns.append(nxt)
             room -= call.output_tokens + nxt
             if call.status == "success" and not bugs:
-                more = rng.random() < min(0.95, s.check_again * scale)
-        return Trajectory(f"s{step}/{p.pid}/{sample}", p.pid, step, sample, p.prompt_tokens, tuple(turns), tuple(calls))
+                more = rng.random() < min(RATE_CAP, s.check_again * m.check_again)
+        return Trajectory(f"s{step}/{p.pid}/{sample}", p.pid, step, sample, prompt_tokens, tuple(turns), tuple(calls))
 
 
-def _call(rng: random.Random, tool: ToolSpec, p: _Prompt, bugs: int) -> tuple[ToolCall, int]:
-    """One call of ``tool`` while ``bugs`` remain; returns it and the bugs it fixes (the
-    agent fixes one bug per failing call's follow-up turn)."""
-    if rng.random() < tool.timeout_rate * p.timeout_scale:
+def _call(rng: random.Random, tool: ToolSpec, p: _Prompt, bugs: int, m: Multipliers) -> tuple[ToolCall, int]:
+    """One call of ``tool`` while ``bugs`` remain, under the step's drift ``m``; returns it
+    and the bugs it fixes (the agent fixes one bug per failing call's follow-up turn)."""
+    if rng.random() < _rate(tool.timeout_rate * p.timeout_scale, m.timeout_rate):
         status, latency, fixed = "timeout", tool.timeout_s, 0
-    elif (tool.fails_on_bug and bugs) or rng.random() < tool.error_rate:
+    elif (tool.fails_on_bug and bugs) or rng.random() < _rate(tool.error_rate, m.error_rate):
         status = "failure"
-        latency = min(tool.timeout_s, _lognormal(rng, tool.latency_s.median, tool.latency_s.sigma)
+        latency = min(tool.timeout_s, _lognormal(rng, tool.latency_s.median * m.tool_latency, tool.latency_s.sigma)
                       * tool.failure_latency_factor)
         fixed = 1 if tool.fails_on_bug and bugs else 0
     else:
         status, fixed = "success", 0
-        latency = min(tool.timeout_s, _lognormal(rng, tool.latency_s.median, tool.latency_s.sigma))
+        latency = min(tool.timeout_s, _lognormal(rng, tool.latency_s.median * m.tool_latency, tool.latency_s.sigma))
     out = tool.output_tokens[status]
-    median = out.median
+    median = out.median * m.tool_output_tokens
     if fixed and tool.failure_output_per_bug:  # a bug failure: one traceback per bug left
         median *= 1.0 + tool.failure_output_per_bug * (bugs - 1)
     return ToolCall(tool.name, latency, status, max(1, round(_lognormal(rng, median, out.sigma)))), fixed
