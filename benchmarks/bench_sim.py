@@ -1,14 +1,19 @@
 """Cluster simulator: every policy on the paper scenario, and the speed of the simulated clock's event heap.
 
     python benchmarks/bench_sim.py [--config configs/sim/a800-swe.yaml] [--steps N] [--out DIR] [--partial] [--stream]
+                                   [--phase-window W]
     python benchmarks/bench_sim.py --engine     # SimClock's heapq loop vs the alternatives considered
 
 Runs the scenario (48 A800-80G, Qwen3-14B, SWE-style agent, 100 RL steps by default) for
 every policy of the scenario file, prints the comparison table and the critical-path floor
 of the batches (the serial time of the longest trajectory alone on the fastest instance
 shape: no policy's rollout can beat it), and writes the report folder. The last line is one
-JSON object: libra_vs_colocated, libra_vs_async_static, libra_vs_oracle (throughput
-ratios; the oracle is the better of ``oracle`` and ``oracle_best``, named by oracle_used),
+JSON object: libra_vs_colocated, libra_vs_static_hindsight, libra_vs_static_pilot,
+libra_vs_phase_static (throughput ratios; over the steps both completed when one ran out of
+memory), phase_gain (phase_static over static_hindsight: what a split changed every
+``search.phase_window`` steps can win), static_pilot_failed_steps (steps the pilot's split
+could not run), libra_vs_true_lengths (the better of ``libra_true_lengths`` and
+``static_true_lengths``, named by true_lengths_used),
 libra_vs_bound (the physical bound's time over Libra's: libra_hpc/sim/bound.py),
 Libra's trained_p90_over_generated_p90 and dropped_token_share (partial rollout's guards:
 1.0 and 0.0 without it), libra_predicted_over_simulated (the planner's predicted step on
@@ -79,6 +84,7 @@ def main() -> None:
                         help="rl.stream_training=true (asynchronous policies train each group as it finishes)")
     parser.add_argument("--partial", action="store_true",
                         help="rl.partial_rollout=true (asynchronous policies; the static split keeps the better of on/off)")
+    parser.add_argument("--phase-window", type=int, help="override search.phase_window (phase_static's steps per window)")
     args = parser.parse_args()
     if args.engine:
         print(f"{'live events':>12} {'heapq':>12} {'bisect list':>12} {'PriorityQueue':>14}  (push+pop pairs/s)")
@@ -90,7 +96,8 @@ def main() -> None:
         print(json.dumps({"engine_pairs_per_s": rows}))
         return
     overrides = {**({"rl.steps": args.steps} if args.steps else {}), **({"rl.partial_rollout": True} if args.partial else {}),
-                 **({"rl.stream_training": True} if args.stream else {})}
+                 **({"rl.stream_training": True} if args.stream else {}),
+                 **({"search.phase_window": args.phase_window} if args.phase_window else {})}
     cfg = load_sim_config(args.config, overrides or None)
     t0 = time.perf_counter()
     result = run_scenario(cfg)

@@ -5,6 +5,7 @@ crashing the comparison."""
 
 from __future__ import annotations
 
+import statistics
 from dataclasses import replace
 from pathlib import Path
 
@@ -14,8 +15,12 @@ from libra_hpc.planner.costs import LengthProfile, LengthSample
 from libra_hpc.planner.profiles import load_hardware, load_model
 from libra_hpc.planner.search import PlannerOptions, RLBatch, fitting_training_cost, plan
 from libra_hpc.sim.config import load_sim_config
-from libra_hpc.sim.report import table
+from libra_hpc.sim.context import Context
+from libra_hpc.sim.controller import PolicyRun
+from libra_hpc.sim.policies import SETUPS
+from libra_hpc.sim.report import ratios, table
 from libra_hpc.sim.run import run_scenario
+from libra_hpc.sim.search import as_candidate, top_plans
 
 ROOT = Path(__file__).resolve().parents[1]
 GROWTH = ROOT / "configs" / "sim" / "context-growth.yaml"
@@ -35,8 +40,18 @@ def test_a_plan_fits_the_length_the_batch_can_reach():
 
 @pytest.fixture(scope="module")
 def growth():
-    cfg = load_sim_config(GROWTH)  # 60 steps: the searched static split overflows at step 50
-    return cfg, run_scenario(cfg, ["async_static", "libra"])
+    """Libra over context-growth's 60 steps, and beside it (as ``static_pilot``) one of the
+    best plans for the first 5 batches with training sized for them alone, fixed: the best
+    whose shape cannot hold the contexts of step 50 even with recomputation."""
+    cfg = load_sim_config(GROWTH)
+    result = run_scenario(cfg, ["libra"])
+    ctx = Context(cfg)
+    late = statistics.fmean(t.total_tokens for t in ctx.batch(50))
+    early = [p for p in top_plans(ctx, range(5), 5)
+             if fitting_training_cost(ctx.model, ctx.hw, replace(p.train, seq_len=round(late)), ctx.cal).infeasible]
+    _, layout, train = as_candidate(ctx, early[0], "early")
+    result.runs["static_pilot"] = PolicyRun(ctx, SETUPS["static_pilot"], layout, train, cfg.rl.steps).run()
+    return cfg, result
 
 
 def test_libra_moves_to_a_shape_that_fits_before_it_would_run_out_of_memory(growth):
@@ -50,11 +65,17 @@ def test_libra_moves_to_a_shape_that_fits_before_it_would_run_out_of_memory(grow
 
 def test_a_fixed_policy_that_overflows_is_reported_with_its_step_not_raised(growth):
     cfg, result = growth
-    oom = result.oom("async_static")
+    oom = result.oom("static_pilot")
     assert oom is not None and 0 < oom["step"] < cfg.rl.steps
     assert oom["shape"].startswith("TP") and oom["seq_tokens"] > 0 and "GB per GPU" in oom["why"]
-    assert result.runs["async_static"].summary["steps"] == oom["step"]  # every step before it ran
-    assert result.ratio("libra", "async_static") is None and result.vs_bound("async_static") is None
+    assert result.runs["static_pilot"].summary["steps"] == oom["step"]  # every step before it ran
+    assert result.failed_steps("static_pilot") == cfg.rl.steps - oom["step"] and result.failed_steps("libra") == 0
+    # compared over the steps both completed: the time each took to finish steps 0..oom-1
+    m = oom["step"] - 1
+    assert result.ratio("libra", "static_pilot") == pytest.approx(result.time_to("static_pilot", m)
+                                                                  / result.time_to("libra", m))
+    assert result.vs_bound("static_pilot") is None
+    assert ratios(result)["static_pilot_failed_steps"] == cfg.rl.steps - oom["step"]
     assert any(f"out of memory at step {oom['step']}" in line for line in table(result))
 
 

@@ -12,20 +12,20 @@ from libra_hpc.sim.config import load_sim_config
 from libra_hpc.sim.context import Context
 from libra_hpc.sim.controller import PolicyRun
 from libra_hpc.sim.policies import SETUPS
-from libra_hpc.sim.search import search_async_static
+from libra_hpc.sim.search import as_candidate, top_plans
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module", params=[0, 1])
 def partial_run(request):
-    """The searched static split of a small search-agent scenario, partial rollout on."""
+    """The best hindsight plan of a small search-agent scenario, run fixed, partial rollout on."""
     cfg = load_sim_config(ROOT / "configs" / "sim" / "search-agent.yaml",
                           {"rl.steps": 12, "rl.prompts_per_step": 16, "rl.max_staleness": request.param,
                            "rl.partial_rollout": True, "search.sample_steps": 1})
     ctx = Context(cfg)
-    layout, train, _ = search_async_static(ctx)
-    run = PolicyRun(ctx, SETUPS["async_static"], layout, train, cfg.rl.steps)
+    _, layout, train = as_candidate(ctx, top_plans(ctx, range(cfg.rl.steps), 1)[0], "best")
+    run = PolicyRun(ctx, SETUPS["static_hindsight"], layout, train, cfg.rl.steps)
     rec = run.run()
     return cfg, ctx, run, rec
 
@@ -60,5 +60,5 @@ def test_a_synchronous_policy_never_runs_partial_rollout():
     cfg = load_sim_config(ROOT / "configs" / "sim" / "search-agent.yaml",
                           {"rl.steps": 2, "rl.prompts_per_step": 4, "rl.partial_rollout": True})
     ctx = Context(cfg)
-    layout, train, _ = search_async_static(ctx)
+    _, layout, train = as_candidate(ctx, top_plans(ctx, range(cfg.rl.steps), 1)[0], "best")
     assert not PolicyRun(ctx, SETUPS["colocated"], layout, train, 2, colocated=True).partial

@@ -120,11 +120,11 @@ def steady_step(ctx, policy, train_s, colocated=False):
 @pytest.mark.parametrize("train_s, expected", [(0.5, 0.75), (3.0, 3.0)])
 def test_async_steady_state_is_max_of_training_and_half_the_cycle(pipeline_ctx, train_s, expected):
     # Staleness 1: step s ends at max(end(s-2) + M, end(s-1)) + T, i.e. max(T, (M + T) / 2).
-    assert steady_step(pipeline_ctx(1), "async_static", train_s) == pytest.approx(expected)
+    assert steady_step(pipeline_ctx(1), "static_hindsight", train_s) == pytest.approx(expected)
 
 
 def test_zero_staleness_serialises_and_colocated_adds_the_switch(pipeline_ctx):
-    assert steady_step(pipeline_ctx(0), "async_static", 0.5) == pytest.approx(1.5)
+    assert steady_step(pipeline_ctx(0), "static_hindsight", 0.5) == pytest.approx(1.5)
     assert steady_step(pipeline_ctx(1, switch=0.4), "colocated", 0.5, colocated=True) == pytest.approx(1.9)
 
 
@@ -183,8 +183,8 @@ def test_streamed_training_leaves_only_the_last_groups_share_after_the_rollout(s
     pipelined_step_s with stream_groups G; without it max(T, (M + T) / (k + 1))."""
     from libra_hpc.planner.control import pipelined_step_s
 
-    streamed = steady_step(spread_ctx(True), "async_static", train_s)
-    whole = steady_step(spread_ctx(False), "async_static", train_s)
+    streamed = steady_step(spread_ctx(True), "static_hindsight", train_s)
+    whole = steady_step(spread_ctx(False), "static_hindsight", train_s)
     assert whole == pytest.approx(pipelined_step_s(train_s, 1.0, 1))
     assert streamed == pytest.approx(pipelined_step_s(train_s, 1.0, 1, stream_groups=4), rel=0.01)  # 10 ms steps
     assert streamed < whole or train_s >= 1.0  # training-bound: nothing to hide

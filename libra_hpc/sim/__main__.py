@@ -29,6 +29,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="override a field, e.g. --set rl.steps=6 (repeatable; values are YAML)")
     parser.add_argument("--steps", type=int, help="shortcut for --set rl.steps=N")
     parser.add_argument("--seed", type=int, help="shortcut for --set rl.seed=N")
+    parser.add_argument("--phase-window", type=int, help="shortcut for --set search.phase_window=W (phase_static)")
     parser.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     parser.add_argument("--write-trace", metavar="FILE", help="write the workload as a JSONL trace and exit")
     parser.add_argument("--log-level", default="WARNING", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
@@ -37,7 +38,8 @@ def main(argv: list[str] | None = None) -> int:
     names = [p.strip() for p in args.policies.split(",") if p.strip()] if args.policies else None
     try:
         cfg = load_config(args.config, args.set, schema=SimConfig,
-                          **{"rl.steps": args.steps, "rl.seed": args.seed, "policies": names})
+                          **{"rl.steps": args.steps, "rl.seed": args.seed, "policies": names,
+                             "search.phase_window": args.phase_window})
         if args.write_trace:
             ctx = Context(cfg)
             n = write_trace(args.write_trace, (t for s in range(cfg.rl.steps) for t in ctx.batch(s)))

@@ -14,17 +14,33 @@ keys, like an experiment. The scenario files say where each number comes from.
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from libra_hpc.config import ExperimentConfig, _Section, check_common, load_config, validate_config
 from libra_hpc.envs.synthetic import WorkloadSpec
 
-POLICIES = ("colocated", "async_static", "libra", "libra_no_replan", "libra_no_hybrid", "homogeneous_least_load",
-            "length_aware", "oracle", "oracle_best")
+log = logging.getLogger(__name__)
+
+POLICIES = ("colocated", "libra", "static_hindsight", "static_pilot", "phase_static", "libra_no_replan",
+            "libra_no_hybrid", "homogeneous_least_load", "length_aware", "libra_true_lengths", "static_true_lengths")
 """Registered policy names (libra_hpc/sim/policies.py)."""
+
+ALIASES = {"async_static": "static_hindsight", "oracle": "libra_true_lengths", "oracle_best": "static_true_lengths"}
+"""Old policy names and the policies they now load as: ``async_static`` (the best fixed split,
+once searched over whole-node training sizes and one rollout TP) is ``static_hindsight``;
+the two "oracles" were Libra's plans or the static split with true lengths, not optima."""
+
+
+def policy_name(name: str) -> str:
+    """The registered name of ``name`` (an old alias maps to its new name, logged)."""
+    if name in ALIASES:
+        log.warning("policy %r is now called %r (it loads as that)", name, ALIASES[name])
+        return ALIASES[name]
+    return name
 
 
 class CostSpec(_Section):
@@ -57,7 +73,15 @@ class SearchSpec(_Section):
     """How baselines get their best static configuration."""
 
     sample_steps: int = Field(3, ge=1)
-    """RL steps, spread over the run, on which each candidate configuration is simulated."""
+    """RL steps, spread over the run, on which each colocated candidate configuration is
+    simulated."""
+    top_plans: int = Field(5, ge=1)
+    """``static_hindsight`` and ``phase_static``: how many of the plan search's best plans
+    (one per training GPU count, on the lengths the run or window will see) are simulated,
+    beside every layout Libra applied; the best simulated tokens/s wins."""
+    phase_window: int = Field(20, ge=1)
+    """``phase_static``: RL steps per window; each window runs its own hindsight-best split,
+    paying Libra's relayout cost (drain, then ``costs.reconfig_s``) at every change."""
 
 
 class SimConfig(ExperimentConfig):
@@ -75,8 +99,16 @@ class SimConfig(ExperimentConfig):
     costs: CostSpec = CostSpec()
     search: SearchSpec = SearchSpec()
     policies: list[Literal[POLICIES]] = Field(default_factory=lambda: list(POLICIES), min_length=1)  # type: ignore[valid-type]
-    """Policies to compare (``colocated``, ``async_static``, ``libra``, ``libra_no_replan``,
-    ``libra_no_hybrid``, ``homogeneous_least_load``, ``length_aware``, ``oracle``, ``oracle_best``)."""
+    """Policies to compare (``colocated``, ``libra``, ``static_hindsight``, ``static_pilot``,
+    ``phase_static``, ``libra_no_replan``, ``libra_no_hybrid``, ``homogeneous_least_load``,
+    ``length_aware``, ``libra_true_lengths``, ``static_true_lengths``; libra_hpc/sim/policies.py
+    says what each is). The old names ``async_static``, ``oracle`` and ``oracle_best`` load as
+    ``static_hindsight``, ``libra_true_lengths`` and ``static_true_lengths``."""
+
+    @field_validator("policies", mode="before")
+    @classmethod
+    def _renamed(cls, value: Any) -> Any:
+        return [policy_name(v) if isinstance(v, str) else v for v in value] if isinstance(value, list) else value
 
     def cross_field_problems(self) -> list[str]:
         """The experiment's common checks and the scenario's own. Not the live job's layout

@@ -22,6 +22,10 @@ Planned policies, after each batch completes:
   the training state (``fetch_s``), take part in the next training step with zero gradients
   and train from the one after; a released replica finishes the running training step and
   serves rollout again at once.
+
+A phased policy (``phase_static``) has no control loop but a schedule of layouts by step:
+before its first batch of a window is submitted, the window's layout becomes a pending
+change under the same rule as a replan (rollout drains, then ``reconfig_s``).
 """
 
 from __future__ import annotations
@@ -32,9 +36,12 @@ from collections import deque
 from collections.abc import Callable
 
 from libra_hpc.cluster.layout import Layout
-from libra_hpc.planner.control import ControlLoop, PoolEvent, length_profile
+from libra_hpc.planner.control import ControlLoop, LayoutChange, PoolEvent, length_profile
 from libra_hpc.planner.window import PendingChange, moves_training
 from libra_hpc.planner.costs import TrainShape
+from libra_hpc.planner.search import Plan
+from libra_hpc.planner.search import RolloutInstance as PlanInstance
+from libra_hpc.cluster.layout import Group
 from libra_hpc.sim.context import Context, describe, instances_of, samples_of
 from libra_hpc.sim.engine import Event, SimClock
 from libra_hpc.sim.policies import PolicySetup
@@ -89,13 +96,25 @@ class PolicyRun:
 
     def __init__(self, ctx: Context, setup: PolicySetup, layout: Layout, train: TrainShape, steps: int,
                  control: ControlLoop | None = None, train_time: Callable[[TrainShape, float], float] | None = None,
-                 colocated: bool = False, partial: bool | None = None, stream: bool | None = None):
+                 colocated: bool = False, partial: bool | None = None, stream: bool | None = None,
+                 initial_turns: list[tuple[int, ...]] | None = None,
+                 phases: dict[int, tuple[Layout, TrainShape]] | None = None):
         """``train_time(shape, mean_tokens)``: seconds of a training step (default: the
         planner's training cost model; tests inject fixed times). ``partial``: tail-decoupled
         rollout on or off (default: ``rl.partial_rollout``; never for a synchronous policy).
         ``stream``: groups trained as they finish (default: ``rl.stream_training``; never
-        synchronous or with partial rollout)."""
+        synchronous or with partial rollout). ``initial_turns``: per-turn tokens the first
+        bucket limits are placed on when there is no control loop (a planned policy's come
+        from its prior). ``phases``: step → (layout, training shape) from that step on (a
+        fixed policy only): batch ``step`` is submitted on it, after the change's drain and
+        ``costs.reconfig_s``."""
+        if phases and control is not None:
+            raise ValueError("a phased run has no control loop: its layouts are fixed per window")
         self.ctx, self.setup, self.steps, self.control = ctx, setup, steps, control
+        self.initial_turns, self.phases = initial_turns, dict(phases or {})
+        self.applied: list[tuple[Layout, TrainShape]] = []
+        """Every layout this run ran on, as a fixed split (hybrid replicas lent to training
+        counted as training): what ``static_hindsight`` tries beside the plan search's."""
         self.layout, self.train, self.colocated = layout, train, colocated
         self.train_time = train_time or (lambda shape, tokens: step_s(ctx.model, ctx.hw, shape, tokens, ctx.cal))
         self.cfg = ctx.cfg
@@ -180,7 +199,7 @@ class PolicyRun:
         """Per-turn generated tokens the first bucket limits are placed on: the prior's
         (clairvoyant: batch 0's true ones); None for unplanned policies."""
         if self.control is None:
-            return None
+            return self.initial_turns
         if self.setup.clairvoyant:
             return [t.turns for t in self.ctx.batch(0)]
         return self.control.prior_turns()
@@ -188,6 +207,21 @@ class PolicyRun:
     def _record_allocation(self, now: float, why: str) -> None:
         self.rec.allocation(now, describe(self.layout, self.train, self.pool, self.colocated), why,
                             self._train_gpus(), self.rollout.serving_gpus())
+        if not self.colocated:
+            self.applied.append(self._as_fixed())
+
+    def _as_fixed(self) -> tuple[Layout, TrainShape]:
+        """The layout running now as a fixed split: the training group grown by the hybrid
+        replicas lent to it, the rollout instances of the others."""
+        lent = self.pool.training_replicas() if self.pool is not None else []
+        if not lent:
+            return self.layout, self.train
+        taken = {slot for r in lent for slot in r.slots}
+        shape = self._shape()
+        train = self.layout.training
+        groups = [Group(0, "training", train.slots + tuple(sorted(taken)), shape.tp, shape.pp, shape.dp)]
+        groups += [g for g in self.layout.rollout_instances if not taken & set(g.slots)]
+        return Layout(self.layout.nodes, self.layout.gpus_per_node, tuple(groups), reason="lent as fixed"), shape
 
     # ------------------------------------------------------------------ rollout
     def _try_submit(self, now: float) -> list[Event]:
@@ -200,6 +234,10 @@ class PolicyRun:
             oldest = s - self.k - 1  # the training step whose weights batch s must not be older than
             if not self.sync and oldest >= 0 and oldest not in self.train_done:
                 break
+            if self._phase_due(s, now):
+                self._apply_pending(now)
+                if self.pending is not None:
+                    break
             at = max(now, self.blocked_until)
             version = len(self.train_done)
             if not self.sync and version > self.synced:
@@ -211,6 +249,19 @@ class PolicyRun:
             self.in_flight.add(s)
             events.append(SubmitBatch(at, self._submit, s))
         return events
+
+    def _phase_due(self, step: int, now: float) -> bool:
+        """A phased run reaches the first batch of a window with a layout of its own (the
+        schedule lists changes only): that layout becomes the pending change (True)."""
+        nxt = self.phases.pop(step, None) if step else None
+        if nxt is None:
+            return False
+        layout, train = nxt
+        rollout = tuple(PlanInstance(g.tp, g.slots) for g in layout.rollout_instances)
+        plan = Plan(train, layout.training.slots, rollout, 0.0, 0.0, 0.0, "async")
+        change = LayoutChange(step, layout, plan, None, f"phase window from step {step}")
+        self.pending = PendingChange(change, now, moves_training(self.layout, layout))
+        return True
 
     def _submit(self, now: float, step: int):
         events: list[Event] = []
@@ -310,6 +361,8 @@ class PolicyRun:
         if self.control is not None:
             self.control.observe(samples_of(batch))
             events += self._adapt(step, now)
+        elif self.pending is not None:
+            events += self._apply_pending(now)
         if self.sync:
             return events + self._start_training(now + self.cfg.costs.colocate_switch_s / 2)
         return events + self._start_training(now) + self._try_submit(now)
@@ -433,12 +486,16 @@ class PolicyRun:
         change, self.pending = p.change, None
         if change.reshard:
             return self._apply_reshard(change, now)
-        self.control.apply(change)
+        if self.control is not None:
+            self.control.apply(change)
+        else:
+            self.rec.events.append({"kind": "phase_change", "step": change.step, "decided_t": p.decided_at,
+                                    "applied_t": now, "reason": change.reason})
         self.layout, self.train = change.layout, change.plan.train
         self.fetching.clear()
         self.rollout.configure(self._instances(), now, list(self.recent))
         self.blocked_until = now + self.cfg.costs.reconfig_s
-        self._record_allocation(now, "replan")
+        self._record_allocation(now, "replan" if self.control is not None else "replan (phase window)")
         return []
 
     def _apply_reshard(self, change, now: float) -> list[Event]:

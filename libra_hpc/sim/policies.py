@@ -1,26 +1,39 @@
 """The policies compared, by registered name, and the control loop a planned one runs.
 
 A policy is a :class:`PolicySetup` (how rollout and training share GPUs, which router, what
-the planner may do) plus how its allocation is found:
+the planner may do, and how its starting layout is found: ``start``):
 
 - ``colocated``: synchronous RL on all GPUs (rollout, switch, train, switch), the common
   default of open RL stacks; homogeneous instances, least-load routing. Its rollout TP is
-  the best by simulated search (libra_hpc/sim/search.py).
-- ``async_static``: disaggregated, asynchronous with bounded staleness, a fixed split; the
-  split (training GPUs) and the homogeneous rollout TP are the best by simulated search.
+  the best by simulated search (libra_hpc/sim/search.py ``search_colocated``).
 - ``libra``: the planner (plan search, replanning gate, elastic hybrid pool) and C-MLFQ
   routing over heterogeneous TP buckets.
+- ``static_hindsight``: the best fixed split. The planner's own plan search (part-node
+  training, mixed rollout TP instances) run once on the lengths of every batch of the run
+  (hindsight), then fixed: no replan, no hybrid pool, C-MLFQ routing, the run's streaming
+  and partial-rollout options. Chosen by simulated tokens/s among the search's top
+  ``search.top_plans`` plans and every layout Libra applied in the same run
+  (libra_hpc/sim/search.py ``hindsight_candidates``, ``best_simulated``).
+- ``static_pilot``: the split a user fixes after a short pilot: the planner's choice on
+  the first ``PILOT_STEPS`` batches, training sized for ``training.seq_len``, then fixed.
+  Running out of memory later is reported, not re-planned.
+- ``phase_static``: per window of ``search.phase_window`` steps, the split
+  ``static_hindsight`` would choose on that window alone; each change pays the relayout
+  Libra pays (rollout drains, then ``costs.reconfig_s``). What adaptivity can win at most
+  with that window: ``phase_gain`` = phase_static / static_hindsight.
 - ``libra_no_replan``: the initial plan is kept (hybrid pool still on).
 - ``libra_no_hybrid``: replanning on, no hybrid pool.
 - ``homogeneous_least_load``: the planner restricted to one rollout TP (the best one for
   the prior), least-load routing: no buckets to route between.
 - ``length_aware``: ``libra`` with a noisy length predictor instead of causal signals.
-- ``oracle``: ``libra`` with the true remaining lengths for routing and the next batch's
-  true lengths for planning (clairvoyant). It inherits Libra's plan family, bucket limits
-  and saturation, so it is not a bound on its own;
-- ``oracle_best``: true-length routing on the best searched asynchronous split (the
-  ``async_static`` allocation; homogeneous, so routing is least-load among equals). Ratios
-  against the oracle use the better of the two (libra_hpc/sim/report.py).
+- ``libra_true_lengths``: ``libra`` with the true remaining lengths for routing and the next
+  batch's true lengths for planning (once called ``oracle``; it inherits Libra's plan
+  family, so it is no bound).
+- ``static_true_lengths``: true-length routing on ``static_hindsight``'s split (once
+  ``oracle_best``).
+
+The old names ``async_static``, ``oracle`` and ``oracle_best`` load as ``static_hindsight``,
+``libra_true_lengths`` and ``static_true_lengths`` (libra_hpc/sim/config.py ``ALIASES``).
 """
 
 from __future__ import annotations
@@ -41,26 +54,32 @@ class PolicySetup:
     name: str
     mode: Literal["sync", "async"]
     router: str
-    planned: bool = False
-    """Allocation from the planner (else the best static one by simulated search)."""
     replan: bool = False
     hybrid: bool = False
     clairvoyant: bool = False
     single_tp: bool = False
     """Planner restricted to one rollout TP (chosen as the best for the prior)."""
+    start: Literal["planned", "colocated", "hindsight", "pilot", "phased"] = "planned"
+    """How the layout is found: the control loop (``planned``), the colocated search, the
+    hindsight plan search (``static_hindsight``'s split), the pilot's plan, or one hindsight
+    split per window (libra_hpc/sim/search.py)."""
 
+
+PILOT_STEPS = 5
+"""Batches the ``static_pilot`` user watches before fixing the split."""
 
 SETUPS: dict[str, PolicySetup] = {s.name: s for s in (
-    PolicySetup("colocated", "sync", "least_load"),
-    PolicySetup("async_static", "async", "least_load"),
-    PolicySetup("libra", "async", "cmlfq", planned=True, replan=True, hybrid=True),
-    PolicySetup("libra_no_replan", "async", "cmlfq", planned=True, replan=False, hybrid=True),
-    PolicySetup("libra_no_hybrid", "async", "cmlfq", planned=True, replan=True, hybrid=False),
-    PolicySetup("homogeneous_least_load", "async", "least_load", planned=True, replan=True, hybrid=True,
-                single_tp=True),
-    PolicySetup("length_aware", "async", "length_aware", planned=True, replan=True, hybrid=True),
-    PolicySetup("oracle", "async", "oracle", planned=True, replan=True, hybrid=True, clairvoyant=True),
-    PolicySetup("oracle_best", "async", "oracle", clairvoyant=True),
+    PolicySetup("colocated", "sync", "least_load", start="colocated"),
+    PolicySetup("libra", "async", "cmlfq", replan=True, hybrid=True),
+    PolicySetup("static_hindsight", "async", "cmlfq", start="hindsight"),
+    PolicySetup("static_pilot", "async", "cmlfq", start="pilot"),
+    PolicySetup("phase_static", "async", "cmlfq", start="phased"),
+    PolicySetup("libra_no_replan", "async", "cmlfq", replan=False, hybrid=True),
+    PolicySetup("libra_no_hybrid", "async", "cmlfq", replan=True, hybrid=False),
+    PolicySetup("homogeneous_least_load", "async", "least_load", replan=True, hybrid=True, single_tp=True),
+    PolicySetup("length_aware", "async", "length_aware", replan=True, hybrid=True),
+    PolicySetup("libra_true_lengths", "async", "oracle", replan=True, hybrid=True, clairvoyant=True),
+    PolicySetup("static_true_lengths", "async", "oracle", clairvoyant=True, start="hindsight"),
 )}
 
 

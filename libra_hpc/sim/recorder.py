@@ -2,7 +2,8 @@
 plan and hybrid-pool events, and the summary the report compares.
 
 Per step ``j`` (recorded when training step ``j`` ends): ``t_end`` (s since the start),
-``step_s`` (since the previous step ended), ``rollout_s`` (batch ``j``'s rollout makespan),
+``step_s`` (since the previous step ended), ``rollout_start`` (when batch ``j`` was
+submitted), ``rollout_s`` (batch ``j``'s rollout makespan),
 ``train_s``, ``gen_tokens``, ``trajectories``, ``rollout_gpus``/``train_gpus`` (during that
 batch / that step), ``rollout_busy`` (share of the rollout GPU-seconds of the batch's
 makespan during which an instance had something to decode or prefill: the long tail shows
@@ -58,7 +59,8 @@ class Recorder:
         rollout_s = info["end"] - info["start"]
         gpus = info["rollout_gpus"]
         busy = info["busy_gpu_s"] / (gpus * rollout_s) if gpus and rollout_s > 0 else 0.0
-        self.rows.append({"step": j, "t_end": now, "step_s": step_s, "rollout_s": rollout_s, "train_s": info["train_s"],
+        self.rows.append({"step": j, "t_end": now, "step_s": step_s, "rollout_start": info["start"],
+                          "rollout_s": rollout_s, "train_s": info["train_s"],
                           "gen_tokens": info["gen_tokens"], "trajectories": info["trajectories"],
                           "rollout_gpus": gpus, "train_gpus": info["train_gpus"], "rollout_busy": busy,
                           "train_busy": min(1.0, info["train_s"] / step_s) if step_s > 0 else 1.0,

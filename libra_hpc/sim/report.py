@@ -53,8 +53,16 @@ ASSUMPTIONS = (
     "is quadratic per sequence), weights read once."),
     ("The Libra plan's hybrid node: a rollout instance there may not span two training replicas; when the plan "
     "predicts training may bind, wider instances on that node are re-split to the widest TP that forms the pool."),
-    ("`oracle` routes with true lengths on Libra's plan; `oracle_best` on the searched asynchronous split; "
-    "libra_vs_oracle uses the better of the two."),
+    ("Fixed splits search Libra's own decision space (part-node training, mixed rollout TP instances, C-MLFQ "
+    "routing, the run's streaming and partial-rollout options): `static_hindsight` is the best simulated of the "
+    "plan search's top `search.top_plans` plans on every batch of the run and every layout Libra applied (a lent "
+    "hybrid replica counted as training); `static_pilot` the plan on the first 5 batches with training sized for "
+    "`training.seq_len`; `phase_static` the same choice per window of `search.phase_window` steps, each change "
+    "drained and paused `costs.reconfig_s` as Libra's replans are (kept when it saves no more than that pause "
+    "in the window's simulation). A policy that runs out of memory is compared over the steps both completed."),
+    ("`libra_true_lengths` routes and plans with true lengths on Libra's plan family; `static_true_lengths` routes "
+    "with true lengths on `static_hindsight`'s split; libra_vs_true_lengths uses the better of the two. Neither "
+    "is an optimum."),
     ("plan()'s async objective max(T_train, T_rollout) assumes one batch in flight; the simulated pipeline "
     "overlaps up to k + 1 batches, so the simulator takes the better of plan()'s async and sync plans under the "
     "pipelined step max(T_train, (T_rollout + T_train) / (k + 1)), with streamed training "
@@ -86,16 +94,23 @@ def write_outputs(result: ScenarioResult, out: str | Path, plots: bool = True) -
 
 
 def ratios(result: ScenarioResult) -> dict:
-    """Throughput ratios of Libra over the baselines and over the oracle. The oracle is the
-    better (higher tokens/s) of ``oracle`` (Libra's plan, true lengths) and ``oracle_best``
-    (the searched asynchronous split, true lengths); ``oracle_used`` names it."""
-    oracles = [n for n in ("oracle", "oracle_best") if n in result.runs]
-    best = max(oracles, key=lambda n: result.runs[n].summary["tokens_per_s"]) if oracles else None
+    """Libra's throughput over each yardstick (:meth:`ScenarioResult.ratio`: over the steps
+    both completed when one ran out of memory), ``phase_gain`` (``phase_static`` over
+    ``static_hindsight``: what adaptivity can win with that window), Libra's distance to
+    the bound, its predicted over simulated step, and the steps ``static_pilot`` could not
+    run. The true-length yardstick is the better (higher tokens/s) of
+    ``libra_true_lengths`` and ``static_true_lengths``; ``true_lengths_used`` names it."""
+    known = [n for n in ("libra_true_lengths", "static_true_lengths") if n in result.runs]
+    best = max(known, key=lambda n: result.runs[n].summary["tokens_per_s"]) if known else None
     return {"libra_vs_colocated": result.ratio("libra", "colocated"),
-            "libra_vs_async_static": result.ratio("libra", "async_static"),
-            "libra_vs_oracle": result.ratio("libra", best) if best else None, "oracle_used": best,
+            "libra_vs_static_hindsight": result.ratio("libra", "static_hindsight"),
+            "libra_vs_static_pilot": result.ratio("libra", "static_pilot"),
+            "libra_vs_phase_static": result.ratio("libra", "phase_static"),
+            "phase_gain": result.ratio("phase_static", "static_hindsight"),
+            "libra_vs_true_lengths": result.ratio("libra", best) if best else None, "true_lengths_used": best,
             "libra_vs_bound": result.vs_bound("libra"),
-            "libra_predicted_over_simulated": _predicted_ratio(result, "libra")}
+            "libra_predicted_over_simulated": _predicted_ratio(result, "libra"),
+            "static_pilot_failed_steps": result.failed_steps("static_pilot")}
 
 
 def tail_ratio(result: ScenarioResult, name: str) -> float | None:
@@ -186,6 +201,31 @@ def bound_section(result: ScenarioResult) -> list[str]:
     return lines + [""]
 
 
+def search_section(name: str, rows: list[dict]) -> list[str]:
+    """How policy ``name``'s split was chosen: the colocated search's two stages, a fixed
+    split's simulated candidates, or ``phase_static``'s windows."""
+    lines = [f"## Search: {name}", ""]
+    if rows and "first_step" in rows[0]:
+        lines += ["| window | split | changed | candidates (simulated tokens/s) |", "|---|---|---|---|"]
+        for w in rows:
+            cands = "; ".join(f"{c['tokens_per_s']:.0f}{' (chosen)' if c['chosen'] else ''}" for c in w["candidates"])
+            lines.append(f"| {w['first_step']}..{w['first_step'] + w['steps'] - 1} | {w['split']} | "
+                         f"{'yes' if w['changed'] else ''} | {cands} |")
+    elif rows and "tokens_per_s" in rows[0]:
+        lines += ["| candidate | simulated tokens/s | simulated s | out of memory at step | chosen |",
+                  "|---|---|---|---|---|"]
+        lines += [f"| {row['candidate']} | {row['tokens_per_s']:.0f} | {row['sim_time_s']:.0f} | "
+                  f"{_fmt_int(row['out_of_memory_step'])} | {'yes' if row['chosen'] else ''} |" for row in rows]
+    else:
+        lines += ["| candidate | middle step s | all sample steps s |", "|---|---|---|"]
+        lines += [f"| {row['candidate']} | {row['stage1_s']} | {row.get('score_s', '')} |" for row in rows]
+    return lines + [""]
+
+
+def _fmt_int(x: int | None) -> str:
+    return "" if x is None else str(x)
+
+
 def render(result: ScenarioResult, images: list[str]) -> str:
     cfg = result.cfg
     c = cfg.cluster
@@ -198,7 +238,9 @@ def render(result: ScenarioResult, images: list[str]) -> str:
     r = ratios(result)
     lines += [("Throughput ratios (generated tokens/s): "
                + ", ".join(f"{k} = {v:.2f}" for k, v in r.items() if isinstance(v, float))
-               + (f" (oracle: {r['oracle_used']})" if r.get("oracle_used") else "")), ""]
+               + (f" (true lengths: {r['true_lengths_used']})" if r.get("true_lengths_used") else "")
+               + (f"; static_pilot failed {r['static_pilot_failed_steps']} steps (out of memory)"
+                  if r.get("static_pilot_failed_steps") else "")), ""]
     lines += bound_section(result)
     gap = [(n, rec.summary) for n, rec in result.runs.items() if rec.summary.get("planned_step_s")]
     if gap:
@@ -231,9 +273,7 @@ def render(result: ScenarioResult, images: list[str]) -> str:
         lines += ["", ("Critical path: the longest trajectory alone on the fastest instance shape (decode at batch 1, "
                        "tools included), a floor no policy's batch makespan can beat."), ""]
     for name, rows in result.searches.items():
-        lines += [f"## Search: {name}", "", "| candidate | middle step s | all sample steps s |", "|---|---|---|"]
-        lines += [f"| {row['candidate']} | {row['stage1_s']} | {row.get('score_s', '')} |" for row in rows]
-        lines.append("")
+        lines += search_section(name, rows)
     if images:
         lines += ["## Plots", ""] + [f"![{i}]({i})" for i in images] + [""]
     lines += ["## Assumptions", ""] + [f"- {a}" for a in ASSUMPTIONS] + [""]

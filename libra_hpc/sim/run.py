@@ -6,22 +6,22 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-from libra_hpc.sim.config import SimConfig
+from libra_hpc.envs.synthetic import summary
 from libra_hpc.planner.control import length_profile
+from libra_hpc.sim import baselines
 from libra_hpc.sim.bound import run_bound
+from libra_hpc.sim.config import SimConfig, policy_name
 from libra_hpc.sim.context import Context, critical_path_s, describe, samples_of
 from libra_hpc.sim.controller import PolicyRun
 from libra_hpc.sim.policies import SETUPS, control_loop
 from libra_hpc.sim.recorder import Recorder
-from libra_hpc.sim.search import search_async_static, search_colocated
-from libra_hpc.envs.synthetic import summary
+from libra_hpc.sim.search import search_colocated
 
 log = logging.getLogger(__name__)
 
-FAIR_BOTH_WAYS = ("async_static", "oracle_best")
-"""Searched static splits: with ``rl.partial_rollout`` each runs with partial rollout on and
-off and keeps the better (the baseline Libra is measured against is the best static
-policy, not a handicapped one)."""
+RUN_FIRST = ("libra", "static_hindsight")
+"""Policies whose runs others use: ``static_hindsight`` tries every layout Libra applied,
+``phase_static`` and ``static_true_lengths`` take ``static_hindsight``'s split."""
 
 
 @dataclass
@@ -29,18 +29,39 @@ class ScenarioResult:
     cfg: SimConfig
     runs: dict[str, Recorder]
     searches: dict[str, list[dict]] = field(default_factory=dict)
+    """Per policy, the candidates its split was chosen from (``phase_static``: per window)."""
     initial: dict[str, str] = field(default_factory=dict)
     workload: dict = field(default_factory=dict)
     bound: dict = field(default_factory=dict)
     """The physical bound of the run (libra_hpc/sim/bound.py run_bound)."""
     wall_s: float = 0.0
 
+    def completed(self, name: str) -> int:
+        """Steps policy ``name`` completed (all of them unless it ran out of memory)."""
+        return self.runs[name].summary["steps"] if name in self.runs else 0
+
+    def failed_steps(self, name: str) -> int | None:
+        """Steps policy ``name`` did not complete (it ran out of memory before them); None
+        when it did not run."""
+        return self.cfg.rl.steps - self.completed(name) if name in self.runs else None
+
     def ratio(self, a: str, b: str) -> float | None:
-        """Throughput (tokens/s) of policy ``a`` over policy ``b``; None if either is missing
-        or ran out of memory before the last step."""
-        if a not in self.runs or b not in self.runs or self.oom(a) or self.oom(b):
+        """Throughput (tokens/s) of policy ``a`` over policy ``b``. When either ran out of
+        memory, over the steps both completed: ``b``'s time to finish steps 0..m-1 over
+        ``a``'s (they generated the same tokens). None if either is missing or completed
+        no step."""
+        if a not in self.runs or b not in self.runs:
             return None
-        return self.runs[a].summary["tokens_per_s"] / self.runs[b].summary["tokens_per_s"]
+        if not (self.oom(a) or self.oom(b)):
+            return self.runs[a].summary["tokens_per_s"] / self.runs[b].summary["tokens_per_s"]
+        m = min(self.completed(a), self.completed(b))
+        if m == 0:
+            return None
+        return self.time_to(b, m - 1) / self.time_to(a, m - 1)
+
+    def time_to(self, name: str, step: int) -> float:
+        """Simulated seconds until policy ``name`` finished training steps 0..``step``."""
+        return next(r["t_end"] for r in self.runs[name].rows if r["step"] == step)
 
     def oom(self, name: str) -> dict | None:
         """Where policy ``name`` ran out of memory (step, shape, sequence tokens, why), or None."""
@@ -54,43 +75,71 @@ class ScenarioResult:
 
 
 def run_policy(ctx: Context, name: str, steps: int | None = None,
-               searched: dict | None = None) -> tuple[Recorder, list[dict], str]:
-    """One policy: its starting layout (search, or the control loop's first decision), then
-    the run. ``searched`` memoises the asynchronous search (``async_static`` and
-    ``oracle_best`` share it)."""
+               memo: dict | None = None) -> tuple[Recorder, list[dict], str]:
+    """One policy: its starting layout (a search, the control loop's first decision, or a
+    baseline's choice: libra_hpc/sim/baselines.py), then the run. ``memo`` carries what
+    later policies take from earlier ones: Libra's applied layouts (``libra_applied``) and
+    ``static_hindsight``'s split (``hindsight``)."""
+    name = policy_name(name)
     setup = SETUPS[name]
     steps = steps or ctx.cfg.rl.steps
-    control, table, colocated = None, [], name == "colocated"
-    searched = {} if searched is None else searched
-    if colocated:
-        layout, train, table = search_colocated(ctx)
-    elif name in ("async_static", "oracle_best"):
-        if "async" not in searched:
-            searched["async"] = search_async_static(ctx)
-        layout, train, table = searched["async"]
+    memo = {} if memo is None else memo
+    control, table, colocated = None, [], setup.start == "colocated"
+    if setup.start == "hindsight":
+        rec, table, start = _hindsight(ctx, setup, steps, memo)
+    elif setup.start == "pilot":
+        (start, layout, train), rec = baselines.pilot(ctx, setup, steps)
+    elif setup.start == "phased":
+        extra = baselines.applied_candidates(memo.get("libra_applied", []))
+        if "hindsight" in memo:
+            extra.append(memo["hindsight"])
+        rec, table = baselines.phased(ctx, setup, steps, ctx.cfg.search.phase_window, extra)
+        start = f"windows of {ctx.cfg.search.phase_window} steps, first: {table[0]['split']}"
     else:
-        control = control_loop(ctx, setup)
-        first = control.initial(length_profile(samples_of(ctx.batch(0)), ctx.cfg.batch_size) if setup.clairvoyant else None)
-        layout, train = first.layout, first.plan.train
-    start = describe(layout, train, control.pool if control else None, colocated)
+        if colocated:
+            layout, train, table = search_colocated(ctx)
+        else:
+            control = control_loop(ctx, setup)
+            first = control.initial(length_profile(samples_of(ctx.batch(0)), ctx.cfg.batch_size)
+                                    if setup.clairvoyant else None)
+            layout, train = first.layout, first.plan.train
+        start = describe(layout, train, control.pool if control else None, colocated)
+        run = PolicyRun(ctx, setup, layout, train, steps, control, colocated=colocated)
+        rec = run.run()
+        if name == "libra":
+            memo["libra_applied"] = run.applied
     log.info("%s starts with %s", name, start)
-    rec = PolicyRun(ctx, setup, layout, train, steps, control, colocated=colocated).run()
-    if name in FAIR_BOTH_WAYS and ctx.cfg.rl.partial_rollout:
-        # a fair baseline: the static split gets the better of partial rollout on and off
-        other = PolicyRun(ctx, setup, layout, train, steps, None, colocated=colocated, partial=False).run()
-        tried = {"partial_on_tokens_per_s": rec.summary["tokens_per_s"],
-                 "partial_off_tokens_per_s": other.summary["tokens_per_s"]}
-        if other.summary["tokens_per_s"] > rec.summary["tokens_per_s"]:
-            rec = other
-        rec.summary.update(tried)
     s = rec.summary
     log.info("%s: %.0f tokens/s, median step %.1f s, %d events in %.1f s", name, s["tokens_per_s"],
              s["step_s_median"], s["events"], s["wall_s"])
     return rec, table, start
 
 
+def _hindsight(ctx: Context, setup, steps: int, memo: dict) -> tuple[Recorder, list[dict], str]:
+    """``static_hindsight`` (and ``static_true_lengths`` on its split). With
+    ``rl.partial_rollout`` the chosen split also runs with it off and keeps the better: the
+    baseline is the best fixed policy, not a handicapped one."""
+    table: list[dict] = []
+    if "hindsight" not in memo or setup.name == "static_hindsight":
+        own = SETUPS["static_hindsight"]
+        memo["hindsight"], rec, table = baselines.hindsight(ctx, own, steps, memo.get("libra_applied", []))
+    start, layout, train = memo["hindsight"]
+    turns = baselines.prior_turns(ctx)
+    if setup.name != "static_hindsight":
+        rec = PolicyRun(ctx, setup, layout, train, steps, initial_turns=turns).run()
+    if ctx.cfg.rl.partial_rollout:
+        other = PolicyRun(ctx, setup, layout, train, steps, partial=False, initial_turns=turns).run()
+        tried = {"partial_on_tokens_per_s": rec.summary["tokens_per_s"],
+                 "partial_off_tokens_per_s": other.summary["tokens_per_s"]}
+        if other.summary["tokens_per_s"] > rec.summary["tokens_per_s"]:
+            rec = other
+        rec.summary.update(tried)
+    return rec, table, start
+
+
 def run_scenario(cfg: SimConfig, policies: list[str] | None = None) -> ScenarioResult:
-    """Every policy of ``policies`` (default: the scenario's) on the same workload."""
+    """Every policy of ``policies`` (default: the scenario's) on the same workload; Libra
+    and ``static_hindsight`` run first (:data:`RUN_FIRST`), the results keep the order asked."""
     t0 = time.perf_counter()
     ctx = Context(cfg)
     result = ScenarioResult(cfg, {})
@@ -98,12 +147,16 @@ def run_scenario(cfg: SimConfig, policies: list[str] | None = None) -> ScenarioR
         batch = ctx.batch(step)
         result.workload[name] = {**summary(batch), "critical_path_s": critical_path_s(ctx, batch)}
     result.bound = run_bound(ctx)
-    searched: dict = {}
-    for name in policies or cfg.policies:
-        rec, table, initial = run_policy(ctx, name, searched=searched)
+    names = [policy_name(n) for n in (policies or cfg.policies)]
+    order = sorted(names, key=lambda n: RUN_FIRST.index(n) if n in RUN_FIRST else len(RUN_FIRST))
+    memo: dict = {}
+    for name in order:
+        rec, table, initial = run_policy(ctx, name, memo=memo)
         result.runs[name] = rec
         result.initial[name] = initial
         if table:
             result.searches[name] = table
+    result.runs = {n: result.runs[n] for n in names}
+    result.initial = {n: result.initial[n] for n in names}
     result.wall_s = time.perf_counter() - t0
     return result

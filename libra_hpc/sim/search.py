@@ -1,17 +1,25 @@
-"""Best static configuration of a baseline, found by simulation (not a strawman).
+"""The fixed splits the baselines run, found by the planner's search and by simulation
+(not strawmen).
 
-A candidate (training GPUs, homogeneous rollout TP) is scored by simulating the rollout of
-a few RL steps spread over the run (``search.sample_steps``: the drift is seen) on its
-instances, each step alone, and costing training on its training GPUs:
+Colocated (:func:`search_colocated`): training on (nearly) all GPUs, one rollout TP on all.
+A candidate is scored by simulating the rollout of a few RL steps spread over the run
+(``search.sample_steps``: the drift is seen), each step alone, plus training and the
+switch; two stages keep it cheap at 4096 GPUs: every candidate is screened with the
+planner's cost model on the middle sample step, then the best four (two above 512 GPUs)
+are simulated on every sample step and the best simulated wins.
 
-- colocated (sync): mean of rollout + training + switch;
-- asynchronous: mean of max(training, (rollout + weight sync + training) / (k + 1)), the
-  steady-state step of the bounded-staleness pipeline (libra_hpc/sim/controller.py).
+Disaggregated fixed splits search the same decision space as Libra's planner (part-node
+training, mixed rollout TP instances; libra_hpc/planner/search.py) and choose by
+simulation (libra_hpc/sim/baselines.py runs them):
 
-Two stages keep it cheap at 4096 GPUs: every candidate is screened with the planner's cost
-model on the middle sample step (``rollout_makespan`` of the batch's lengths), then the best
-four (two above 512 GPUs) are simulated on every sample step and the best simulated wins. The training shape per GPU count is the fastest that fits
-(libra_hpc/sim/training.py). Returns the chosen layout, its training shape and every candidate's score.
+- :func:`top_plans`: the plan search's best plans, one per training GPU count, valued as
+  the control loop values them (the pipelined step, the better of the asynchronous and
+  synchronous searches), on the lengths of the given batches, training sized for the
+  longest batch's packed length;
+- :func:`pilot_plan`: the planner's choice on the first batches, training sized for
+  ``training.seq_len``;
+- :func:`best_simulated`: each candidate simulated on the batches it is for (from a cold
+  start), the most tokens/s wins (a candidate that ran out of memory loses to any that did not).
 """
 
 from __future__ import annotations
@@ -20,12 +28,20 @@ import logging
 import math
 import statistics
 
+from dataclasses import replace
+
 from libra_hpc.cluster.layout import Layout
+from libra_hpc.envs.synthetic import Trajectory
+from libra_hpc.planner.control import length_profile, pipelined_step_s
 from libra_hpc.planner.costs import TrainShape
 from libra_hpc.planner.costs import rollout_makespan as rollout_cost_makespan
-from libra_hpc.planner.control import length_profile, pipelined_step_s
+from libra_hpc.planner.search import Plan, PlanError, plan_to_layout
+from libra_hpc.planner.valuation import PlanValuation
 from libra_hpc.sim.context import Context, instances_of, samples_of
+from libra_hpc.sim.controller import PolicyRun
 from libra_hpc.sim.engine import SimClock
+from libra_hpc.sim.policies import PolicySetup, SETUPS, control_loop
+from libra_hpc.sim.recorder import Recorder
 from libra_hpc.sim.rollout import RolloutSide
 from libra_hpc.sim.training import best_shape, step_s
 
@@ -123,29 +139,129 @@ def search_colocated(ctx: Context) -> tuple[Layout, TrainShape, list[dict]]:
     return _two_stage(ctx, candidates, sync=True)
 
 
-def train_sizes(ctx: Context, seq_len: int, limit: int = 15) -> list[int]:
-    """Training GPU counts tried: whole nodes on which some training shape splits the
-    batch, at most ``limit`` of them spread evenly."""
-    g, nodes = ctx.cfg.cluster.gpus_per_node, ctx.cfg.cluster.nodes
-    top = ctx.gpus - max(ctx.cfg.planner.min_rollout_gpus, 1)
-    whole = [n * g for n in range(1, nodes) if n * g <= top
-             and best_shape(ctx.model, ctx.hw, n * g, ctx.cfg.batch_size, seq_len, ctx.cal) is not None]
-    if len(whole) <= limit:
-        return whole
-    return sorted({whole[round(i * (len(whole) - 1) / (limit - 1))] for i in range(limit)})
+class StepsFrom:
+    """``ctx`` seen from step ``first`` on: ``batch(j)`` is step ``first + j``'s batch
+    (renumbered, so that a window simulates like a run of its own); everything else is
+    ``ctx``'s."""
+
+    def __init__(self, ctx: Context, first: int):
+        self._ctx, self.first = ctx, first
+        self._batches: dict[int, list[Trajectory]] = {}
+
+    def __getattr__(self, name: str):
+        return getattr(self._ctx, name)
+
+    def batch(self, step: int) -> list[Trajectory]:
+        if step not in self._batches:
+            self._batches[step] = [replace(t, step=step) for t in self._ctx.batch(self.first + step)]
+        return self._batches[step]
 
 
-def search_async_static(ctx: Context) -> tuple[Layout, TrainShape, list[dict]]:
-    """Disaggregated async: training GPU count × homogeneous rollout TP, by simulation."""
-    candidates = []
-    seq = packed_seq_len(ctx)
-    for n in train_sizes(ctx, seq):
-        shape = best_shape(ctx.model, ctx.hw, n, ctx.cfg.batch_size, seq, ctx.cal)
-        if shape is None:
+def _valuation(ctx: Context, steps: range, need: int | None) -> tuple[PlanValuation, object]:
+    """How a fixed policy's plans are valued (the control loop's valuation, without hybrid
+    pool or replanning), training sized for ``need`` tokens per packed sequence (None:
+    ``training.seq_len``), and the lengths of batches ``steps``."""
+    control = control_loop(ctx, SETUPS["static_hindsight"])
+    lengths = length_profile(samples_of([t for j in steps for t in ctx.batch(j)]), ctx.cfg.batch_size)
+    need = ctx.cfg.training.seq_len if need is None else need
+    # the valuation fits shapes to memory_headroom × the profile's mean (planner/reshard.py memory_need)
+    headroom = need / max(1.0, lengths.mean_seq_tokens)
+    valuation = replace(control.valuation(), o=replace(control.o, memory_headroom=headroom))
+    return valuation, lengths
+
+
+def train_counts(ctx: Context, limit: int = 64) -> list[int]:
+    """Training GPU counts the fixed-split search tries one by one: every count that leaves
+    ``planner.min_rollout_gpus`` to rollout, at most ``limit`` of them spread evenly (whole
+    nodes first past that)."""
+    top = ctx.gpus - max(1, ctx.cfg.planner.min_rollout_gpus)
+    counts = list(range(1, top + 1))
+    if len(counts) > limit:
+        g = ctx.cfg.cluster.gpus_per_node
+        counts = [n for n in counts if n % g == 0] or counts
+    if len(counts) > limit:
+        counts = sorted({counts[round(i * (len(counts) - 1) / (limit - 1))] for i in range(limit)})
+    return counts
+
+
+def top_plans(ctx: Context, steps: range, top: int) -> list[Plan]:
+    """The plan search's ``top`` best plans on the lengths of batches ``steps`` (hindsight),
+    one per training GPU count (the search's own pick and the best plan of each count of
+    :func:`train_counts`), valued as the control loop values plans (the pipelined step
+    objective, best of the asynchronous and synchronous searches), training sized for the
+    longest packed batch of ``steps`` (5% over its mean length, at most ``training.seq_len``)."""
+    peak = max(statistics.fmean(t.total_tokens for t in ctx.batch(j)) for j in steps)
+    valuation, lengths = _valuation(ctx, steps, min(ctx.cfg.training.seq_len, math.ceil(1.05 * peak)))
+    best: dict[int, Plan] = {}
+    try:
+        own = valuation.best_plan(lengths).plan
+        best[own.train_gpus] = own
+    except PlanError as exc:
+        log.warning("hindsight plan search over steps %d..%d found no plan: %s", steps[0], steps[-1], exc)
+    for n in train_counts(ctx):
+        if n in best:
             continue
-        for tp in ctx.tps:
-            candidates.append((f"train {n} GPUs (TP{shape.tp} PP{shape.pp} DP{shape.dp}) + rollout TP{tp}",
-                               ctx.static_layout(shape, tp), shape))
-    if not candidates:
-        raise ValueError(f"no training shape fits any whole-node split of {ctx.gpus} GPUs")
-    return _two_stage(ctx, candidates, sync=False)
+        try:
+            p = valuation.best_plan(lengths, replace(valuation.search, min_train_gpus=n, min_rollout_gpus=ctx.gpus - n))
+        except PlanError:
+            continue
+        best[n] = p.plan
+    return sorted(best.values(), key=lambda p: (p.objective, p.train_gpus))[:top]
+
+
+def pilot_plan(ctx: Context, pilot_steps: int) -> Plan:
+    """The planner's plan on the lengths of the first ``pilot_steps`` batches, training
+    sized for ``training.seq_len`` (what a user fixes after a pilot run)."""
+    valuation, lengths = _valuation(ctx, range(min(pilot_steps, ctx.cfg.rl.steps)), None)
+    return valuation.best_plan(lengths).plan
+
+
+def as_candidate(ctx: Context, plan: Plan, origin: str) -> Candidate:
+    layout = plan_to_layout(plan, ctx.cfg.cluster.nodes, ctx.cfg.cluster.gpus_per_node, 0, reason=origin)
+    return (f"{origin}: {plan.describe()}", layout, plan.train)
+
+
+def split_key(layout: Layout, train: TrainShape) -> tuple:
+    """What a fixed split's simulation depends on: the training shape and the rollout
+    instances per TP size."""
+    return (replace(train, seq_len=1), tuple(sorted(g.tp for g in layout.rollout_instances)))
+
+
+def simulate_all(ctx: Context, setup: PolicySetup, candidates: list[Candidate], steps: int,
+                 turns: list[tuple[int, ...]] | None) -> list[tuple[Candidate, Recorder]]:
+    """Each distinct candidate (:func:`split_key`; the first of a kind keeps its name) run
+    as ``setup`` over ``steps`` batches of ``ctx``, from a cold start."""
+    seen: set[tuple] = set()
+    out = []
+    for cand in candidates:
+        key = split_key(cand[1], cand[2])
+        if key not in seen:
+            seen.add(key)
+            out.append((cand, PolicyRun(ctx, setup, cand[1], cand[2], steps, initial_turns=turns).run()))
+    if not out:
+        raise ValueError(f"{setup.name}: no candidate split to simulate")
+    return out
+
+
+def rank(rec: Recorder) -> tuple:
+    """Order of simulated runs, best last: one that ran out of memory ranks by the steps it
+    completed, below every one that did not; then tokens/s."""
+    s = rec.summary
+    return (s.get("out_of_memory") is None, s["steps"], s["tokens_per_s"])
+
+
+def best_simulated(ctx: Context, setup: PolicySetup, candidates: list[Candidate], steps: int,
+                   turns: list[tuple[int, ...]] | None) -> tuple[Candidate, Recorder, list[dict]]:
+    """The candidate with the most simulated tokens/s (:func:`simulate_all`, :func:`rank`),
+    its run, and a row per candidate for the report."""
+    runs = simulate_all(ctx, setup, candidates, steps, turns)
+    best, rec = max(runs, key=lambda r: rank(r[1]))
+    log.info("%s: %s wins among %d simulated splits", setup.name, best[0], len(runs))
+    return best, rec, [candidate_row(c, r, c is best) for c, r in runs]
+
+
+def candidate_row(cand: Candidate, rec: Recorder, chosen: bool) -> dict:
+    s = rec.summary
+    oom = s.get("out_of_memory")
+    return {"candidate": cand[0], "tokens_per_s": round(s["tokens_per_s"], 1), "sim_time_s": round(s["sim_time_s"], 1),
+            "out_of_memory_step": oom["step"] if oom else None, "chosen": chosen}
