@@ -1,0 +1,113 @@
+"""The fixed-split yardsticks (libra_hpc/sim/baselines.py): ``static_hindsight`` is the best
+of what it simulated, Libra's layouts included; ``static_pilot`` never changes its split;
+``phase_static`` changes only at window boundaries and pays the relayout Libra pays; the
+old policy names still load."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from libra_hpc.sim.config import load_sim_config, policy_name
+from libra_hpc.sim.context import Context
+from libra_hpc.sim.controller import PolicyRun
+from libra_hpc.sim.policies import SETUPS
+from libra_hpc.sim.run import run_policy, run_scenario
+from libra_hpc.sim.search import as_candidate, pilot_plan, top_plans
+
+ROOT = Path(__file__).resolve().parents[1]
+SMALL = {"rl.steps": 6, "rl.prompts_per_step": 6, "rl.group_size": 4, "cluster.nodes": 3,
+         "planner.every_steps": 2, "planner.min_dwell_steps": 0, "planner.confirm_checks": 1,
+         "search.top_plans": 3, "search.phase_window": 3}
+
+
+@pytest.fixture(scope="module")
+def small():
+    cfg = load_sim_config(ROOT / "configs" / "sim" / "a800-swe.yaml", SMALL)
+    ctx = Context(cfg)
+    memo: dict = {}
+    runs = {name: run_policy(ctx, name, memo=memo)[0] for name in ("libra", "static_hindsight")}
+    return cfg, ctx, memo, runs
+
+
+def test_static_hindsight_is_never_worse_than_a_candidate_it_had(small):
+    """Every layout Libra applied and each of the search's top plans, run fixed over the
+    same batches, makes no more tokens/s than static_hindsight's split."""
+    cfg, ctx, memo, runs = small
+    best = runs["static_hindsight"].summary["tokens_per_s"]
+    applied = memo["libra_applied"]
+    assert applied
+    plans = [as_candidate(ctx, p, "top")[1:] for p in top_plans(ctx, range(cfg.rl.steps), cfg.search.top_plans)]
+    assert len(plans) == cfg.search.top_plans
+    for layout, train in plans + applied:
+        fixed = PolicyRun(ctx, SETUPS["static_hindsight"], layout, train, cfg.rl.steps).run()
+        assert fixed.summary["tokens_per_s"] <= best * (1 + 1e-9)
+
+
+def test_static_pilot_never_replans_or_lends(small):
+    cfg, ctx, _, _ = small
+    rec, _, start = run_policy(ctx, "static_pilot")
+    s = rec.summary
+    assert s["steps"] == cfg.rl.steps and s["replans"] == 0 and s["hybrid_transitions"] == 0
+    assert len(rec.timeline) == 1 and "pilot on steps 0..4" in start
+    assert {r["train_gpus"] for r in rec.rows} == {pilot_plan(ctx, 5).train_gpus}
+
+
+def test_phase_static_changes_only_at_window_boundaries_and_pays_the_relayout(small):
+    """A schedule that changes split at step 3: batches 0-2 run on the first, 3-5 on the
+    second; the change waits until everything before it is trained (it moves training)
+    and batch 3 starts ``costs.reconfig_s`` after it (plus the weight sync)."""
+    cfg, ctx, _, _ = small
+    a, b = (as_candidate(ctx, p, "w")[1:] for p in top_plans(ctx, range(cfg.rl.steps), 2))
+    rec = PolicyRun(ctx, SETUPS["phase_static"], *a, cfg.rl.steps, phases={3: b}).run()
+    [change] = [e for e in rec.events if e["kind"] == "phase_change"]
+    assert change["step"] == 3 and rec.summary["replans"] == 1
+    rows = {r["step"]: r for r in rec.rows}
+    assert rows[2]["t_end"] <= change["applied_t"]  # drained: the old split finished its batches
+    assert rows[3]["rollout_start"] >= change["applied_t"] + cfg.costs.reconfig_s
+    assert {rows[j]["train_gpus"] for j in range(3)} == {a[1].gpus}
+    assert {rows[j]["train_gpus"] for j in range(3, 6)} == {b[1].gpus}
+    free = PolicyRun(ctx, SETUPS["phase_static"], *a, cfg.rl.steps, phases={3: b})
+    free.cfg = free.cfg.model_copy(update={"costs": cfg.costs.model_copy(update={"reconfig_s": 0.0})})
+    assert free.run().summary["sim_time_s"] <= rec.summary["sim_time_s"] - cfg.costs.reconfig_s + 1e-6
+
+
+def test_phase_static_in_a_scenario_changes_on_window_starts_only(small):
+    cfg, ctx, memo, _ = small
+    rec, windows, _ = run_policy(ctx, "phase_static", memo=memo)
+    assert [w["first_step"] for w in windows] == [0, 3]
+    changed = [w["first_step"] for w in windows if w["changed"]]
+    assert [e["step"] for e in rec.events if e["kind"] == "phase_change"] == changed
+    assert all(any(c["chosen"] for c in w["candidates"]) for w in windows)
+
+
+def test_old_policy_names_load_as_the_new_ones():
+    cfg = load_sim_config(ROOT / "configs" / "sim" / "a800-swe.yaml",
+                          {**SMALL, "rl.steps": 2, "policies": ["async_static", "oracle", "oracle_best", "libra"]})
+    assert cfg.policies == ["static_hindsight", "libra_true_lengths", "static_true_lengths", "libra"]
+    assert policy_name("async_static") == "static_hindsight" and policy_name("libra") == "libra"
+    result = run_scenario(cfg, ["async_static", "libra"])
+    assert list(result.runs) == ["static_hindsight", "libra"]
+    assert "async_static" not in load_sim_config(ROOT / "configs" / "sim" / "scale-4096.yaml").policies
+
+
+def test_a_lent_hybrid_replica_is_a_fixed_candidate_with_it_in_training(tmp_path):
+    """Libra's layouts as fixed splits include the lent state: the hybrid node's replica in
+    training (DP grown by one), its rollout instance gone; run fixed, it trains on 16 GPUs
+    from the first step."""
+    from libra_hpc.sim.policies import control_loop
+    from sim_cases import hybrid_case
+
+    ctx, plan = hybrid_case(tmp_path)
+    control = control_loop(ctx, SETUPS["libra_no_replan"])
+    first = control.start(plan, "test plan")
+    run = PolicyRun(ctx, SETUPS["libra_no_replan"], first.layout, plan.train, 14, control,
+                    train_time=lambda s, tokens: 3.0 / s.dp)
+    run.run()
+    lent = [(layout, train) for layout, train in run.applied if train.dp == 2]
+    assert lent and run.applied[0][1].dp == 1
+    layout, train = lent[0]
+    assert len(layout.training.slots) == train.gpus == 16 and [g.tp for g in layout.rollout_instances] == [8]
+    fixed = PolicyRun(ctx, SETUPS["static_hindsight"], layout, train, 14, train_time=lambda s, tokens: 3.0 / s.dp).run()
+    assert {r["train_gpus"] for r in fixed.rows} == {16}
