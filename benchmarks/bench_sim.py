@@ -14,7 +14,9 @@ memory), phase_gain (phase_static over static_hindsight: what a split changed ev
 ``search.phase_window`` steps can win), static_pilot_failed_steps (steps the pilot's split
 could not run), libra_vs_true_lengths (the better of ``libra_true_lengths`` and
 ``static_true_lengths``, named by true_lengths_used),
-libra_vs_bound (the physical bound's time over Libra's: libra_hpc/sim/bound.py),
+libra_vs_bound (the lower bound's time over Libra's: libra_hpc/sim/bound.py), bound_violations
+(steps k at which any policy finished steps 0..k before the bound's cumulative time: 0
+unless the bound is wrong),
 Libra's trained_p90_over_generated_p90 and dropped_token_share (partial rollout's guards:
 1.0 and 0.0 without it), libra_predicted_over_simulated (the planner's predicted step on
 observed lengths over the simulated one),

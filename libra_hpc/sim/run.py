@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from libra_hpc.envs.synthetic import summary
 from libra_hpc.planner.control import length_profile
 from libra_hpc.sim import baselines
-from libra_hpc.sim.bound import run_bound
+from libra_hpc.sim.bound import run_bound, violations
 from libra_hpc.sim.config import SimConfig, policy_name
 from libra_hpc.sim.context import Context, critical_path_s, describe, samples_of
 from libra_hpc.sim.controller import PolicyRun
@@ -68,10 +68,17 @@ class ScenarioResult:
         return self.runs[name].summary.get("out_of_memory") if name in self.runs else None
 
     def vs_bound(self, name: str) -> float | None:
-        """The bound's time over policy ``name``'s simulated time (1.0: at the bound)."""
-        if name not in self.runs or not self.bound or self.oom(name):
+        """The bound's time over policy ``name``'s simulated time (1.0: at the bound); for a
+        policy that ran out of memory, over the steps it completed. None without a step."""
+        if name not in self.runs or not self.bound or not self.completed(name):
             return None
-        return self.bound["bound_s"] / self.runs[name].summary["sim_time_s"]
+        last = self.completed(name) - 1
+        return self.bound["cumulative_s"][last] / self.time_to(name, last)
+
+    def bound_violations(self) -> dict[str, list[int]]:
+        """Per policy, the steps k at which it completed steps 0..k before the bound's
+        cumulative time (libra_hpc/sim/bound.py ``violations``): each a failure of the bound."""
+        return {n: violations(self.bound, rec.rows) for n, rec in self.runs.items()} if self.bound else {}
 
 
 def run_policy(ctx: Context, name: str, steps: int | None = None,

@@ -186,10 +186,12 @@ def train_counts(ctx: Context, limit: int = 64) -> list[int]:
 
 def top_plans(ctx: Context, steps: range, top: int) -> list[Plan]:
     """The plan search's ``top`` best plans on the lengths of batches ``steps`` (hindsight),
-    one per training GPU count (the search's own pick and the best plan of each count of
-    :func:`train_counts`), valued as the control loop values plans (the pipelined step
+    one per training GPU count, valued as the control loop values plans (the pipelined step
     objective, best of the asynchronous and synchronous searches), training sized for the
-    longest packed batch of ``steps`` (5% over its mean length, at most ``training.seq_len``)."""
+    longest packed batch of ``steps`` (5% over its mean length, at most ``training.seq_len``).
+    Two stages, as the search's own: every count of :func:`train_counts` is screened with
+    one rollout TP size at a time, and the best ``2 × top`` counts, with the search's own
+    pick, get the full search over mixed rollout instances."""
     peak = max(statistics.fmean(t.total_tokens for t in ctx.batch(j)) for j in steps)
     valuation, lengths = _valuation(ctx, steps, min(ctx.cfg.training.seq_len, math.ceil(1.05 * peak)))
     best: dict[int, Plan] = {}
@@ -198,15 +200,24 @@ def top_plans(ctx: Context, steps: range, top: int) -> list[Plan]:
         best[own.train_gpus] = own
     except PlanError as exc:
         log.warning("hindsight plan search over steps %d..%d found no plan: %s", steps[0], steps[-1], exc)
+    search = valuation.search
+    screened = []
     for n in train_counts(ctx):
-        if n in best:
-            continue
-        try:
-            p = valuation.best_plan(lengths, replace(valuation.search, min_train_gpus=n, min_rollout_gpus=ctx.gpus - n))
-        except PlanError:
-            continue
-        best[n] = p.plan
+        only = replace(search, min_train_gpus=n, min_rollout_gpus=ctx.gpus - n)
+        scores = [_objective(valuation, lengths, replace(only, rollout_tps=(tp,))) for tp in search.rollout_tps]
+        if min(scores) < math.inf:
+            screened.append((min(scores), n))
+    for _, n in sorted(screened)[:2 * top]:
+        if n not in best:
+            best[n] = valuation.best_plan(lengths, replace(search, min_train_gpus=n, min_rollout_gpus=ctx.gpus - n)).plan
     return sorted(best.values(), key=lambda p: (p.objective, p.train_gpus))[:top]
+
+
+def _objective(valuation: PlanValuation, lengths, options) -> float:
+    try:
+        return valuation.best_plan(lengths, options).plan.objective
+    except PlanError:
+        return math.inf
 
 
 def pilot_plan(ctx: Context, pilot_steps: int) -> Plan:
