@@ -89,3 +89,13 @@ def test_no_policy_completes_steps_before_the_bound(scenario, seed):
     result = run_scenario(cfg)
     assert result.bound_violations() == {n: [] for n in result.runs}
     assert 0.25 < result.vs_bound("libra") <= 1.0
+
+
+@pytest.mark.parametrize("scenario, extra", [("search-agent", {"rl.partial_rollout": True, "rl.max_staleness": 2}),
+                                             ("a800-swe", {"rl.stream_training": True})])
+def test_no_policy_beats_the_bound_with_partial_rollout_or_streamed_training(scenario, extra):
+    """The bound's other two paths: partial rollout (chains per trained segment, the
+    cheapest trajectories a step may train) and streamed training (nothing after the rollout)."""
+    cfg = load_sim_config(ROOT / "configs" / "sim" / f"{scenario}.yaml", {**SHORT, "rl.prompts_per_step": 8, **extra})
+    result = run_scenario(cfg)
+    assert result.bound_violations() == {n: [] for n in result.runs}
