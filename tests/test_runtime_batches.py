@@ -170,8 +170,33 @@ def test_the_partial_checkpoint_relaunches_its_groups_in_flight_on_resume():
     assert saved["regenerate"] == ["b0/p0/0", "b0/p0/1"] and saved["sampler"] == {"drawn": 1}
     again, s2, sampler2 = partial(prompts_per_step=1)
     again.restore(saved)
-    again.begin(0)  # the kept group, generated again from scratch under the same ids; nothing new drawn
-    assert [t for t, _ in s2.service.submitted] == ["b0/p0/0", "b0/p0/1"] and sampler2.drawn == 1
+    sampler2.batches.append(["p1"])
+    again.begin(0)  # the kept group, generated again from scratch under the same ids, then batch 1
+    assert [t for t, _ in s2.service.submitted] == ["b0/p0/0", "b0/p0/1", "b1/p1/0", "b1/p1/1"]
+    assert sampler2.drawn == 2
+
+
+def test_a_resume_from_a_steps_checkpoint_draws_the_batch_the_step_had_not_drawn_yet():
+    """The checkpoint of step 2 (version 3) is saved before the controller draws batch
+    3 + k: the resumed run must draw it, or its last step waits for groups that never come
+    (seen in the job: a 6-step partial run resumed from its step-3 checkpoint hung)."""
+    d, s, sampler = partial(prompts_per_step=1, k=1, steps=6)
+    for b in range(4):  # b0, b1 at the start, then one batch after each of steps 0, 1, 2
+        submit(d, sampler, b, f"p{b}")
+    for b in range(3):  # steps 0..2 train b0..b2
+        for i in range(2):
+            finish(d, f"b{b}/p{b}/{i}")
+        assert trained(d.start(b)) == [f"b{b}/p{b}"]
+    saved = d.checkpoint(3)
+    assert saved["partial"]["drawn"] == 4
+    again, s2, sampler2 = partial(prompts_per_step=1, k=1, steps=6)
+    again.restore(saved)
+    sampler2.batches.append(["p4"])
+    again.begin(3)
+    assert [t for t, _ in s2.service.submitted] == ["b3/p3/0", "b3/p3/1", "b4/p4/0", "b4/p4/1"]
+    sampler2.batches.append(["p5"])
+    again.submit(5)  # what the controller draws after step 3: every batch of the run is drawn once
+    assert again.drawn == 6 and sampler2.drawn == 6
 
 
 # ------------------------------------------------------------------ whole batches

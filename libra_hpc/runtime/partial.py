@@ -54,6 +54,7 @@ class TailDecoupledBatches:
         self.late_finishes = 0  # a regenerated group's trajectory that finished before its abort arrived
         self.abandoned = 0  # aborts still outstanding when the run stopped at a checkpoint (gone with its world)
         self.kept: list[dict] | None = None  # a resumed run's groups in flight, relaunched when it begins
+        self.drawn = 0  # batches drawn from the prompt stream so far (the next batch's index)
 
     # ------------------------------------------------------------------ submission
 
@@ -66,9 +67,15 @@ class TailDecoupledBatches:
             self._launch(g["key"], g["batch"], g["pid"], floor=max(g["floor"], version), tag=g["tag"])
             self.groups[g["key"]]["regenerations"] = g["regenerations"]
         self.kept = None
+        # and the batches a run at this version has in flight that were not drawn when the
+        # checkpoint was taken (a step's checkpoint is saved before the step's next batch is
+        # drawn: without this a resumed run lacked one batch and its last step waited forever)
+        for b in range(self.drawn, min(version + self.k + 1, self.rl.steps)):
+            self.submit(b)
 
     def submit(self, b: int) -> None:
         prompts = self.sampler.next(self.rl.prompts_per_step, lambda: f"training batch {b}")
+        self.drawn = max(self.drawn, b + 1)
         for prompt in prompts:
             self._launch(f"b{b}/{prompt.pid}", b, prompt.pid, floor=max(0, b - self.k), tag="")
 
@@ -220,7 +227,8 @@ class TailDecoupledBatches:
             groups.append({"key": key, "batch": b, "pid": group["pid"], "tag": tag, "floor": group["floor"],
                            "regenerations": group["regenerations"]})
         return {"sampler": self.sampler.state(), "regenerate": self.in_flight_tids(),
-                "partial": {"groups": groups, "regenerated_keys": sorted(self.decoupler.regenerated),
+                "partial": {"groups": groups, "drawn": self.drawn,
+                            "regenerated_keys": sorted(self.decoupler.regenerated),
                             "stats": {"generated_tokens": stats.generated_tokens, "wasted_tokens": stats.wasted_tokens,
                                       "regenerated": stats.regenerated, "waits": stats.waits},
                             "finished_lengths": list(self.finished_lengths),
@@ -242,6 +250,8 @@ class TailDecoupledBatches:
         self.aborted_count, self.late_finishes = state["aborted_count"], state["late_finishes"]
         self.abandoned = state["abandoned"]
         self.kept = state["groups"]
+        # a checkpoint of an earlier release has no count: its newest group's batch is the last drawn
+        self.drawn = state.get("drawn", max((g["batch"] + 1 for g in self.kept), default=0))
 
     # ------------------------------------------------------------------ state
 
