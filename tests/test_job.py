@@ -123,9 +123,9 @@ def test_eval_only_scores_the_exported_checkpoint(small_run, tmp_path):
 
 
 PARTIAL = ("--set", "rl.partial_rollout=true", "--set", "rl.partial_waste_budget=0.5",
-           "--set", "rl.prompts_per_step=6", "--set", "rl.group_size=2", "--set", "rl.steps=8",
+           "--set", "rl.prompts_per_step=6", "--set", "rl.group_size=2", "--set", "rl.steps=6",
            "--set", "rl.update_epochs={0: 1}")
-PARTIAL_STEPS = 8
+PARTIAL_STEPS = 6
 
 
 @pytest.mark.mpi
@@ -146,7 +146,7 @@ def test_partial_rollout_trains_every_group_once_within_the_staleness_bound_acro
     folder_of = lambda: _log_folder_if_any(tmp_path)  # noqa: E731
     out, status, _ = _run_and_interrupt(
         ["--config", str(SMALL), "--executor", "local", "--set", f"logging.dir={tmp_path}", *common], folder_of,
-        lambda ev: sum(e["kind"] == "step" for e in read_jsonl(folder_of() / "metrics.jsonl")) >= 4,
+        lambda ev: sum(e["kind"] == "step" for e in read_jsonl(folder_of() / "metrics.jsonl")) >= 3,
         _time_limit_warning)
     folder = folder_of()
     assert status == 0, out[-4000:]
@@ -425,10 +425,11 @@ def _since_last_start(events: list[dict]) -> list[dict]:
 def test_killed_ranks_are_named_and_the_run_resumes_from_its_newest_valid_checkpoint(small_run, tmp_path):
     """``kill -9`` of a training rank: the job ends at once, naming the rank, its role, slot
     and last activity (``rank_lost``, and the launcher's output). Its newest checkpoint is
-    then damaged (one bit flipped): ``launch.py --resume`` rejects it and resumes from the
-    one before. ``kill -9`` of a rollout leader in that run: named the same way; a second
-    resume finishes. From the logs: every step index once, every trajectory trained once,
-    and each batch on the prompts an uninterrupted run draws for it."""
+    then damaged (one bit flipped): ``launch.py --resume`` rejects it, resumes from the one
+    before and finishes. From the logs: every step index once, every trajectory trained
+    once, and each batch on the prompts an uninterrupted run draws for it. (This test also
+    killed a rollout leader in the resumed run until CI had to fit in 20 minutes; that
+    fault, named by the same heartbeat path, is one of issue 31's soak faults.)"""
     _, cache = small_run
     common = ("--set", f"job.cache_dir={cache}", *RESUME)
     folder_of = lambda: _log_folder_if_any(tmp_path)  # noqa: E731
@@ -452,26 +453,14 @@ def test_killed_ranks_are_named_and_the_run_resumes_from_its_newest_valid_checkp
     shard.write_bytes(bytes(data))
     rows_before = sum(m["kind"] == "step" for m in read_jsonl(folder / "metrics.jsonl"))
 
-    out, status, (victim, killed_at) = _run_and_interrupt(
-        ["--resume", str(folder), *common], folder_of,
-        lambda ev: sum(e["kind"] == "world_started" for e in ev) == 2
-        and any(e["kind"] == "checkpoint_saved" for e in _since_last_start(ev)), _kill_one("leader"))
-    assert status == 1, out[-4000:]
+    done = launch("--resume", str(folder), *common, timeout=500)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
     events = read_jsonl(folder / "events.jsonl")
     [rejected] = [e for e in events if e["kind"] == "checkpoint_rejected"]
     assert rejected["path"] == str(newest) and "SHA-256" in rejected["reason"]
     [resumed] = [e for e in events if e["kind"] == "resumed"]
     back_to = int(previous.name.split("-")[1])
     assert resumed["version"] == back_to and resumed["metric_rows_dropped"] == rows_before - back_to
-    if _named(_since_last_start(events), folder):
-        [lost] = [e for e in _since_last_start(events) if e["kind"] == "rank_lost"]
-        assert lost["rank"] == victim["rank"] and lost["role"] == "leader" and lost["t"] - killed_at < 60
-        assert lost["last_activity"].startswith("rollout leader of instance")
-
-    done = launch("--resume", str(folder), *common, timeout=500)
-    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
-    events = read_jsonl(folder / "events.jsonl")
-    assert [e["kind"] for e in events].count("resumed") == 2
     metrics = [m for m in read_jsonl(folder / "metrics.jsonl") if m["kind"] == "step"]
     assert [m["step"] for m in metrics] == list(range(8)) and [m["version"] for m in metrics] == list(range(1, 9))
     summary = json.loads((folder / "summary.json").read_text())
