@@ -4,8 +4,18 @@ no torch, no MPI).
 
 Each :class:`TimingRecord` holds the *ideal* components of one measured operation (seconds
 at 100% efficiency, counts: what :class:`~libra_hpc.planner.costs.RolloutCost` and
-:class:`~libra_hpc.planner.costs.TrainingCost` predict for it) and the seconds it took;
-:meth:`Calibration.time` turns components into predicted seconds. Units: seconds, GB.
+:class:`~libra_hpc.planner.costs.TrainingCost` predict for it), the seconds it took and the
+RL step that measured it; :meth:`Calibration.time` turns components into predicted seconds.
+Units: seconds, GB.
+
+Kinds of record: ``decode`` (one engine step), ``prefill``, ``train`` (one optimizer pass)
+and ``chain``: one trajectory, from its batch's submission to its report, as the sum of its
+parts (its decode steps, its prefill, its tool seconds and its turns). The chain kind is
+what a rollout makespan is made of, and it is measured in wall seconds as the job lives
+them, so its per-term coefficients (wall seconds per decode step, prefill efficiency,
+seconds waited per measured tool second, seconds each turn adds) are the ones that let the
+planner predict the job's own steps. A fit for step ``k`` takes only records of steps
+before ``k`` (``fit_calibration(..., before=k)``).
 """
 
 from __future__ import annotations
@@ -17,7 +27,7 @@ from dataclasses import dataclass, replace
 from typing import Literal, NamedTuple
 
 log = logging.getLogger(__name__)
-Kind = Literal["decode", "prefill", "train"]
+Kind = Literal["decode", "prefill", "train", "chain"]
 
 
 @dataclass(frozen=True)
@@ -51,6 +61,14 @@ class Calibration:
     """GB per training GPU for the CUDA context, NCCL buffers and fragmentation."""
     max_num_seqs: int = 256
     """Most sequences one rollout instance runs at once (vLLM ``max_num_seqs``)."""
+    turn_latency_s: float = 0.0
+    """Seconds each turn adds to a trajectory's serial chain besides its prefill, decode
+    steps and tool time: the turn's report to the queue, its routing and its admission to
+    an engine. 0 by default (the simulator's queue costs nothing); the job fits it from
+    its trajectories (``chain`` records)."""
+    tool_latency_scale: float = 1.0
+    """Wall seconds a trajectory waits per second of its measured tool time (1: tools cost
+    what they measure)."""
     note: str = "defaults"
     """Where these values come from (logged with every plan)."""
     fit_errors: tuple[tuple[str, float], ...] = ()
@@ -66,7 +84,7 @@ class Calibration:
             if not 0 < value <= 1:
                 raise ValueError(f"Calibration.{name} must lie in (0, 1], got {value}")
         for name in ("decode_step_overhead_s", "collective_latency_s", "train_step_overhead_s",
-                     "rollout_reserve_gb", "train_reserve_gb"):
+                     "rollout_reserve_gb", "train_reserve_gb", "turn_latency_s", "tool_latency_scale"):
             if getattr(self, name) < 0:
                 raise ValueError(f"Calibration.{name} must be >= 0, got {getattr(self, name)}")
         if self.max_num_seqs < 1:
@@ -85,45 +103,61 @@ class Calibration:
         if kind == "train":
             return (g("compute_s", 0.0) / self.train_mfu + g("comm_s", 0.0) / self.train_comm_eff + fixed
                     + g("steps", 1.0) * self.train_step_overhead_s)
-        raise ValueError(f"unknown timing kind {kind!r}; valid: decode, prefill, train")
+        if kind == "chain":  # a trajectory: its decode steps (summed), prefill, tools and turns
+            return (g("steps", 0.0) * self.decode_step_overhead_s + g("comm_s", 0.0) / self.rollout_comm_eff + fixed
+                    + max(g("mem_s", 0.0) / self.bandwidth_eff, g("compute_s", 0.0) / self.prefill_mfu)
+                    + g("prefill_compute_s", 0.0) / self.prefill_mfu + g("tool_s", 0.0) * self.tool_latency_scale
+                    + g("turns", 0.0) * self.turn_latency_s)
+        raise ValueError(f"unknown timing kind {kind!r}; valid: decode, prefill, train, chain")
 
 
 DEFAULT = Calibration()
 
 
 class TimingRecord(NamedTuple):
-    """One measurement: what the cost model predicted (ideal components) and what it took."""
+    """One measurement: what the cost model predicted (ideal components), what it took, and
+    the RL step whose work it measured (-1: none given; such records are used by every fit)."""
 
     kind: Kind
     components: Mapping[str, float]
     measured_s: float
+    step: int = -1
 
 
 # Linear terms fitted per kind: component -> (Calibration field, True when the field is an
 # efficiency, i.e. the fitted coefficient is its inverse). Decode is fitted as bandwidth
 # bound and prefill as compute bound (the other side of the roofline max() is left out of
-# the fit: ``_OFF_ROOFLINE``); components not listed are held at the current values.
+# the fit: ``_OFF_ROOFLINE``); components not listed are held at the current values. The
+# chain kind comes last: it holds the decode roofline the engine's own steps gave and fits
+# what a trajectory's wall time adds to it (the per-step cost as the trajectory sees it,
+# prefill, tools, turns).
 _TERMS: dict[str, dict[str, tuple[str, bool]]] = {
     "decode": {"mem_s": ("bandwidth_eff", True), "comm_s": ("rollout_comm_eff", True),
                "steps": ("decode_step_overhead_s", False), "collectives": ("collective_latency_s", False)},
     "prefill": {"compute_s": ("prefill_mfu", True)},
     "train": {"compute_s": ("train_mfu", True), "comm_s": ("train_comm_eff", True),
               "steps": ("train_step_overhead_s", False)},
+    "chain": {"steps": ("decode_step_overhead_s", False), "prefill_compute_s": ("prefill_mfu", True),
+              "tool_s": ("tool_latency_scale", False), "turns": ("turn_latency_s", False)},
 }
-_OFF_ROOFLINE = {"decode": "compute_s", "prefill": "mem_s", "train": ""}
+_OFF_ROOFLINE = {"decode": "compute_s", "prefill": "mem_s", "train": "", "chain": ""}
+_PASSES = {"chain": 30}
+_DEFAULT_COLUMN = {"decode": {"steps": 1.0}, "prefill": {}, "train": {"steps": 1.0}, "chain": {}}
 _EFFICIENCIES = {field for terms in _TERMS.values() for field, eff in terms.values() if eff}
 
 
-def fit_calibration(history: Sequence[TimingRecord], base: Calibration = DEFAULT) -> Calibration:
+def fit_calibration(history: Sequence[TimingRecord], base: Calibration = DEFAULT,
+                    before: int | None = None) -> Calibration:
     """Least-squares fit of the calibration from measured timings: decode first, then
-    prefill and training, each with the other kinds' fields held. A term whose column is
-    all zero or dependent, or whose coefficient comes out non-positive, keeps its current
-    value (and the rest is refitted without it); efficiencies are clipped to (0, 1]. The
-    result's ``note`` says what was fitted from how many records with which relative RMS
-    error; it is also logged."""
+    prefill, training and trajectory chains, each with the other kinds' fields held. A term
+    whose column is all zero or dependent, or whose coefficient comes out non-positive,
+    keeps its current value (and the rest is refitted without it); efficiencies are clipped
+    to (0, 1]. ``before``: only records of steps before it (what predicts step ``before``
+    without looking at it). The result's ``note`` says what was fitted from how many
+    records with which relative RMS error; it is also logged."""
     cal, lines, errors = base, [], []
-    for kind in ("decode", "prefill", "train"):
-        records = [r for r in history if r.kind == kind and r.measured_s > 0]
+    for kind in ("decode", "prefill", "train", "chain"):
+        records = [r for r in history if r.kind == kind and r.measured_s > 0 and (before is None or r.step < before)]
         if records:
             cal, line, rms = _fit_kind(cal, kind, records)  # type: ignore[arg-type]
             lines.append(line)
@@ -135,11 +169,28 @@ def fit_calibration(history: Sequence[TimingRecord], base: Calibration = DEFAULT
 
 
 def _fit_kind(cal: Calibration, kind: Kind, records: Sequence[TimingRecord]) -> tuple[Calibration, str, float]:
+    """One kind's fit. The chain kind holds its decode steps' roofline at the current
+    efficiencies, and its compute side is priced at ``prefill_mfu``, which the chain fits
+    too: it is refitted until that settles (a fixed point, a few passes)."""
+    fitted, values = cal, {}
+    for _ in range(_PASSES.get(kind, 1)):
+        new, values = _fit_pass(fitted, kind, records)
+        settled = all(math.isclose(getattr(new, f), getattr(fitted, f), rel_tol=1e-9) for f in values)
+        fitted = new
+        if settled:
+            break
+    errs = [(fitted.time(kind, r.components) - r.measured_s) / r.measured_s for r in records]
+    rms = math.sqrt(sum(e * e for e in errs) / len(errs))
+    changed = ", ".join(f"{f} {getattr(cal, f):.4g}->{getattr(fitted, f):.4g}" for f in values) or "nothing fitted"
+    return fitted, f"{kind} n={len(records)}: {changed} (rms rel err {rms:.1%})", rms
+
+
+def _fit_pass(cal: Calibration, kind: Kind, records: Sequence[TimingRecord]) -> tuple[Calibration, dict[str, float]]:
     terms = dict(_TERMS[kind])
     values: dict[str, float] = {}
     while terms:
         names = list(terms)
-        rows = [[float(r.components.get(n, 1.0 if n == "steps" else 0.0)) for n in names] for r in records]
+        rows = [[float(r.components.get(n, _DEFAULT_COLUMN[kind].get(n, 0.0))) for n in names] for r in records]
         off = {n: 0.0 for n in names} | ({_OFF_ROOFLINE[kind]: 0.0} if _OFF_ROOFLINE[kind] else {})
         rhs = [r.measured_s - cal.time(kind, {**r.components, **off}) for r in records]
         coef = _least_squares(rows, rhs)
@@ -150,11 +201,7 @@ def _fit_kind(cal: Calibration, kind: Kind, records: Sequence[TimingRecord]) -> 
             break
         del terms[bad]
     values = {f: (min(1.0, v) if f in _EFFICIENCIES else v) for f, v in values.items()}
-    fitted = replace(cal, **values)
-    errs = [(fitted.time(kind, r.components) - r.measured_s) / r.measured_s for r in records]
-    rms = math.sqrt(sum(e * e for e in errs) / len(errs))
-    changed = ", ".join(f"{f} {getattr(cal, f):.4g}->{getattr(fitted, f):.4g}" for f in values) or "nothing fitted"
-    return fitted, f"{kind} n={len(records)}: {changed} (rms rel err {rms:.1%})", rms
+    return replace(cal, **values), values
 
 
 def _least_squares(rows: list[list[float]], rhs: list[float]) -> list[float | None]:

@@ -120,12 +120,29 @@ class RolloutCost:
         at most ``max_num_seqs``."""
         return max(0, min(self.cal.max_num_seqs, int(self.kv_capacity_tokens // max(1.0, mean_seq_tokens))))
 
-    def serial_s(self, prompt_len: float, gen_len: float, tool_time_s: float, context: float | None = None) -> float:
+    def serial_s(self, prompt_len: float, gen_len: float, tool_time_s: float, context: float | None = None,
+                 turns: float = 0.0) -> float:
         """One trajectory alone on this instance: prefill, then its decode steps one after
         another (batch 1, its own mean ``context``: by default ``prompt_len + gen_len / 2``),
-        then its tool time."""
+        then the time it is held between them (:meth:`held_s`)."""
         context = prompt_len + gen_len / 2 if context is None else context
-        return self.prefill_s(prompt_len) + gen_len * self.decode_step_s(1, context) + tool_time_s
+        return self.prefill_s(prompt_len) + gen_len * self.decode_step_s(1, context) + self.held_s(tool_time_s, turns)
+
+    def held_s(self, tool_time_s: float, turns: float) -> float:
+        """Seconds a trajectory is out of the running batch: its tool time, and each turn's
+        trip through the queue (``Calibration.tool_latency_scale``, ``turn_latency_s``)."""
+        return tool_time_s * self.cal.tool_latency_scale + turns * self.cal.turn_latency_s
+
+    def chain_components(self, prompt_len: float, gen_len: float, tool_time_s: float, turns: float,
+                         batch: float, context_tokens: float) -> dict[str, float]:
+        """Ideal components of one trajectory's wall time (``Calibration.time("chain", ...)``):
+        its ``gen_len`` decode steps at a running ``batch`` holding ``context_tokens`` KV
+        tokens, the prefill of its ``prompt_len`` tokens, its tool seconds and its turns."""
+        step = self.decode_components(batch, context_tokens)
+        return {"steps": gen_len, "mem_s": gen_len * step["mem_s"], "compute_s": gen_len * step["compute_s"],
+                "comm_s": gen_len * step["comm_s"], "collectives": gen_len * step["collectives"],
+                "prefill_compute_s": self.prefill_components(prompt_len)["compute_s"],
+                "tool_s": tool_time_s, "turns": turns}
 
 
 @dataclass(frozen=True)
@@ -158,8 +175,9 @@ def rollout_makespan(pools: Sequence[tuple[RolloutCost, int]], lengths: LengthPr
     trajectory to the lane where it would finish first (earliest free time + its
     duration there; at time 0 that sends the long tail to the fast large-TP pools);
     lanes of a pool that free together form one group, so a bucket is placed in a few
-    chunks. A trajectory lasts its prefill, gen_len decode steps and its tool time (the
-    lane is held during tools). The result is never below the serial time of the
+    chunks. A trajectory lasts its prefill, gen_len decode steps and the time it is held
+    between turns (its tools and each turn's trip through the queue,
+    :meth:`RolloutCost.held_s`; the lane is held meanwhile). The result is never below the serial time of the
     longest trajectory on its best pool (checked exactly on ``lengths.extremes``).
 
     That placement assumes the router knows which trajectories will be long
@@ -193,8 +211,9 @@ def rollout_makespan(pools: Sequence[tuple[RolloutCost, int]], lengths: LengthPr
     for cost, n, conc in live:
         batch = max(1, min(conc, math.ceil(lengths.batch_size * conc / total_lanes)))
         base = (batch - 1) * lengths.mean_context
-        durations = [cost.prefill_s(p) + g * cost.decode_step_s(batch, base + c) + t
-                     for p, g, t, c in zip(lengths.prompt, lengths.gen, lengths.tool_s, lengths.context)]
+        durations = [cost.prefill_s(p) + g * cost.decode_step_s(batch, base + c) + cost.held_s(t, n)
+                     for p, g, t, c, n in zip(lengths.prompt, lengths.gen, lengths.tool_s, lengths.context,
+                                              lengths.bucket_turns())]
         per_pool.append((cost, n, conc, batch, durations))
     lanes = [(n * batch, d) for _, n, _, batch, d in per_pool]
     blind = not length_aware and len(per_pool) > 1
@@ -206,7 +225,8 @@ def rollout_makespan(pools: Sequence[tuple[RolloutCost, int]], lengths: LengthPr
                   for (c, n, conc, _, _), shares in zip(per_pool, per_bucket)]
         # the extreme trajectories (longest generation, longest tools) on their best pool, loaded
         pick = max if blind else min  # blind: an extreme may land on the slowest pool
-        chain = max(pick(c.prefill_s(x.prompt_len) + x.gen_len * sigma + x.tool_time_s for c, _, sigma in loaded)
+        chain = max(pick(c.prefill_s(x.prompt_len) + x.gen_len * sigma + c.held_s(x.tool_time_s, x.turns)
+                         for c, _, sigma in loaded)
                     for x in lengths.extremes)
         makespan = max(chain, *(m for _, m, _ in loaded))
     return RolloutEstimate(max(makespan, bound), bound, None, info)
@@ -236,8 +256,8 @@ def _loaded_s(cost: RolloutCost, instances: int, conc: int, counts: Sequence[int
     live = [k for k, x in enumerate(n) if x > 0]
     if not live:
         return 0.0, math.inf
-    gen, tool = lengths.gen, lengths.tool_s
-    ctx = lengths.context
+    gen, ctx = lengths.gen, lengths.context
+    tool = [cost.held_s(t, n) for t, n in zip(lengths.tool_s, lengths.bucket_turns())]  # out of the running batch
     pre = {k: cost.prefill_s(lengths.prompt[k]) for k in live}
     prefill_work = sum(n[k] * pre[k] for k in live)
     others = max(0.0, 1.0 - 1.0 / (in_flight * sum(n[k] for k in live)))  # a lone sequence waits for no one

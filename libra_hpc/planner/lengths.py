@@ -13,7 +13,8 @@ from typing import NamedTuple, Protocol
 class SerialCost(Protocol):
     """What a trajectory's serial time is priced with (:class:`~libra_hpc.planner.costs.RolloutCost`)."""
 
-    def serial_s(self, prompt_len: float, gen_len: float, tool_time_s: float, context: float | None = None) -> float: ...
+    def serial_s(self, prompt_len: float, gen_len: float, tool_time_s: float, context: float | None = None,
+                 turns: float = 0.0) -> float: ...
 
 
 class LengthSample(NamedTuple):
@@ -36,7 +37,7 @@ class LengthSample(NamedTuple):
 
     def serial_s(self, cost: SerialCost) -> float:
         """This trajectory alone on ``cost``'s instance (:meth:`RolloutCost.serial_s`)."""
-        return cost.serial_s(self.prompt_len, self.gen_len, self.tool_time_s, self.decode_context)
+        return cost.serial_s(self.prompt_len, self.gen_len, self.tool_time_s, self.decode_context, self.turns)
 
 
 @dataclass(frozen=True)
@@ -57,6 +58,8 @@ class LengthProfile:
     max_seq_tokens: float
     context: tuple[float, ...] = ()
     """Per bucket: the mean KV context a generated token sees (:attr:`LengthSample.decode_context`)."""
+    turns: tuple[float, ...] = ()
+    """Per bucket: the mean turns of a trajectory (each turn costs ``Calibration.turn_latency_s``)."""
 
     @classmethod
     def from_samples(cls, samples: Sequence[LengthSample], batch_size: int, buckets: int = 32) -> LengthProfile:
@@ -79,11 +82,16 @@ class LengthProfile:
                    mean_seq_tokens=sum(x.prompt_len + x.gen_len for x in s) / len(s),
                    mean_context=sum(x.decode_context for x in s) / len(s),
                    max_seq_tokens=max(x.prompt_len + x.gen_len for x in s),
-                   context=tuple(mean(g, "decode_context") for g, _ in keep))
+                   context=tuple(mean(g, "decode_context") for g, _ in keep),
+                   turns=tuple(mean(g, "turns") for g, _ in keep))
 
     @property
     def batch_size(self) -> int:
         return sum(self.count)
+
+    def bucket_turns(self) -> tuple[float, ...]:
+        """:attr:`turns`, or no turns per bucket for a profile built without them."""
+        return self.turns if len(self.turns) == len(self.count) else (0.0,) * len(self.count)
 
 
 def _split(items: list, parts: int) -> list[list]:

@@ -57,22 +57,33 @@ class StepWindow:
         self.gain_checks.append((version, record))
         self.measure_from = version + 1 + self.max_staleness
 
-    def realised_gains(self) -> list[dict]:
+    def realised_gains(self, final: bool = False) -> list[dict]:
         """The switches with GAIN_STEPS steps measured after them: the step time they saved
-        (mean of the GAIN_STEPS steps before against the GAIN_STEPS after), once each."""
+        (mean of the GAIN_STEPS steps before against the GAIN_STEPS after, the step that
+        carried the switch's pause included), once each. ``final`` (the run ended): also
+        those with fewer steps after them, over the steps there are (``steps_after`` says
+        how many)."""
         out = []
         for applied_at, record in list(self.gain_checks):
-            after = [s for step, s in self.step_times if step >= applied_at]
-            if len(after) < GAIN_STEPS:
+            after = [s for step, s in self.step_times if step >= applied_at][:GAIN_STEPS]
+            if len(after) < GAIN_STEPS and not (final and after):
                 continue
             before = [s for step, s in self.step_times if step < applied_at][-GAIN_STEPS:]
             self.gain_checks.remove((applied_at, record))
             if before:
-                b, a = statistics.fmean(before), statistics.fmean(after[:GAIN_STEPS])
-                out.append({"direction": record["direction"], "at_step": applied_at,
+                b, a = statistics.fmean(before), statistics.fmean(after)
+                out.append({"direction": record.get("direction", "replan"), "at_step": applied_at,
                             "predicted_gain_s": record.get("predicted_gain_s"), "measured_gain_s": round(b - a, 3),
-                            "step_s_before": round(b, 3), "step_s_after": round(a, 3)})
+                            "step_s_before": round(b, 3), "step_s_after": round(a, 3), "steps_after": len(after)})
         return out
+
+
+def layout_gain(gain: dict) -> dict:
+    """One entry of ``layout_gains`` (``summary.json``) from a realised gain of
+    :meth:`StepWindow.realised_gains`: the step time the change was predicted to save and
+    the step time it saved, s per step."""
+    return {"predicted_s": gain["predicted_gain_s"], "realised_s": gain["measured_gain_s"], "at_step": gain["at_step"],
+            "direction": gain["direction"], "steps_after": gain["steps_after"]}
 
 
 @dataclass

@@ -181,6 +181,7 @@ class JobController:
                                    f"{message.get('instance')}): its lease had expired and the turn ran twice; "
                                    "this copy is dropped")
             return self._send(source, {"op": "route", "tid": tid, "dest": [], "replica": None})
+        message["finished_at"] = time.perf_counter()  # the planner's chain records (runtime/planning.py)
         dest, may_train = self.batches.finished(message, self.relayout.open_replicas())
         self.state.service.drain_finished()
         if dest is None:  # its group was regenerated: nowhere
@@ -327,6 +328,8 @@ class JobController:
         s.last_step_s, self.last_step_end = now - (self.last_step_end or self.rl_started), now
         s.last_rollout_s = record["complete"] - record["submitted"]
         stats = s.service.stats()
+        if self.planner is not None:  # the planner's prediction of this step, before it sees the step
+            record.setdefault("extra", {}).update(self.planner.predict(b, record, reports, s.last_step_s))
         metrics = records.step_metrics(self.cfg, b, s.version, record, reports, step_s=s.last_step_s, queue=stats,
                                        migrations=stats["migrations"] - self.migrations_seen,
                                        idle_rollout_s=self.idle_rollout_s, gpus=s.gpus())

@@ -7,10 +7,15 @@ What the loop is given after each RL step ``b``:
 - the lengths of batch ``b``'s trajectories (``observe``: prompt and tool-output tokens,
   generated tokens, turns, tool seconds);
 - timing records for the cost models' calibration, refitted every step
-  (``fit_calibration``): the training step per optimizer pass against the training cost
-  model's components for the shape that ran, and each rollout instance's decode step
-  (busy seconds × mean running batch / tokens generated) against the rollout cost
-  model's components at that batch and context;
+  (``fit_calibration``), each tagged with the step whose work it measured: the training
+  step per optimizer pass against the training cost model's components for the shape
+  that ran; each rollout instance's decode step (busy seconds × mean running batch /
+  tokens generated) against the rollout cost model's components at that batch and
+  context (tagged with the *next* step: the interval it covers overlaps the next batch's
+  rollout); each trajectory's wall time from its batch's submission to its report
+  against its chain's parts (decode steps, prefill, tool seconds, turns). The fit after
+  step ``b`` takes the records of steps ``<= b`` only, so step ``b + 1`` is predicted
+  (:meth:`PlannerDriver.predict`) by a calibration that never saw it;
 - the rollout makespan and the training step time (``after_rollout``): their means over
   the window of :class:`~libra_hpc.planner.window.StepWindow` (the steps measured on the
   current layout; batches that overlapped a switch are left out), once it is settled.
@@ -29,28 +34,35 @@ What it decides, and how it is carried out:
 Every decision is an event: ``plan_considered`` (each check, with the current and the
 candidate plan's predicted step and why it was kept or applied), ``hybrid`` (each pool
 transition), ``replan`` / ``tp_reshard``, ``layout_applied`` (the pause and the predicted
-gain), ``hybrid_gain`` (the gain measured three steps later).
+gain), ``hybrid_gain`` (the gain measured three steps later; ``layout_gains`` in
+``summary.json``). Every step, ``planner_prediction``: the step time the planner predicts
+for the layout that ran it, per term (rollout makespan, training), against what the step
+measured (the step's metrics row carries ``planner_predicted_s`` and ``measured_step_s``).
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import statistics
 import time
 from typing import Any
 
+from libra_hpc.config_learning import epochs_at
 from libra_hpc.planner.control import ControlLoop
-from libra_hpc.planner.costs import LengthSample, RolloutCost, TimingRecord, TrainingCost, TrainShape, fit_calibration
+from libra_hpc.planner.costs import (LengthProfile, LengthSample, RolloutCost, TimingRecord, TrainingCost, TrainShape,
+                                     fit_calibration)
 from libra_hpc.planner.hybrid import PhaseTimeouts
+from libra_hpc.planner.pipeline import pipelined_step_s
 from libra_hpc.planner.search import Plan, RLBatch, reprice
 from libra_hpc.planner.search import RolloutInstance as PlanInstance
-from libra_hpc.planner.window import PendingChange, StepWindow, moves_training
+from libra_hpc.planner.window import PendingChange, StepWindow, layout_gain, moves_training
 from libra_hpc.runtime.relayout import Applied, Relayouts
 from libra_hpc.runtime.state import JobState, Sends
 
 log = logging.getLogger(__name__)
-RECORDS = 256
-"""Timing records the calibration is fitted on (the most recent)."""
+RECORDS = {"train": 64, "decode": 64, "chain": 1024}
+"""Timing records of each kind the calibration is fitted on (the most recent)."""
 JOB_TIMEOUTS = PhaseTimeouts(requested=600, fetching_state=900, zero_grad_sync=900, releasing=900)
 """The hybrid pool's phase timeouts in the job: a drain on CPU takes tens of seconds."""
 
@@ -79,12 +91,13 @@ class PlannerDriver:
                        length_aware=options.length_aware_routing)
         self.control.start(plan, "the config's layout")
         self.window = StepWindow(cfg.rl.max_staleness, cfg.rl.steps)
-        self.records: list[TimingRecord] = []
+        self.records: dict[str, list[TimingRecord]] = {kind: [] for kind in RECORDS}
         self.last_load: dict[int, dict] = {}
         self.running: dict[int, list[int]] = {}
         self.pending: PendingChange | None = None
         self.replans = self.reshards = self.hybrid_applied = 0
         self.pauses: list[dict] = []
+        self.layout_gains: list[dict] = []
         self.zero_grad_at: int | None = None
         self.t0 = time.monotonic()
         self._map_pool()
@@ -112,17 +125,71 @@ class PlannerDriver:
         """A leader's load report: its running batch is sampled for the decode records."""
         self.running.setdefault(message["instance"], []).append(message["running"])
 
+    @staticmethod
+    def samples(rows: list[dict]) -> list[LengthSample]:
+        """The lengths of a batch's trajectory reports (rows of a checkpoint before
+        ``prompt_tokens``: tool tokens 0)."""
+        return [LengthSample(r["tokens"] - r["gen_tokens"], r["gen_tokens"], r["turns"], r["tool_s"],
+                             r["tokens"] - r["gen_tokens"] - r.get("prompt_tokens", r["tokens"] - r["gen_tokens"]))
+                for r in rows]
+
+    def predict(self, b: int, record: dict, reports: list[dict], step_s: float) -> dict:
+        """Step ``b`` ended, before it is observed: the step time the planner predicts for
+        the layout that ran it (the calibration fitted on steps before ``b``, the batch's
+        own lengths and turns) against the measured one, per term; the fields of the
+        step's metrics row. Also keeps the batch's trajectories as chain records for the
+        fit after this step."""
+        s, cfg = self.s, self.s.cfg
+        rows = record["rows"]
+        self._chain_records(b, rows, record["submitted"])
+        epochs = epochs_at(cfg.rl.update_epochs, b)
+        lengths = LengthProfile.from_samples(self.samples(rows), len(rows))
+        o = self.control.o
+        priced = reprice(config_plan(s.layout, cfg), self.model, self.hw, cfg.cluster.gpus_per_node, lengths,
+                         self.control.cal, RLBatch(len(rows), max(1, math.ceil(lengths.mean_seq_tokens))),
+                         in_flight=o.max_staleness + 1, length_aware=o.length_aware_routing)
+        t_train = priced.t_train * epochs
+        # steps of several passes train whole: nothing streams (runtime/batches.py)
+        predicted = pipelined_step_s(t_train, priced.t_rollout, o.max_staleness, o.stream_groups if epochs == 1 else 0)
+        measured_train = max(r["train_s"] + r.get("stream_s", 0.0) for r in reports)
+        measured_rollout = record["complete"] - record["submitted"]
+        terms = {"rollout_s": [_r(priced.t_rollout), _r(measured_rollout)], "train_s": [_r(t_train), _r(measured_train)],
+                 "step_s": [_r(predicted), _r(step_s)]}
+        s.runlog.event("planner_prediction", step=b, layout_version=s.layout.version, epochs=epochs, **terms,
+                       calibration=self.control.cal.note)
+        log.info("planner prediction, step %d: %s", b,
+                 ", ".join(f"{k} predicted {p} measured {m}" for k, (p, m) in terms.items()))
+        if not math.isfinite(predicted) or step_s <= 0:
+            return {}
+        return {"planner_predicted_s": _r(predicted), "measured_step_s": _r(step_s), "planner_terms": terms}
+
+    def _chain_records(self, b: int, rows: list[dict], submitted: float) -> None:
+        """Each trajectory of batch ``b`` with its report time: its wall seconds since the
+        batch was submitted against its chain's parts, at the running batch its instance
+        reported (rows without a report time after the submission, from before a resume,
+        give none)."""
+        cal = self.control.cal
+        if self.s.cfg.rl.partial_rollout:  # a trajectory may span batches: no start to measure from
+            return
+        for r, x in zip(rows, self.samples(rows)):
+            if r.get("finished_at", 0.0) <= submitted:
+                continue
+            batch = max(1.0, statistics.fmean(self.running.get(r.get("instance"), []) or [1]))
+            tp = self.s.roles.tps.get(r.get("instance"), 1)
+            parts = RolloutCost(self.model, self.hw, tp, cal).chain_components(
+                x.prompt_len, x.gen_len, x.tool_time_s, x.turns, batch, batch * x.decode_context)
+            self.records["chain"].append(TimingRecord("chain", parts, r["finished_at"] - submitted, b))
+
     def observe(self, b: int, rows: list[dict], reports: list[dict], epochs: int) -> None:
         """Batch ``b`` was trained: its lengths, and the timing records it gives."""
-        self.control.observe([LengthSample(r["tokens"] - r["gen_tokens"], r["gen_tokens"], r["turns"], r["tool_s"],
-                                           r["tokens"] - r["gen_tokens"] - r.get("prompt_tokens", r["tokens"] - r["gen_tokens"]))
-                              for r in rows])  # rows of a checkpoint before prompt_tokens: tool tokens 0
+        self.control.observe(self.samples(rows))
         mean_tokens = statistics.fmean(r["tokens"] for r in rows)
         t = self.s.layout.training
         shape = TrainShape(t.tp, t.pp, t.dp, self.s.cfg.training.micro_batch_size, len(rows), max(1, int(mean_tokens)))
         cal = self.control.cal
         per_pass = max(r["train_s"] + r.get("stream_s", 0.0) for r in reports) / max(1, epochs)  # streamed parts too
-        self.records.append(TimingRecord("train", TrainingCost(self.model, self.hw, shape, cal).components(), per_pass))
+        self.records["train"].append(
+            TimingRecord("train", TrainingCost(self.model, self.hw, shape, cal).components(), per_pass, b))
         for instance, load in self.s.leader_load.items():
             before = self.last_load.get(instance)
             samples = self.running.pop(instance, [])
@@ -135,9 +202,10 @@ class PlannerDriver:
             if tokens < 32 or busy <= 0 or batch < 1 or tp is None:
                 continue
             parts = RolloutCost(self.model, self.hw, tp, cal).decode_components(batch, batch * mean_tokens / 2)
-            self.records.append(TimingRecord("decode", parts, busy * batch / tokens))
-        del self.records[:-RECORDS]
-        self.control.cal = fit_calibration(self.records, self.base)
+            self.records["decode"].append(TimingRecord("decode", parts, busy * batch / tokens, b + 1))
+        for kind, most in RECORDS.items():
+            del self.records[kind][:-most]
+        self.control.cal = fit_calibration([r for rs in self.records.values() for r in rs], self.base, before=b + 1)
 
     # ------------------------------------------------------------------ decisions
 
@@ -147,8 +215,7 @@ class PlannerDriver:
         # training's whole work, streamed parts included: what the pipelined step weighs (control.rollout_side_s)
         self.window.record(b, s.last_rollout_s, max(r["train_s"] + r.get("stream_s", 0.0) for r in reports),
                            s.last_step_s)
-        for gain in self.window.realised_gains():
-            s.runlog.event("hybrid_gain", **gain)
+        self._gains(self.window.realised_gains())
         self._zero_grad_done()
         pool = self.pool
         moving = self.pending is not None or self.relayout.moving() or (
@@ -171,6 +238,18 @@ class PlannerDriver:
         if pool is not None and out.pool_decided:
             return self.carry_out(out.pool_events, assessment)
         return []
+
+    def _gains(self, gains: list[dict]) -> None:
+        for gain in gains:
+            self.s.runlog.event("hybrid_gain" if gain["direction"] in ("join", "leave") else "layout_gain", **gain)
+            self.layout_gains.append(layout_gain(gain))
+
+    def finish(self) -> list[dict]:
+        """The run ended: ``layout_gains`` of ``summary.json``, every applied layout change's
+        predicted and realised step-time gain (s per step; those applied near the end over
+        the steps that followed them)."""
+        self._gains(self.window.realised_gains(final=True))
+        return self.layout_gains
 
     def assess(self, t_train: float, t_rollout: float) -> dict:
         """Which way the pool's gate points, and the step time a move is predicted to save
@@ -304,3 +383,7 @@ class PlannerDriver:
                 self.zero_grad_at = s.version
         self.window.switched(s.version, done.record)
         return held
+
+
+def _r(x: float) -> float | None:
+    return round(x, 3) if math.isfinite(x) else None

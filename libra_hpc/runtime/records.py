@@ -100,6 +100,8 @@ def finish_summary(summary: dict, metrics: list[dict], trained: list[str], *, st
              replans_applied=p.replans if p else 0, reshards_applied=p.reshards if p else 0,
              dispatch=dispatch, hybrid_switches=p.hybrid_applied if p else 0,
              hybrid_pauses_s=p.pauses if p else [], checkpoint=exported, completed=completed, **tracker)
+    if p is not None:
+        s.update(planner_predicted_over_measured=predicted_over_measured(metrics), layout_gains=p.finish())
     chaos = [r.injected for r in getattr(orchestrator, "runners", {}).values() if hasattr(r, "injected")]
     if chaos:
         s["tool_faults_injected"] = {k: sum(c[k] for c in chaos) for k in ("fail", "hang")}
@@ -107,6 +109,19 @@ def finish_summary(summary: dict, metrics: list[dict], trained: list[str], *, st
     if s.get("eval_success_final") is not None and s.get("eval_success_warmstart") is not None:
         s["eval_gain"] = round(s["eval_success_final"] - s["eval_success_warmstart"], 4)
     return s
+
+
+PREDICTION_STEPS = 10
+"""Steps (the last ones) over which ``planner_predicted_over_measured`` is averaged."""
+
+
+def predicted_over_measured(metrics: list[dict], last: int = PREDICTION_STEPS) -> float | None:
+    """Mean over the last ``last`` steps with a planner prediction of predicted / measured
+    step time (``planner_predicted_s`` / ``measured_step_s`` of the step rows, steps after
+    a layout change included); None when no step has one."""
+    ratios = [m["planner_predicted_s"] / m["measured_step_s"] for m in metrics
+              if m.get("planner_predicted_s") is not None and m.get("measured_step_s")][-last:]
+    return round(statistics.fmean(ratios), 4) if ratios else None
 
 
 def run_totals(metrics: list[dict], trained: list[str], submitted: int | None) -> dict:
