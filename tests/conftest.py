@@ -16,6 +16,23 @@ def pytest_addoption(parser):
                      help="run libra_hpc.scheduler from its Python sources where the install compiled it")
 
 
+JOBS = "jobs"
+"""The xdist group of the tests that run the RL job or use the private Slurm cluster: one
+worker runs them in order (they share the session's Slurm cluster and warm-start cache, and
+each loads both cores), while the other worker runs every other test beside them."""
+
+
+JOB_MODULES = ("test_job", "test_launch_local", "test_launch_slurm", "test_slurm_cluster")
+"""Modules whose tests start whole jobs with launch.py or sbatch."""
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if (item.module.__name__ in JOB_MODULES or item.get_closest_marker("slurm")
+                or {"slurm_cluster", "job_cache"} & set(getattr(item, "fixturenames", ()))):
+            item.add_marker(pytest.mark.xdist_group(JOBS))
+
+
 def pytest_configure(config):
     if config.getoption("--scheduler-source"):
         from libra_hpc import _compiled
