@@ -16,21 +16,24 @@ def pytest_addoption(parser):
                      help="run libra_hpc.scheduler from its Python sources where the install compiled it")
 
 
-JOBS = "jobs"
-"""The xdist group of the tests that run the RL job or use the private Slurm cluster: one
-worker runs them in order (they share the session's Slurm cluster and warm-start cache, and
-each loads both cores), while the other worker runs every other test beside them."""
+JOB_MODULES = ("test_job", "test_launch_local", "test_launch_slurm", "test_slurm_cluster", "test_tools_remote")
+"""Modules whose tests start whole jobs (launch.py, sbatch) or use the private Slurm cluster."""
 
 
-JOB_MODULES = ("test_job", "test_launch_local", "test_launch_slurm", "test_slurm_cluster")
-"""Modules whose tests start whole jobs with launch.py or sbatch."""
+def pytest_xdist_make_scheduler(config, log):
+    """With two pytest-xdist workers (pyproject's addopts): the tests of ``JOB_MODULES`` are
+    one unit of work, run in order by one worker (they share the session's Slurm cluster
+    and warm-start cache, and each job loads both cores); every other test is a unit of its
+    own, run by whichever worker is free. (A conftest cannot give pytest-xdist's
+    ``loadgroup`` its groups under pytest 9: the worker's renamed node ids are not used.)"""
+    from xdist.scheduler import LoadScopeScheduling
 
+    class JobsTogether(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            module = Path(nodeid.split("::", 1)[0]).stem
+            return "jobs" if module in JOB_MODULES else nodeid
 
-def pytest_collection_modifyitems(config, items):
-    for item in items:
-        if (item.module.__name__ in JOB_MODULES or item.get_closest_marker("slurm")
-                or {"slurm_cluster", "job_cache"} & set(getattr(item, "fixturenames", ()))):
-            item.add_marker(pytest.mark.xdist_group(JOBS))
+    return JobsTogether(config, log)
 
 
 def pytest_configure(config):
