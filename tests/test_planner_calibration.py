@@ -60,8 +60,8 @@ def test_a_term_the_records_cannot_tell_apart_keeps_its_value():
     fit = fit_calibration(records)
     assert fit.tool_latency_scale == 1.0  # no tool time in any record: kept
     assert fit.turn_latency_s >= 0 and fit.decode_step_overhead_s > 0
-    for r in records:
-        assert fit.time("chain", r.components) == pytest.approx(r.measured_s, rel=1e-6)
+    for r in records:  # the held prefill efficiency also prices the decode steps' compute side: close, not exact
+        assert fit.time("chain", r.components) == pytest.approx(r.measured_s, rel=0.05)
 
 
 def test_turns_and_tool_latency_price_the_makespan():

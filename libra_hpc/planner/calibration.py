@@ -137,11 +137,17 @@ _TERMS: dict[str, dict[str, tuple[str, bool]]] = {
     "prefill": {"compute_s": ("prefill_mfu", True)},
     "train": {"compute_s": ("train_mfu", True), "comm_s": ("train_comm_eff", True),
               "steps": ("train_step_overhead_s", False)},
-    "chain": {"steps": ("decode_step_overhead_s", False), "prefill_compute_s": ("prefill_mfu", True),
-              "tool_s": ("tool_latency_scale", False), "turns": ("turn_latency_s", False)},
+    "chain": {"steps": ("decode_step_overhead_s", False), "turns": ("turn_latency_s", False),
+              "tool_s": ("tool_latency_scale", False), "prefill_compute_s": ("prefill_mfu", True)},
 }
 _OFF_ROOFLINE = {"decode": "compute_s", "prefill": "mem_s", "train": "", "chain": ""}
 _PASSES = {"chain": 30}
+_MIN_EFFICIENCY = 0.01
+"""An efficiency fitted below this is not believed: the term is held at its current value
+and the rest refitted. Such a value is the fit putting a fixed cost the records cannot
+tell apart from it into an efficiency's column (seen in the job on CPU: with two training
+records, train_comm_eff 0.7 -> 0.003; engine decode steps, whose time is their fixed cost,
+bandwidth_eff -> 0.004), which then prices every other layout wrong."""
 _DEFAULT_COLUMN = {"decode": {"steps": 1.0}, "prefill": {}, "train": {"steps": 1.0}, "chain": {}}
 _EFFICIENCIES = {field for terms in _TERMS.values() for field, eff in terms.values() if eff}
 
@@ -186,20 +192,31 @@ def _fit_kind(cal: Calibration, kind: Kind, records: Sequence[TimingRecord]) -> 
 
 
 def _fit_pass(cal: Calibration, kind: Kind, records: Sequence[TimingRecord]) -> tuple[Calibration, dict[str, float]]:
-    terms = dict(_TERMS[kind])
+    """One least-squares pass. A dependent column is left out while its partner is in;
+    a term whose coefficient is non-positive or implausible is left out for good, and the
+    dependent ones are tried again without it (they may be what the records determine)."""
+    terms, dependent = dict(_TERMS[kind]), set()
     values: dict[str, float] = {}
     while terms:
-        names = list(terms)
+        names = [n for n in terms if n not in dependent]
+        if not names:
+            break
         rows = [[float(r.components.get(n, _DEFAULT_COLUMN[kind].get(n, 0.0))) for n in names] for r in records]
         off = {n: 0.0 for n in names} | ({_OFF_ROOFLINE[kind]: 0.0} if _OFF_ROOFLINE[kind] else {})
         rhs = [r.measured_s - cal.time(kind, {**r.components, **off}) for r in records]
         coef = _least_squares(rows, rhs)
-        bad = next((n for n, x in zip(names, coef) if x is None), None)  # zero or dependent column first
-        bad = bad or next((n for n, x in zip(names, coef) if x <= 0), None)  # type: ignore[operator]
+        gone = next((n for n, x in zip(names, coef) if x is None), None)  # zero or dependent column first
+        if gone is not None:
+            dependent.add(gone)
+            continue
+        bad = next((n for n, x in zip(names, coef) if x <= 0), None)  # type: ignore[operator]
+        bad = bad or next((n for n, x in zip(names, coef)  # an implausible efficiency: see _MIN_EFFICIENCY
+                           if terms[n][1] and 1.0 / x < _MIN_EFFICIENCY), None)  # type: ignore[operator]
         if bad is None:
             values = {terms[n][0]: (1.0 / x if terms[n][1] else x) for n, x in zip(names, coef)}  # type: ignore[operator]
             break
         del terms[bad]
+        dependent.clear()
     values = {f: (min(1.0, v) if f in _EFFICIENCIES else v) for f, v in values.items()}
     return replace(cal, **values), values
 

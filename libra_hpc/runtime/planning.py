@@ -9,11 +9,14 @@ What the loop is given after each RL step ``b``:
 - timing records for the cost models' calibration, refitted every step
   (``fit_calibration``), each tagged with the step whose work it measured: the training
   step per optimizer pass against the training cost model's components for the shape
-  that ran; each rollout instance's decode step (busy seconds × mean running batch /
-  tokens generated) against the rollout cost model's components at that batch and
-  context (tagged with the *next* step: the interval it covers overlaps the next batch's
-  rollout); each trajectory's wall time from its batch's submission to its report
-  against its chain's parts (decode steps, prefill, tool seconds, turns). The fit after
+  that ran; each trajectory's wall time from its batch's submission to its report
+  against its chain's parts (decode steps at its instance's running batch, prefill, tool
+  seconds, turns). The rollout side is fitted on trajectories, not on the engines' busy
+  seconds: a trajectory waits for its engine's steps, the leader's loop between them,
+  the queue and the tools, and only its wall time says what a makespan is made of (an
+  engine's busy seconds per step, fitted alone, put a CPU engine's fixed per-step cost
+  into the memory bandwidth efficiency, bandwidth_eff 0.7 -> 0.058, and left the rest of
+  the wall time out: steps predicted at ~1 s against 10-20 s measured). The fit after
   step ``b`` takes the records of steps ``<= b`` only, so step ``b + 1`` is predicted
   (:meth:`PlannerDriver.predict`) by a calibration that never saw it;
 - the rollout makespan and the training step time (``after_rollout``): their means over
@@ -61,7 +64,7 @@ from libra_hpc.runtime.relayout import Applied, Relayouts
 from libra_hpc.runtime.state import JobState, Sends
 
 log = logging.getLogger(__name__)
-RECORDS = {"train": 64, "decode": 64, "chain": 1024}
+RECORDS = {"train": 64, "chain": 1024}
 """Timing records of each kind the calibration is fitted on (the most recent)."""
 JOB_TIMEOUTS = PhaseTimeouts(requested=600, fetching_state=900, zero_grad_sync=900, releasing=900)
 """The hybrid pool's phase timeouts in the job: a drain on CPU takes tens of seconds."""
@@ -92,7 +95,6 @@ class PlannerDriver:
         self.control.start(plan, "the config's layout")
         self.window = StepWindow(cfg.rl.max_staleness, cfg.rl.steps)
         self.records: dict[str, list[TimingRecord]] = {kind: [] for kind in RECORDS}
-        self.last_load: dict[int, dict] = {}
         self.running: dict[int, list[int]] = {}
         self.pending: PendingChange | None = None
         self.replans = self.reshards = self.hybrid_applied = 0
@@ -190,19 +192,7 @@ class PlannerDriver:
         per_pass = max(r["train_s"] + r.get("stream_s", 0.0) for r in reports) / max(1, epochs)  # streamed parts too
         self.records["train"].append(
             TimingRecord("train", TrainingCost(self.model, self.hw, shape, cal).components(), per_pass, b))
-        for instance, load in self.s.leader_load.items():
-            before = self.last_load.get(instance)
-            samples = self.running.pop(instance, [])
-            self.last_load[instance] = load
-            if before is None or not samples:
-                continue
-            tokens, busy = load["tokens"] - before["tokens"], load["busy_s"] - before["busy_s"]
-            batch = statistics.fmean(samples)
-            tp = self.s.roles.tps.get(instance)
-            if tokens < 32 or busy <= 0 or batch < 1 or tp is None:
-                continue
-            parts = RolloutCost(self.model, self.hw, tp, cal).decode_components(batch, batch * mean_tokens / 2)
-            self.records["decode"].append(TimingRecord("decode", parts, busy * batch / tokens, b + 1))
+        self.running.clear()  # the running batches the chain records of the next batch are taken at
         for kind, most in RECORDS.items():
             del self.records[kind][:-most]
         self.control.cal = fit_calibration([r for rs in self.records.values() for r in rs], self.base, before=b + 1)
