@@ -95,3 +95,23 @@ def test_the_fitted_terms_predict_the_steps_they_were_not_fitted_on():
     assert predicted_over_measured(rows) is not None
     kinds = [k for k, _ in d.s.runlog.events]
     assert kinds.count("planner_prediction") == 8
+
+
+def test_the_step_is_priced_as_the_pipeline_runs_it():
+    """Training-bound (the batch was complete long before the last step ended): the step is
+    the whole training; rollout-bound: the batch's predicted completion after the last
+    step's end, plus training's tail."""
+    d, rng = _driver(), random.Random(2)
+    for b in range(3):
+        record, reports = _step(d, b, rng)
+        d.predict(b, record, reports, 12.0)
+        d.observe(b, record["rows"], reports, 1)
+    record, reports = _step(d, 3, rng)
+    early = copy.deepcopy(d).predict(3, record, reports, 12.0, ended=record["submitted"] + 500.0)
+    t_train, rollout = early["planner_terms"]["train_s"][0], early["planner_terms"]["rollout_s"][0]
+    assert early["planner_predicted_s"] == pytest.approx(t_train, abs=1e-3)
+    late = d.predict(3, record, reports, 12.0, ended=record["submitted"] + 12.0)  # the last step ended at submission
+    tail = late["planner_terms"]["train_tail_s"][0]
+    assert 0 < tail < t_train
+    assert late["planner_predicted_s"] == pytest.approx(rollout + tail, abs=2e-3)
+    assert late["planner_steady_s"] == early["planner_steady_s"]

@@ -329,7 +329,7 @@ class JobController:
         s.last_rollout_s = record["complete"] - record["submitted"]
         stats = s.service.stats()
         if self.planner is not None:  # the planner's prediction of this step, before it sees the step
-            record.setdefault("extra", {}).update(self.planner.predict(b, record, reports, s.last_step_s))
+            record.setdefault("extra", {}).update(self.planner.predict(b, record, reports, s.last_step_s, now))
         metrics = records.step_metrics(self.cfg, b, s.version, record, reports, step_s=s.last_step_s, queue=stats,
                                        migrations=stats["migrations"] - self.migrations_seen,
                                        idle_rollout_s=self.idle_rollout_s, gpus=s.gpus())

@@ -135,35 +135,57 @@ class PlannerDriver:
                              r["tokens"] - r["gen_tokens"] - r.get("prompt_tokens", r["tokens"] - r["gen_tokens"]))
                 for r in rows]
 
-    def predict(self, b: int, record: dict, reports: list[dict], step_s: float) -> dict:
-        """Step ``b`` ended, before it is observed: the step time the planner predicts for
-        the layout that ran it (the calibration fitted on steps before ``b``, the batch's
-        own lengths and turns) against the measured one, per term; the fields of the
-        step's metrics row. Also keeps the batch's trajectories as chain records for the
-        fit after this step."""
+    def predict(self, b: int, record: dict, reports: list[dict], step_s: float, ended: float | None = None) -> dict:
+        """Step ``b`` ended (at ``ended``, the caller's clock; it took ``step_s`` since the
+        step before), before it is observed: the step time the planner predicts for the
+        layout that ran it, from the calibration fitted on steps before ``b`` and the
+        batch's own lengths and turns, against the measured one, per term; the fields of
+        the step's metrics row. Also keeps the batch's trajectories as chain records for
+        the fit after this step.
+
+        The step is priced as the pipeline runs it: training ``b`` ends at the later of
+        the previous step's end plus its whole training (``T``: every pass, streamed
+        groups included) and the batch's completion (its submission plus the predicted
+        rollout makespan) plus training's tail (the last group's share of the compute,
+        the gradients' all-reduce and the optimizer step; all of ``T`` when the step
+        trains several passes, which do not stream). ``planner_steady_s`` is the
+        steady-state step the gate weighs (:func:`~libra_hpc.planner.pipeline.pipelined_step_s`).
+        A layout change's pause is not predicted (it is the change's, not the layout's)."""
         s, cfg = self.s, self.s.cfg
         rows = record["rows"]
         self._chain_records(b, rows, record["submitted"])
         epochs = epochs_at(cfg.rl.update_epochs, b)
         lengths = LengthProfile.from_samples(self.samples(rows), len(rows))
-        o = self.control.o
-        priced = reprice(config_plan(s.layout, cfg), self.model, self.hw, cfg.cluster.gpus_per_node, lengths,
-                         self.control.cal, RLBatch(len(rows), max(1, math.ceil(lengths.mean_seq_tokens))),
+        o, cal = self.control.o, self.control.cal
+        batch = RLBatch(len(rows), max(1, math.ceil(lengths.mean_seq_tokens)))
+        plan = config_plan(s.layout, cfg)
+        priced = reprice(plan, self.model, self.hw, cfg.cluster.gpus_per_node, lengths, cal, batch,
                          in_flight=o.max_staleness + 1, length_aware=o.length_aware_routing)
-        t_train = priced.t_train * epochs
-        # steps of several passes train whole: nothing streams (runtime/batches.py)
-        predicted = pipelined_step_s(t_train, priced.t_rollout, o.max_staleness, o.stream_groups if epochs == 1 else 0)
-        measured_train = max(r["train_s"] + r.get("stream_s", 0.0) for r in reports)
-        measured_rollout = record["complete"] - record["submitted"]
-        terms = {"rollout_s": [_r(priced.t_rollout), _r(measured_rollout)], "train_s": [_r(t_train), _r(measured_train)],
-                 "step_s": [_r(predicted), _r(step_s)]}
+        t_train, rollout = priced.t_train * epochs, priced.t_rollout
+        groups = o.stream_groups if epochs == 1 else 0  # steps of several passes train whole (runtime/batches.py)
+        tail = t_train
+        if groups and math.isfinite(t_train):
+            shape = TrainShape(plan.train.tp, plan.train.pp, plan.train.dp, plan.train.micro_batch, batch.global_batch,
+                               batch.seq_len)
+            parts = TrainingCost(self.model, self.hw, shape, cal).components()
+            tail = min(t_train, cal.time("train", {**parts, "compute_s": parts["compute_s"] / groups}))
+        steady = pipelined_step_s(t_train, rollout, o.max_staleness, groups)
+        predicted = steady
+        if ended is not None:
+            previous_end = ended - step_s
+            predicted = max(t_train, record["submitted"] + rollout - previous_end + tail)
+        terms = {"rollout_s": [_r(rollout), _r(record["complete"] - record["submitted"])],
+                 "train_s": [_r(t_train), _r(max(r["train_s"] + r.get("stream_s", 0.0) for r in reports))],
+                 "train_tail_s": [_r(tail), _r(max(r["train_s"] for r in reports))],
+                 "step_s": [_r(predicted), _r(step_s)], "steady_step_s": [_r(steady), _r(step_s)]}
         s.runlog.event("planner_prediction", step=b, layout_version=s.layout.version, epochs=epochs, **terms,
-                       calibration=self.control.cal.note)
+                       calibration=cal.note)
         log.info("planner prediction, step %d: %s", b,
                  ", ".join(f"{k} predicted {p} measured {m}" for k, (p, m) in terms.items()))
         if not math.isfinite(predicted) or step_s <= 0:
             return {}
-        return {"planner_predicted_s": _r(predicted), "measured_step_s": _r(step_s), "planner_terms": terms}
+        return {"planner_predicted_s": _r(predicted), "planner_steady_s": _r(steady), "measured_step_s": _r(step_s),
+                "planner_terms": terms}
 
     def _chain_records(self, b: int, rows: list[dict], submitted: float) -> None:
         """Each trajectory of batch ``b`` with its report time: its wall seconds since the
