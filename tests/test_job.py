@@ -478,3 +478,31 @@ def test_killed_ranks_are_named_and_the_run_resumes_from_its_newest_valid_checkp
     assert all(m["stream_s"] > 0 for m in metrics if m["streamed_groups"])
     assert summary["streamed_groups"]["streamed"] == sum(streamed) and summary["streamed_groups"]["of"] == 3 * 8
 
+
+
+def test_a_leader_that_drains_after_the_last_step_does_not_hold_the_final_evaluation():
+    """The hybrid gate lent a replica during the last step: its leader took no last policy
+    (it was leaving) and drained after the step. The final evaluation waited for that
+    leader's version forever (seen in CI's requeue test once the planner's calibration
+    changed when it lends); it now runs on the leaders still serving once one has left."""
+    from types import SimpleNamespace
+
+    from libra_hpc.runtime.controller import JobController
+
+    c = object.__new__(JobController)  # the handler needs no world
+    drained: set[int] = set()
+    leaders = {1: 5, 2: 6, 3: 7}
+    c.cfg = SimpleNamespace(rl=SimpleNamespace(steps=10))
+    c.phase = "rl"
+    c.state = SimpleNamespace(version=10, leader_version={5: 10, 6: 10, 7: 6})
+    c.relayout = SimpleNamespace(left=lambda i: drained.add(i) or False,
+                                 serving=lambda: {i: r for i, r in leaders.items() if i not in drained})
+    c.planner = SimpleNamespace(left=lambda i: [])
+    c.runlog = SimpleNamespace(event=lambda kind, **f: None)
+    started = []
+    c._send_all = lambda sends: None
+    c._start_eval = started.append
+    c._maybe_final_eval()
+    assert started == []  # leader 7 serves and lacks the last policy
+    c._on_left({"instance": 3, "drain_s": 1.0}, 7)
+    assert started == ["final"]

@@ -1,16 +1,13 @@
 """The controller (rank 0) of the RL job: one event loop, never holding a token or a weight.
 
-Handlers on the loop (:mod:`.loop`): the C-MLFQ queue (``QUEUE_REQUEST``), tool actions on
-the shared Tangram pool (``TOOL_REQUEST``, :mod:`.tools`) and the ranks' reports (``REPORT``,
-one ``_on_<op>`` method each). The run: ``starting`` (warm start, engines, ``ready``),
-``eval:warmstart`` (held-out prompts, :mod:`.evaluation`), ``rl`` (batches queued while the
-staleness bound allows; each finished trajectory routed to the DP replica its group trains
-on; a step when the batch tracker, :mod:`.batches`, says what it trains; after it, the
-planner's driver, :mod:`.planning`, may decide a layout change that :mod:`.relayout` carries
-out; checkpoints at step boundaries, :mod:`.checkpointing`), ``eval:final``, ``export``,
-``done``. The controller owns the job's state (:class:`~.state.JobState`) and is the only
-object that sends: its helpers answer with the commands to send. A failure anywhere ends
-the job with the rank's message; what was written so far stays.
+Handlers on the loop (:mod:`.loop`): the C-MLFQ queue, tool actions on the shared Tangram
+pool (:mod:`.tools`) and the ranks' reports (one ``_on_<op>`` method each). The run:
+``starting``, ``eval:warmstart`` (:mod:`.evaluation`), ``rl`` (batches queued within the
+staleness bound, trajectories routed to their group's DP replica, a step when the batch
+tracker, :mod:`.batches`, says so; then :mod:`.planning` may decide a layout change that
+:mod:`.relayout` carries out; checkpoints at step boundaries, :mod:`.checkpointing`),
+``eval:final``, ``export``, ``done``. The controller owns the job's state (:class:`~.state.JobState`)
+and is the only object that sends: its helpers answer with the commands to send.
 """
 
 from __future__ import annotations
@@ -228,11 +225,11 @@ class JobController:
 
     def _on_left(self, message: dict, source: int) -> None:
         """A rollout instance's leader left its loop for a relayout."""
-        instance = message["instance"]
-        for_replan = self.relayout.left(instance)
+        instance, for_replan = message["instance"], self.relayout.left(message["instance"])
         self.runlog.event("instance_drained" if for_replan else "hybrid_drained", instance=instance, rank=source,
                           drain_s=message["drain_s"])
         self._send_all(self.relayout.advance() if for_replan else self.planner.left(instance))
+        self._maybe_final_eval()  # a leader that left needs no last policy
 
     def _on_relaid(self, message: dict, source: int) -> None:
         """A rank re-formed in the new layout; once all have, the change is applied."""
