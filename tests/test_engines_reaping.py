@@ -90,5 +90,11 @@ def test_vllms_worker_entry_is_wrapped_once_and_reaches_the_worker_by_name(monke
     calls = []
     monkeypatch.setattr(reaping, "_original", lambda *a, **k: calls.append((a, k)) or "ran")
     monkeypatch.setattr(reaping, "die_with_parent", lambda: calls.append("bound"))
-    assert reaping.worker_main(1, vllm_config=None) == "ran"
+    before = signal.getsignal(signal.SIGUSR2)
+    try:
+        assert reaping.worker_main(1, vllm_config=None) == "ran"
+        # Slurm's time-limit warning no longer kills a TP worker (the rank handles it)
+        assert signal.getsignal(signal.SIGUSR2) == signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGUSR2, before)
     assert calls == ["bound", ((1,), {"vllm_config": None})]  # bound before vLLM's code runs

@@ -48,8 +48,12 @@ def die_with_parent(sig: int = signal.SIGKILL) -> bool:
 
 
 def worker_main(*args: Any, **kwargs: Any) -> Any:
-    """vLLM's worker entry point, after :func:`die_with_parent`."""
+    """vLLM's worker entry point, after :func:`die_with_parent`, with Slurm's time-limit
+    warning (SIGUSR2, sent to every process of the step) ignored: its default action killed
+    the workers of a TP > 1 instance and failed the job instead of checkpointing it (the
+    rank itself handles the warning: libra_hpc/runtime/signals.py)."""
     die_with_parent()
+    signal.signal(signal.SIGUSR2, signal.SIG_IGN)
     target = _original
     if target is None:  # spawned: this interpreter imported vLLM afresh, unwrapped
         from vllm.v1.executor.multiproc_executor import WorkerProc
