@@ -60,12 +60,19 @@ def _step(d: PlannerDriver, b: int, rng: random.Random, turn_s: float = 0.8) -> 
     return record, [{"train_s": 5.0, "stream_s": 1.0}]
 
 
+def _warm(d, rng, steps: int) -> list[dict]:
+    """Steps 0..steps-1 as the controller runs them: predicted first, then observed."""
+    out = []
+    for b in range(steps):
+        record, reports = _step(d, b, rng)
+        out.append(d.predict(b, record, reports, 12.0))
+        d.observe(b, record["rows"], reports, 1)
+    return out
+
+
 def test_step_k_is_predicted_without_looking_at_step_k():
     d, rng = _driver(), random.Random(0)
-    for b in range(4):
-        record, reports = _step(d, b, rng)
-        d.predict(b, record, reports, 12.0)
-        d.observe(b, record["rows"], reports, 1)
+    _warm(d, rng, 4)
     record, reports = _step(d, 4, rng)
     slow = copy.deepcopy(record)
     for r in slow["rows"]:
@@ -81,11 +88,8 @@ def test_the_fitted_terms_predict_the_steps_they_were_not_fitted_on():
     """Trajectory times made of known per-token, tool and per-turn costs: from the third
     step on the fit has them, and the predicted rollout makespan lands near the measured
     one; the per-turn cost is what a model without it misses most here."""
-    d, rng, rows = _driver(), random.Random(1), []
-    for b in range(8):
-        record, reports = _step(d, b, rng)
-        rows.append(d.predict(b, record, reports, 12.0))
-        d.observe(b, record["rows"], reports, 1)
+    d, rng = _driver(), random.Random(1)
+    rows = _warm(d, rng, 8)
     cal = d.control.cal
     assert cal.turn_latency_s == pytest.approx(0.8, rel=0.15) and cal.tool_latency_scale == pytest.approx(1.2, rel=0.3)
     for m in rows[3:]:
@@ -102,10 +106,7 @@ def test_the_step_is_priced_as_the_pipeline_runs_it():
     the whole training; rollout-bound: the batch's predicted completion after the last
     step's end, plus training's tail."""
     d, rng = _driver(), random.Random(2)
-    for b in range(3):
-        record, reports = _step(d, b, rng)
-        d.predict(b, record, reports, 12.0)
-        d.observe(b, record["rows"], reports, 1)
+    _warm(d, rng, 3)
     record, reports = _step(d, 3, rng)
     early = copy.deepcopy(d).predict(3, record, reports, 12.0, ended=record["submitted"] + 500.0)
     t_train, rollout = early["planner_terms"]["train_s"][0], early["planner_terms"]["rollout_s"][0]
