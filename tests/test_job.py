@@ -23,6 +23,11 @@ from libra_hpc.metrics.runlog import read_jsonl
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = ROOT / "tests" / "data" / "job_small.yaml"
 STEPS = 10
+# Tests that do not look at TP-2 instances or the held-out evaluation start their worlds
+# cheaper: four TP-1 instances instead of two and a TP-2 (whose engine start, two worker
+# processes importing vLLM on two shared cores, took 15-24 s of each world's start), and
+# no held-out evaluation at the start and the end (6-7 s each).
+CHEAP_START = ("--set", "rollout.tp_per_node=[[1,1],[1,1]]", "--set", "job.eval_prompts=0")
 
 
 _small_run: dict[str, bool] = {}
@@ -114,7 +119,8 @@ def test_no_trajectory_is_lost_or_trained_twice_by_the_logs(small_run):
 def test_eval_only_scores_the_exported_checkpoint(small_run, tmp_path):
     folder, cache = small_run
     done = launch("--config", str(SMALL), "--executor", "local", "--eval", str(folder / "checkpoint"),
-                  "--set", f"logging.dir={tmp_path}", "--set", f"job.cache_dir={cache}", timeout=400)
+                  "--set", f"logging.dir={tmp_path}", "--set", f"job.cache_dir={cache}", *CHEAP_START[:2],
+                  timeout=400)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
     summary = json.loads((only_log_folder(tmp_path) / "summary.json").read_text())
     assert summary["eval_prompts"] == 8 and summary["steps"] == 0 and summary["trajectories_trained"] == 0
@@ -124,7 +130,7 @@ def test_eval_only_scores_the_exported_checkpoint(small_run, tmp_path):
 
 PARTIAL = ("--set", "rl.partial_rollout=true", "--set", "rl.partial_waste_budget=0.5",
            "--set", "rl.prompts_per_step=6", "--set", "rl.group_size=2", "--set", "rl.steps=6",
-           "--set", "rl.update_epochs={0: 1}")
+           "--set", "rl.update_epochs={0: 1}", *CHEAP_START)
 PARTIAL_STEPS = 6
 
 
@@ -189,7 +195,8 @@ def test_partial_rollout_trains_every_group_once_within_the_staleness_bound_acro
 REPLAN = ("--set", "planner.replan=true", "--set", "planner.every_steps=1", "--set", "planner.confirm_checks=1", "--set", "planner.margin_s=0",
           "--set", "planner.reconfig_s=0", "--set", "planner.min_dwell_steps=0", "--set", "planner.min_gain=0",
           "--set", "planner.hybrid_nodes=0",
-          "--set", "rl.update_epochs={0: 1}", "--set", "rl.steps=5", "--set", "rl.stream_training=true")
+          "--set", "rl.update_epochs={0: 1}", "--set", "rl.steps=5", "--set", "rl.stream_training=true",
+          "--set", "job.eval_prompts=0")
 
 
 @pytest.mark.mpi
@@ -343,7 +350,7 @@ def test_a_pipeline_parallel_export_gets_an_index_and_a_missing_stage_is_named(t
 RESUME = ("--set", "rl.steps=8", "--set", "job.checkpoint_every_steps=1", "--set", "rl.update_epochs={0: 1}",
           # groups trained ahead of their step (rl.stream_training) across kills and resumes; the
           # tiny model's groups nearly all have one reward: kept, so each part runs forward/backward
-          "--set", "rl.stream_training=true", "--set", "rl.filter_zero_variance=false")
+          "--set", "rl.stream_training=true", "--set", "rl.filter_zero_variance=false", *CHEAP_START)
 
 
 def _expected_prompts(steps: int) -> list[list[str]]:

@@ -191,7 +191,7 @@ def test_a_job_requeued_by_its_time_limit_and_by_scontrol_resumes_and_finishes(s
     job_id = subprocess.run(
         ["sbatch", "--parsable", f"--chdir={tmp_path}", "--time=10", "--signal=USR2@150", str(ROOT / "sbatch" / "libra.sh"),
          str(SMALL), f"rl.steps={steps}", "rl.update_epochs={0: 20, 8: 1}", "job.checkpoint_every_steps=1",
-         "cluster.max_requeues=4", f"job.cache_dir={cache}"],
+         "cluster.max_requeues=4", f"job.cache_dir={cache}", "job.eval_prompts=0"],
         capture_output=True, text=True, check=True, env=_env(slurm_cluster)).stdout.strip()
     folder = tmp_path / "logs" / f"libra-{job_id}"
     _wait_for_event(slurm_cluster, job_id, folder, lambda ev: any(e["kind"] == "checkpoint_saved" for e in ev),
