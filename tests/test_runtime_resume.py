@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from libra_hpc.runtime.resume import CheckpointInvalid, CheckpointStore
+from libra_hpc.runtime.resume import CheckpointInvalid, CheckpointStore, remove_leftover_relayouts
 
 
 def _save(store: CheckpointStore, version: int, payload: bytes = b"weights" * 100) -> None:
@@ -121,3 +121,33 @@ def test_rewinding_the_metrics_keeps_earlier_steps_and_other_rows(tmp_path):
     log.close()
     rows = read_jsonl(tmp_path / "metrics.jsonl")
     assert [(r["kind"], r.get("step")) for r in rows] == [("step", 0), ("step", 1), ("step", 2), ("note", None), ("step", 3)]
+
+
+def test_a_killed_runs_relayout_folders_are_removed_and_nothing_else(tmp_path):
+    """A run killed during a hybrid join leaves ``relayout-v1/`` (the policy handed between
+    ranks); the resumed run starts its layout versions over, and its first join found the
+    folder taken ("save_checkpoint: relayout-v1 is not empty")."""
+    for name in ("relayout-v1", "relayout-v12"):
+        (tmp_path / name / "train").mkdir(parents=True)
+        (tmp_path / name / "train" / "shard.bin").write_bytes(b"x")
+    for keep in ("relayout-notes", "checkpoints", "relayout-v3.txt"):
+        (tmp_path / keep).mkdir() if "." not in keep else (tmp_path / keep).write_text("mine")
+    assert remove_leftover_relayouts(tmp_path) == ["relayout-v1", "relayout-v12"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoints", "relayout-notes", "relayout-v3.txt"]
+    assert remove_leftover_relayouts(tmp_path) == []
+
+
+def test_a_job_starting_in_a_killed_runs_folder_removes_its_relayouts_and_says_so(tmp_path):
+    from types import SimpleNamespace
+
+    from libra_hpc.runtime.checkpointing import CheckpointDriver
+
+    (tmp_path / "relayout-v1").mkdir()
+    events = []
+    cfg = SimpleNamespace(job=SimpleNamespace(checkpoint_keep=2, checkpoint_every_steps=1, eval_checkpoint=None),
+                          rl=SimpleNamespace(partial_rollout=False, steps=4))
+    runlog = SimpleNamespace(folder=tmp_path, event=lambda kind, **kw: events.append((kind, kw)))
+    assert CheckpointDriver(SimpleNamespace(cfg=cfg, runlog=runlog)).find() is None
+    assert not (tmp_path / "relayout-v1").exists()
+    assert events == [("leftovers_removed", {"what": ["relayout-v1"],
+                                             "why": "layout changes of a run that did not finish"})]

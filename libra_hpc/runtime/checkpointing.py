@@ -39,7 +39,8 @@ import logging
 import os
 import time
 
-from libra_hpc.runtime.resume import CheckpointStore, Loaded, ask_requeue, requeue_refusal, restart_count
+from libra_hpc.runtime.resume import (CheckpointStore, Loaded, ask_requeue, remove_leftover_relayouts, requeue_refusal,
+                                      restart_count)
 from libra_hpc.runtime.state import JobState, Sends
 
 log = logging.getLogger(__name__)
@@ -65,6 +66,8 @@ class CheckpointDriver:
         cfg = self.s.cfg
         if cfg.job.eval_checkpoint:
             return None
+        if gone := remove_leftover_relayouts(self.s.runlog.folder):
+            self.s.runlog.event("leftovers_removed", what=gone, why="layout changes of a run that did not finish")
         loaded, rejected = self.store.latest()
         for path, why in rejected:
             log.warning("checkpoint %s rejected: %s", path, why)

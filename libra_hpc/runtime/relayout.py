@@ -31,6 +31,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
 from libra_hpc.cluster.layout import lend_hybrid_to_training, return_hybrid_to_rollout
+from libra_hpc.runtime.resume import RELAYOUT_PREFIX
 from libra_hpc.runtime.roles import roles_from_layout
 from libra_hpc.runtime.state import JobState, Sends
 
@@ -183,7 +184,7 @@ class Relayouts:
         fresh = sorted(r for r in roles.leaders.values() if r in moved)  # a new engine here: it needs the policy
         for rank in fresh:
             s.leader_version.pop(rank, None)
-        command = {"op": "relayout", "roles": roles, "checkpoint": str(s.runlog.folder / f"relayout-v{layout.version}"),
+        command = {"op": "relayout", "roles": roles, "checkpoint": str(s.runlog.folder / f"{RELAYOUT_PREFIX}{layout.version}"),
                    "version": s.version, "fresh_leaders": fresh, "reason": layout.reason}
         self.switch["started"] = time.perf_counter()
         sends: Sends = [(rank, command) for rank in sorted(moved)]
@@ -207,7 +208,7 @@ class Relayouts:
         kind, what, instances = self.pending
         self.pending = None
         pause = self.switch.pop("trainers_back") - self.switch["started"]
-        shutil.rmtree(self.s.runlog.folder / f"relayout-v{self.s.layout.version}", ignore_errors=True)  # loaded
+        shutil.rmtree(self.s.runlog.folder / f"{RELAYOUT_PREFIX}{self.s.layout.version}", ignore_errors=True)  # loaded
         others = self._tokens_rates(pool_instances)
         record = {"direction": self.switch["direction"], "pause_s": round(pause, 3),
                   "all_ranks_back_s": round(time.perf_counter() - self.switch["started"], 3),

@@ -61,6 +61,22 @@ def ask_requeue(folder: Path, why: str) -> Path:
     return marker
 
 
+RELAYOUT_PREFIX = "relayout-v"
+
+
+def remove_leftover_relayouts(folder: Path | str) -> list[str]:
+    """Remove the ``relayout-v<N>/`` folders a killed run left in its log folder (the
+    policy handed between ranks during a layout change: a run that resumes starts its
+    layout versions over, and its next change would find the folder taken). The names
+    removed."""
+    gone = []
+    for path in sorted(Path(folder).glob(f"{RELAYOUT_PREFIX}*")):
+        if path.is_dir() and path.name[len(RELAYOUT_PREFIX):].isdigit():
+            shutil.rmtree(path, ignore_errors=True)
+            gone.append(path.name)
+    return gone
+
+
 class CheckpointInvalid(ValueError):
     """A checkpoint folder that must not be loaded; the message says which file and why."""
 
