@@ -60,6 +60,7 @@ def main(argv: list[str] | None = None) -> int:
             handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s: %(message)s"))
             logging.getLogger().addHandler(handler)
         world = World.connect(env, cfg.cluster.nodes, cfg.cluster.gpus_per_node, cfg.cluster.torch_backend)
+        _remove_stale_shm(world, runlog)
         if cfg.job.heartbeat_timeout_s > 0:
             beats = _start_heartbeats(world, cfg, folder, runlog)
         if cfg.job.mode == "check":
@@ -93,6 +94,28 @@ def main(argv: list[str] | None = None) -> int:
         if runlog is not None:
             runlog.close()
     return 0
+
+
+def _remove_stale_shm(world, runlog) -> None:
+    """Once per node (rank 0 on its own, the first rank of every other node): remove the
+    ``/dev/shm`` segments a killed job of this user left (:mod:`libra_hpc.cluster.shm`)."""
+    place = None if world.rank == 0 else world.topology.place_of(world.rank)
+    if place is not None and (world.topology.emulated or place.slot.node == 0 or place.slot.gpu != 0):
+        return
+    from libra_hpc.cluster.shm import remove_stale
+
+    try:
+        removed, freed = remove_stale()
+    except OSError as exc:  # never a reason not to run
+        log.warning("rank %d: /dev/shm not cleaned: %s", world.rank, exc)
+        return
+    if removed:
+        where = "the controller's node" if place is None else f"node {place.slot.node}"
+        log.info("rank %d: removed %d stale /dev/shm segments (%.1f MB) on %s", world.rank, len(removed),
+                 freed / 1e6, where)
+        if runlog is not None:
+            runlog.event("leftovers_removed", what=removed[:20], count=len(removed), bytes=freed,
+                         why="/dev/shm segments of processes that are gone")
 
 
 def _start_heartbeats(world, cfg: ExperimentConfig, folder: Path, runlog) -> list:
