@@ -280,6 +280,11 @@ class JobConfig(_Section):
     last activity; a ``rank_lost`` event), asks Slurm for a requeue and resumes from its
     newest checkpoint; a worker whose controller is silent this long exits. 0: no
     heartbeats (a dead rank then hangs the world until Slurm's time limit)."""
+    progress_timeout_s: float = Field(1800.0, ge=0)
+    """A worker whose role loop made no progress this long while not waiting for other
+    ranks (hung in Python: its heartbeat thread still beats) is lost, as a dead rank is.
+    Set it above the longest single operation of a rank (an engine start, one step's
+    training, a held-out evaluation). 0: off. Needs heartbeats (``heartbeat_timeout_s``)."""
     checkpoint_on_stop: bool = True
     """On Slurm's time-limit warning (USR2), finish the step in progress, save a checkpoint
     and ask for a requeue (``cluster.requeue``, at most ``cluster.max_requeues`` times)."""

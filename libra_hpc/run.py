@@ -158,7 +158,8 @@ def _start_heartbeats(world, cfg: ExperimentConfig, folder: Path, runlog) -> lis
         log.error("%s; ending the job", line)
         MPI.COMM_WORLD.Abort(1)
 
-    beats.append(Watchdog(where, world.workers, describe, job.heartbeat_s, job.heartbeat_timeout_s, lost).start())
+    beats.append(Watchdog(where, world.workers, describe, job.heartbeat_s, job.heartbeat_timeout_s, lost,
+                          progress_timeout_s=job.progress_timeout_s).start())
     return beats
 
 

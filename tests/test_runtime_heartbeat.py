@@ -136,6 +136,40 @@ def test_a_beat_left_by_an_earlier_run_counts_for_nothing(tmp_path, clock):
     assert dog.check(5)["rank"] == 1
 
 
+def test_the_watchdog_names_a_worker_that_beats_but_makes_no_progress(tmp_path, clock):
+    """A rank hung in Python: its heartbeat thread beats on, its loop has not gone round
+    for longer than job.progress_timeout_s; a rank waiting for others is not hung."""
+    dog = hb.Watchdog(tmp_path, [1, 2, 3], lambda r: {"slot": f"n{r}g0", "node": r}, interval_s=1, timeout_s=5,
+                      on_lost=lambda lost: None, progress_timeout_s=300)
+    dog.started -= 3600
+    _beat(tmp_path, 1, progress=NOW - 1, waiting=False)
+    _beat(tmp_path, 2, progress=NOW - 900, waiting=True, activity="trainer: waiting for batch 4's 3 groups")
+    _beat(tmp_path, 3, progress=NOW - 300, waiting=False, activity="trainer: training batch 4")
+    assert dog.check(5) is None  # every one beats
+    assert dog.check_progress(300, NOW) is None  # rank 3: exactly 300 s, not past it; rank 2 waits
+    lost = dog.check_progress(300, NOW + 30)
+    assert lost["rank"] == 3 and lost["silent_s"] is None and lost["last_activity"] == "trainer: training batch 4"
+    line = hb.describe_lost(lost)
+    assert "made no progress for 330 s while its heartbeat went on (hung? job.progress_timeout_s=300)" in line
+    assert "its last activity: trainer: training batch 4" in line
+    _beat(tmp_path, 4, progress=NOW - 900, waiting=False)  # not a worker of this job
+    _beat(tmp_path, 1, now=NOW - 7200, progress=NOW - 7200, waiting=False)  # its beat is older than the watchdog
+    assert dog.check_progress(300, NOW + 30)["rank"] == 3
+
+
+def test_a_ranks_notes_and_loop_turns_are_its_progress(tmp_path, clock):
+    hb.note("trainer: training batch 1")
+    assert hb._state["progress"] == NOW and hb._state["waiting"] is False
+    clock.now += 10
+    hb.note("trainer: waiting for batch 2's 3 groups", waiting=True)
+    clock.now += 10
+    hb.progressed()
+    assert hb._state["progress"] == NOW + 20 and hb._state["waiting"] is True and hb._state["since"] == NOW + 10
+    hb.Heartbeat(tmp_path, 1, interval_s=1, timeout_s=0, slot="n0g0")._write()
+    beat = hb.read_beat(tmp_path, 1)
+    assert beat["progress"] == NOW + 20 and beat["waiting"] is True
+
+
 def test_the_watchdog_names_a_dead_local_process_at_its_first_look(tmp_path):
     """SIGUSR1 from mpiexec (``peer_failed``) wakes the watchdog at once; its first look at
     the local workers' processes names the one that is gone."""

@@ -29,8 +29,12 @@ vLLM or Megatron call keeps beating (both release the GIL).
 - **A worker whose controller is gone.** Each worker watches rank 0's file the same way
   and exits, so the world does not outlive it.
 
-A rank hung in Python code still beats (the thread runs); the timeouts of the waits on it
-bound that case (``scheduler.lease_s``).
+- **A rank hung in Python code** (a deadlock, a call that never returns) still beats: the
+  thread runs. Its main thread says what it does with :func:`note`, at every turn of its
+  role loop, and whether it is only waiting for others (a command, its batch's groups);
+  the beat carries the time of the last note. Rank 0's watchdog names a worker that is
+  not waiting and made no progress for ``job.progress_timeout_s`` (0: off) and ends the
+  job the same way as for a dead rank.
 """
 
 from __future__ import annotations
@@ -48,7 +52,7 @@ from typing import Callable
 
 log = logging.getLogger(__name__)
 
-_state = {"activity": "starting", "since": time.time(), "role": "rank"}
+_state = {"activity": "starting", "since": time.time(), "role": "rank", "progress": time.time(), "waiting": False}
 peer_failed = threading.Event()
 """Set when the launcher says a process of the world ended (SIGUSR1 from ``mpiexec``)."""
 standing_down = threading.Event()
@@ -77,12 +81,20 @@ def ignore_failure_notice() -> None:
     signal.signal(signal.SIGUSR1, signal.SIG_IGN)
 
 
-def note(activity: str, role: str | None = None) -> None:
-    """What this rank's main thread is doing now (cheap: two assignments)."""
+def note(activity: str, role: str | None = None, waiting: bool = False) -> None:
+    """What this rank's main thread is doing now, and that it made progress (cheap: a few
+    assignments). ``waiting``: it now only waits for other ranks (not hung if that lasts)."""
+    now = time.time()
     if activity != _state["activity"]:
-        _state["activity"], _state["since"] = activity, time.time()
+        _state["activity"], _state["since"] = activity, now
+    _state["progress"], _state["waiting"] = now, waiting
     if role is not None:
         _state["role"] = role
+
+
+def progressed() -> None:
+    """This rank's loop went round once more (what it does is unchanged)."""
+    _state["progress"] = time.time()
 
 
 def beat_path(folder: Path, rank: int) -> Path:
@@ -122,7 +134,8 @@ class Heartbeat:
 
     def _write(self) -> None:
         record = {"rank": self.rank, "slot": self.slot, "t": time.time(), "pid": os.getpid(), "host": socket.gethostname(),
-                  "role": _state["role"], "activity": _state["activity"], "since": _state["since"]}
+                  "role": _state["role"], "activity": _state["activity"], "since": _state["since"],
+                  "progress": _state["progress"], "waiting": _state["waiting"]}
         path = beat_path(self.folder, self.rank)
         staging = path.with_suffix(f".{os.getpid()}.tmp")
         staging.write_text(json.dumps(record))
@@ -166,9 +179,10 @@ class Watchdog:
     POLL_S = 0.1
 
     def __init__(self, folder: Path, workers: list[int], describe: Callable[[int], dict], interval_s: float,
-                 timeout_s: float, on_lost: Callable[[dict], None]):
+                 timeout_s: float, on_lost: Callable[[dict], None], progress_timeout_s: float = 0.0):
         self.folder, self.workers, self.describe = Path(folder), workers, describe
         self.interval_s, self.timeout_s, self.on_lost = interval_s, timeout_s, on_lost
+        self.progress_timeout_s = progress_timeout_s
         self.started = time.time()
         self.host = socket.gethostname()
         self.local: dict[int, dict] = {}  # rank → its last beat, for the workers on this host
@@ -198,6 +212,22 @@ class Watchdog:
         return {"rank": rank, **self.describe(rank), "silent_s": round(seconds, 1),
                 **_from_beat(read_beat(self.folder, rank) or {}, time.time()), "how": "stopped answering"}
 
+    def check_progress(self, timeout_s: float, now: float) -> dict | None:
+        """The worker that is not waiting for others and whose main thread made no progress
+        for longest, if that is over ``timeout_s`` (its heartbeat thread may beat on), described."""
+        stuck = []
+        for rank in self.workers:
+            beat = read_beat(self.folder, rank)
+            if beat is not None and "progress" in beat and not beat.get("waiting") and beat["t"] >= self.started:
+                stuck.append((now - max(beat["progress"], self.started), rank, beat))
+        stuck.sort(key=lambda item: item[:2], reverse=True)
+        if not stuck or stuck[0][0] <= timeout_s:
+            return None
+        seconds, rank, beat = stuck[0]
+        return {"rank": rank, **self.describe(rank), "silent_s": None, **_from_beat(beat, now),
+                "how": f"made no progress for {seconds:.0f} s while its heartbeat went on (hung? "
+                       f"job.progress_timeout_s={timeout_s:g})"}
+
     def check_processes(self) -> dict | None:
         """The one worker on this host whose process is gone (or a zombie), described.
         When several are gone the launcher is already killing the world, and which went
@@ -219,6 +249,8 @@ class Watchdog:
             if lost is None and time.monotonic() >= next_beats:
                 next_beats = time.monotonic() + self.interval_s
                 lost = self.check(self.timeout_s)
+                if lost is None and self.progress_timeout_s > 0:
+                    lost = self.check_progress(self.progress_timeout_s, time.time())
             if lost is not None:
                 self.on_lost(lost)
                 return

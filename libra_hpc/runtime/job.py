@@ -50,6 +50,7 @@ class Job:
 
 
 def run_job_worker(world: Any, data: Any, cfg: Any) -> None:
+    note("waiting for the controller's start (the warm start, the queue)", waiting=True)
     start = world.next_command()
     if start["op"] == "stop":
         return
@@ -99,6 +100,7 @@ def _run_role(job: Any, start: dict) -> None:
 
 def _next(job: Any) -> dict | None:
     """The controller's next command: ``relayout`` (returned) or ``stop`` (None)."""
+    note(f"{job.role}: waiting for the controller's next command", waiting=True)
     command = job.world.next_command()
     if command["op"] not in ("stop", "relayout"):
         raise ValueError(f"rank {job.rank} ({job.role}): unexpected command {command['op']!r} between roles")

@@ -25,7 +25,7 @@ from typing import Any
 
 from libra_hpc.cluster.messages import COMMAND, TRAJECTORY, Backoff
 from libra_hpc.runtime.episodes import group_of
-from libra_hpc.runtime.heartbeat import note
+from libra_hpc.runtime.heartbeat import note, progressed
 from libra_hpc.runtime.weights import WeightSender
 
 log = logging.getLogger(__name__)
@@ -67,6 +67,7 @@ class Trainer:
         waiting_since = time.perf_counter()
         while not self.stopped:
             worked = False
+            progressed()
             while (message := self.data.improbe(source=MPI.ANY_SOURCE, tag=TRAJECTORY, status=status)) is not None:
                 self._receive(message.recv())
                 worked = True
@@ -177,6 +178,7 @@ class Trainer:
         deadline = time.monotonic() + self.cfg.scheduler.lease_s
         while missing := [g for g in groups if len(self.inbox.get(g, ())) < need] + \
                 [g for g in relay if self.relayed.get(g, 0) < need]:
+            progressed()
             message = self.data.improbe(source=MPI.ANY_SOURCE, tag=TRAJECTORY)
             if message is not None:
                 self._receive(message.recv())
@@ -234,7 +236,7 @@ class Trainer:
         self.streamed, self.stream_reports = {}, []
         rest = [g for g in groups if g not in streamed]
         note(f"trainer (DP replica {self.replica}): waiting for batch {batch}'s {len(rest)} groups"
-             + (f" ({len(streamed)} trained as they came)" if streamed else ""))
+             + (f" ({len(streamed)} trained as they came)" if streamed else ""), waiting=True)
         received = self._wait_for(batch, rest, relay) if rest or relay else []
         note(f"trainer (DP replica {self.replica}): training batch {batch}")
         trajectories = [t for _, t in received]
@@ -274,7 +276,7 @@ class Trainer:
         if self.first_of_replica:
             out["tids"] = [tid for tid, _ in received]
         self.wait_s, self.forwarded, self.stream_s = 0.0, 0, 0.0
-        note(f"trainer (DP replica {self.replica}): waiting for a command after batch {batch}")
+        note(f"trainer (DP replica {self.replica}): waiting for a command after batch {batch}", waiting=True)
         return out
 
     def _export(self, path: str) -> dict:
