@@ -288,6 +288,14 @@ class JobConfig(_Section):
     checkpoint_on_stop: bool = True
     """On Slurm's time-limit warning (USR2), finish the step in progress, save a checkpoint
     and ask for a requeue (``cluster.requeue``, at most ``cluster.max_requeues`` times)."""
+    stop_grace_s: float = Field(60.0, ge=0)
+    """After the time-limit warning, how long the step in flight (its training, a save
+    under way, a layout change) may take to end before it is abandoned: the job then
+    requeues from its newest checkpoint, and the steps since are trained again. With
+    ``checkpoint_save_s`` it must fit in ``cluster.signal_before_limit_s``."""
+    checkpoint_save_s: float = Field(30.0, ge=0)
+    """What one checkpoint save takes on this cluster (the ``save_s`` of the run's
+    ``checkpoint_saved`` events says it), budgeted after ``stop_grace_s`` before the limit."""
 
 
 class ExperimentConfig(_Section):

@@ -76,6 +76,12 @@ def _check_cluster(cfg: ExperimentConfig) -> list[str]:
     limit = cfg.cluster.time_limit
     if (isinstance(limit, int) and limit < 1) or not SLURM_TIME.match(str(limit)):
         return [f"cluster.time_limit: {limit!r} is not a Slurm time; use MM, MM:SS, HH:MM:SS or D-HH:MM:SS"]
+    job, warn = cfg.job, cfg.cluster.signal_before_limit_s
+    if job.checkpoint_on_stop and job.stop_grace_s + job.checkpoint_save_s > warn:
+        return [f"job.stop_grace_s: {job.stop_grace_s:g} s for the step in flight plus job.checkpoint_save_s="
+                f"{job.checkpoint_save_s:g} s for its checkpoint do not fit in the "
+                f"cluster.signal_before_limit_s={warn} s between Slurm's warning and the time limit; raise "
+                "cluster.signal_before_limit_s or lower job.stop_grace_s"]
     return []
 
 

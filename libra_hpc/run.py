@@ -56,6 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if rank == 0:
             runlog = RunLog(folder, dump_config(cfg))
+            stop.watch(folder, batch_shell=env.job_id is not None)
             handler = logging.FileHandler(folder / "controller.log")
             handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s: %(message)s"))
             logging.getLogger().addHandler(handler)
@@ -172,9 +173,14 @@ def run_job(world, cfg: ExperimentConfig, runlog, stop) -> None:
         from libra_hpc.runtime.controller import JobController
 
         log.info("controller up: %d ranks, log folder %s", world.size, runlog.folder)
-        summary = JobController(world, cfg, runlog, stop).run()
+        controller = JobController(world, cfg, runlog, stop)
+        summary = controller.run()
         _write_report(runlog, summary)
         runlog.event("shutdown", steps=summary["steps"], of=cfg.rl.steps, completed=summary["completed"])
+        if getattr(getattr(controller, "checkpoints", None), "abandoned", None):
+            # ranks still in the abandoned step would not see `stop` before the time limit
+            log.warning("ending the world now: the step in flight was abandoned (job.stop_grace_s)")
+            MPI.COMM_WORLD.Abort(0)
     else:
         from libra_hpc.runtime.job import run_job_worker
 

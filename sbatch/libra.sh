@@ -15,7 +15,7 @@
 #SBATCH --ntasks-per-node=2
 #SBATCH --gpus-per-node=2
 #SBATCH --time=00:30:00
-#SBATCH --signal=USR2@120
+#SBATCH --signal=B:USR2@120
 #SBATCH --requeue
 #SBATCH --output=logs/%x-%j.out
 set -euo pipefail
@@ -42,12 +42,24 @@ for kv in "$@"; do OVERRIDES+=(--set "$kv"); done
 
 echo "libra: job $SLURM_JOB_ID, $NODES nodes x $GPUS GPUs, config $CONFIG, log folder $LOG_DIR"
 # A requeue marker is this run's to write: one an earlier run left (its script was killed
-# before it read it) would requeue a job that finished.
-rm -f "$LOG_DIR/REQUEUE"
-STATUS=0
+# before it read it) would requeue a job that finished; so would an earlier stop note
+# (below) stop this run.
+rm -f "$LOG_DIR/REQUEUE" "$LOG_DIR/STOP"
+# Slurm's warning before the time limit (--signal=B:USR2@N) comes to this shell only: it
+# tells rank 0 through the log folder (rank 0 reads STOP, then checkpoints and asks for a
+# requeue), and no process of the job step is signalled (a vLLM instance's TP workers or a
+# tool's sandbox would die of USR2). The step runs in the background so that the trap runs
+# at once; `wait` returns early when it does, and is called again until srun has ended.
+trap 'echo "SIGUSR2 (the time-limit warning, to the batch shell at $(date -Is))" > "$LOG_DIR/STOP"' USR2
 srun --mpi=pmi2 --overcommit --kill-on-bad-exit=1 \
     --nodes="$NODES" --ntasks=$(( NODES * GPUS + 1 )) \
-    "$PYTHON" -m libra_hpc.run --config "$CONFIG" --log-dir "$LOG_DIR" "${OVERRIDES[@]}" || STATUS=$?
+    "$PYTHON" -m libra_hpc.run --config "$CONFIG" --log-dir "$LOG_DIR" "${OVERRIDES[@]}" &
+SRUN=$!
+while :; do
+    STATUS=0
+    wait "$SRUN" || STATUS=$?
+    kill -0 "$SRUN" 2>/dev/null || break
+done
 
 # A rank that died ended the world: name it (rank, role, node, last activity) from srun's
 # report and the heartbeats, and ask for a requeue while requeues are left.

@@ -126,6 +126,19 @@ def test_impossible_shape(section, key, value, expected):
     assert expected in _problems(raw)
 
 
+def test_the_stop_grace_and_a_save_must_fit_between_the_warning_and_the_limit():
+    raw = _a800_raw()
+    raw.setdefault("job", {}).update(stop_grace_s=100, checkpoint_save_s=30)
+    raw["cluster"]["signal_before_limit_s"] = 120
+    assert ("job.stop_grace_s: 100 s for the step in flight plus job.checkpoint_save_s=30 s for its checkpoint do "
+            "not fit in the cluster.signal_before_limit_s=120 s") in _problems(raw)
+    raw["job"]["checkpoint_on_stop"] = False  # nothing is saved on the warning: nothing to fit
+    assert validate_config(raw).job.stop_grace_s == 100
+    raw["job"]["checkpoint_on_stop"] = True
+    raw["cluster"].update(signal_before_limit_s=130)
+    assert validate_config(raw).cluster.signal_before_limit_s == 130
+
+
 def test_data_parallel_five_still_fits():
     raw = _a800_raw()
     raw["planner"]["hybrid_nodes"] = 0

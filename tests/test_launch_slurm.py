@@ -173,7 +173,8 @@ def _elapsed_s(cluster, job_id: str) -> int:
 
 def test_a_job_requeued_by_its_time_limit_and_by_scontrol_resumes_and_finishes(slurm_cluster, tmp_path, cache):
     """One sbatch job, three runs under one job id and log folder. Run 1 is submitted with its
-    time limit far off (``--time=10 --signal=USR2@150``); once it has saved its first
+    time limit far off (``--time=10 --signal=B:USR2@150``: the warning goes to the batch
+    shell only, which tells rank 0 through the log folder); once it has saved its first
     checkpoint the limit is cut (``scontrol update TimeLimit``, as an admin would) so that
     Slurm's time-limit warning is due within 30 s: the run finishes its step, saves a
     checkpoint and requeues itself. The test then lifts the limit and, once run 2 has resumed
@@ -189,7 +190,7 @@ def test_a_job_requeued_by_its_time_limit_and_by_scontrol_resumes_and_finishes(s
     # resumes at a slow step, which the outside requeue interrupts; steps 8-9 train one pass.
     steps = 10
     job_id = subprocess.run(
-        ["sbatch", "--parsable", f"--chdir={tmp_path}", "--time=10", "--signal=USR2@150", str(ROOT / "sbatch" / "libra.sh"),
+        ["sbatch", "--parsable", f"--chdir={tmp_path}", "--time=10", "--signal=B:USR2@150", str(ROOT / "sbatch" / "libra.sh"),
          str(SMALL), f"rl.steps={steps}", "rl.update_epochs={0: 20, 8: 1}", "job.checkpoint_every_steps=1",
          "cluster.max_requeues=4", f"job.cache_dir={cache}", "job.eval_prompts=0"],
         capture_output=True, text=True, check=True, env=_env(slurm_cluster)).stdout.strip()
@@ -217,7 +218,12 @@ def test_a_job_requeued_by_its_time_limit_and_by_scontrol_resumes_and_finishes(s
     assert kinds.count("world_started") == 3 and kinds.count("shutdown") == 2  # run 2 was killed
     [stop] = [e for e in events if e["kind"] == "stop_requested"]
     [asked] = [e for e in events if e["kind"] == "requeue_requested"]
-    assert stop["signal"] == "SIGUSR2" and asked["restart_count"] == 0
+    assert stop["signal"].startswith("SIGUSR2 (the time-limit warning, to the batch shell")
+    assert asked["restart_count"] == 0
+    assert stop["rollout_turns_running"] >= 0 and "abandoned_after_s" not in stop
+    # no process of the job step was signalled: no rank noted a SIGUSR2 of its own
+    first_run = (folder / "slurm.out").read_text()
+    assert "stopping at the next step boundary" in first_run and "stop requested (SIGUSR2):" not in first_run
     first, second = [e for e in events if e["kind"] == "resumed"]
     assert first["restart_count"] == 1 and first["version"] == asked["version"] == stop["version"]
     assert second["restart_count"] == 2 and second["version"] > first["version"]

@@ -12,8 +12,15 @@ from libra_hpc.runtime.checkpointing import CheckpointDriver
 
 def _driver(tmp_path, **job):
     cfg = SimpleNamespace(job=SimpleNamespace(**{"checkpoint_keep": 2, "checkpoint_every_steps": 0,
-                                                 "checkpoint_on_stop": True, **job}))
-    c = SimpleNamespace(cfg=cfg, runlog=SimpleNamespace(folder=tmp_path), phase="rl", version=0, training=False)
+                                                 "checkpoint_on_stop": True, "stop_grace_s": 60, **job}),
+                          cluster=SimpleNamespace(requeue=True, max_requeues=3))
+    clock = SimpleNamespace(now=1000.0)
+    stop = SimpleNamespace(at=1000.0, clock=lambda: clock.now, signal="SIGUSR2")
+    service = SimpleNamespace(stats=lambda: {"leased": 5, "active": 9})
+    events = []
+    runlog = SimpleNamespace(folder=tmp_path, event=lambda kind, **kw: events.append((kind, kw)))
+    c = SimpleNamespace(cfg=cfg, runlog=runlog, phase="rl", version=0, training=False, stop=stop, service=service,
+                        clock=clock, events=events)
     d = CheckpointDriver(c)
     d.saves = []
 
@@ -51,3 +58,40 @@ def test_without_checkpoint_on_stop_a_step_in_flight_still_finishes(tmp_path):
     assert not d.stop_now()
     c.training, c.version = False, 4
     assert d.stop_now() and d.saves == []
+
+
+def test_a_step_that_outlasts_the_grace_is_abandoned_and_the_job_requeues_from_its_newest_checkpoint(
+        tmp_path, monkeypatch):
+    """job.stop_grace_s: the step in flight when the warning came (TP-2 instances busy, the
+    trainers in step 5) has not ended 60 s later: the run ends there, says what was going
+    on when the stop came, and asks Slurm to requeue it from the newest checkpoint."""
+    from libra_hpc.runtime.resume import REQUEUE_FILE
+
+    c, d = _driver(tmp_path)
+    stage = d.store.staging(4)
+    d.store.commit(stage, 4, {})  # a periodic save of an earlier step
+    c.version, c.training = 5, True
+    c.clock.now = 1060.0
+    assert not d.stop_now() and d.abandoned is None  # 60 s: not past the grace
+    c.clock.now = 1060.5
+    assert d.stop_now() and d.abandoned == 60.5 and d.saves == []
+    monkeypatch.setenv("SLURM_JOB_ID", "77")
+    monkeypatch.delenv("SLURM_RESTART_COUNT", raising=False)
+    d.after_stop("SIGUSR2", "rl")
+    [(kind, said), (asked, _)] = c.events
+    assert kind == "stop_requested" and asked == "requeue_requested"
+    assert said == {"signal": "SIGUSR2", "phase": "rl", "version": 5, "training": True, "rollout_turns_running": 5,
+                    "rollout_trajectories_in_flight": 9, "abandoned_after_s": 60.5}
+    assert (tmp_path / REQUEUE_FILE).read_text().endswith(f"resume from {d.store.path(4)}\n")
+
+
+def test_a_step_that_ends_within_the_grace_is_saved_and_the_stop_says_so(tmp_path, monkeypatch):
+    c, d = _driver(tmp_path)
+    c.version, c.training = 5, True
+    assert not d.stop_now()
+    c.clock.now, c.version, c.training = 1030.0, 6, False  # the step ended 30 s after the warning
+    assert not d.stop_now() and d.saves == [6] and d.abandoned is None
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+    d.after_stop("SIGUSR2", "rl")
+    assert c.events[0][1]["training"] is True and "abandoned_after_s" not in c.events[0][1]
+    assert c.events[1][0] == "requeue_not_requested"

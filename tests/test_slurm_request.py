@@ -40,7 +40,7 @@ def test_sbatch_directives():
     lines = request().sbatch_directives()
     assert all(line.startswith("#SBATCH --") for line in lines)
     for expected in ("--job-name=libra-a800", "--nodes=6", "--ntasks-per-node=8", "--gpus-per-node=8",
-                     "--cpus-per-task=8", "--time=1440", "--signal=USR2@300", "--requeue"):
+                     "--cpus-per-task=8", "--time=1440", "--signal=B:USR2@300", "--requeue"):
         assert f"#SBATCH {expected}" in lines
     assert not any(key in line for line in lines for key in ("--partition", "--account", "--qos", "--constraint"))
 
@@ -60,12 +60,14 @@ def test_submitit_parameters():
     assert params["ntasks_per_node"] == params["gpus_per_node"] == 8
     assert params["nodes"] == 6
     assert params["time"] == 1440
-    assert params["signal_delay_s"] == 300
-    assert params["additional_parameters"] == {"requeue": True}
+    # the time-limit warning to the batch step only, whose shell ignores it (the Python
+    # process relays it to rank 0): no rank of the MPI world is signalled
+    assert params["additional_parameters"] == {"requeue": True, "signal": "B:USR2@300"}
+    assert params["setup"] == ["trap '' USR2"]
     assert not {"partition", "account", "qos", "constraint"} & params.keys()
 
     params = request("cluster.requeue=false", "cluster.partition=gpu", "cluster.qos=high").submitit_parameters()
-    assert "additional_parameters" not in params
+    assert params["additional_parameters"] == {"signal": "B:USR2@300"}
     assert (params["partition"], params["qos"]) == ("gpu", "high")
 
 
@@ -77,6 +79,8 @@ def test_submitit_writes_the_same_sbatch_header(tmp_path, overrides):
     assert "#SBATCH --gpus-per-node=8" in lines
     assert "#SBATCH --ntasks-per-node=8" in lines
     assert ("#SBATCH --requeue" in lines) == req.requeue
+    assert [line for line in lines if "--signal" in line] == ["#SBATCH --signal=B:USR2@300"]  # submitit's own replaced
+    assert lines.index("trap '' USR2") < lines.index("python x")
     # what submitit writes covers our own --dry-run description
     assert set(req.sbatch_directives()) <= set(lines)
     # use_srun=False: the command runs directly in the batch step
@@ -126,7 +130,7 @@ def test_script_srun_line_matches_srun_command():
 def test_script_header_one_task_per_gpu():
     header = _sbatch_header()
     assert header["ntasks-per-node"] == header["gpus-per-node"]
-    assert header["signal"].startswith("USR2@")
+    assert header["signal"].startswith("B:USR2@")  # to the batch shell only (it tells rank 0)
     assert "requeue" in header
 
 
@@ -154,3 +158,47 @@ def test_script_flags_are_accepted_by_the_rank_entry(tmp_path, capsys):
 def test_script_is_valid_bash():
     result = subprocess.run(["bash", "-n", str(SBATCH_SCRIPT)], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
+
+
+def test_time_left_as_squeue_says_it():
+    from libra_hpc.cluster.slurm import parse_time_left
+
+    assert [parse_time_left(t) for t in ("2:05", "1:00:00", "3-04:05:06", " 0:30\n")] == [125, 3600, 273906, 30]
+    assert [parse_time_left(t) for t in ("UNLIMITED", "NOT_SET", "INVALID", "")] == [None] * 4
+
+
+def test_the_batch_step_tells_rank_0_once_when_the_limit_is_near(tmp_path):
+    """submitit's batch step: ``STOP`` in the log folder when squeue's time left falls to
+    the warning's lead, or when SIGUSR2 reaches it, whichever first; once."""
+    import os
+    import signal
+
+    from libra_hpc.cluster.slurm import TimeLimitRelay
+
+    (tmp_path / "STOP").write_text("an earlier run's\n")
+    left = iter([600.0, None, 121.0, 120.0, 30.0])
+    relay = TimeLimitRelay(tmp_path, "42", before_s=120, every_s=3600, time_left=lambda job: next(left))
+    previous = signal.getsignal(signal.SIGUSR2)
+    try:
+        relay.start()
+        assert not (tmp_path / "STOP").exists()  # the earlier run's note is not this run's
+        for _ in range(3):
+            relay.look()  # 600 s, unknown, 121 s left: nothing yet
+        assert relay.said is None and not (tmp_path / "STOP").exists()
+        relay.look()
+        assert (tmp_path / "STOP").read_text() == "time limit in 120 s (squeue; cluster.signal_before_limit_s=120)\n"
+        os.kill(os.getpid(), signal.SIGUSR2)  # the warning after the note: the first word stands
+        assert (tmp_path / "STOP").read_text().startswith("time limit in 120 s")
+    finally:
+        relay.close()
+        signal.signal(signal.SIGUSR2, previous)
+
+    relay = TimeLimitRelay(tmp_path / "b", "43", before_s=120, every_s=3600, time_left=lambda job: None)
+    (tmp_path / "b").mkdir()
+    try:
+        relay.start()
+        os.kill(os.getpid(), signal.SIGUSR2)
+        assert (tmp_path / "b" / "STOP").read_text() == "SIGUSR2 (the time-limit warning, to the batch step)\n"
+    finally:
+        relay.close()
+        signal.signal(signal.SIGUSR2, previous)

@@ -66,15 +66,19 @@ class SlurmRequest:
             "gpus_per_node": self.gpus_per_node,
             "cpus_per_task": self.cpus_per_task,
             "time": self.time_minutes,
-            "signal_delay_s": self.signal_before_limit_s,
             "use_srun": False,
             "stderr_to_stdout": True,
+            # the time-limit warning to the batch step only (submitit's own --signal would
+            # reach every rank); its shell ignores it, its Python process relays it
+            # (run_world_step)
+            "setup": ["trap '' USR2"],
+            "additional_parameters": {"signal": f"B:USR2@{self.signal_before_limit_s}"},
         }
         for key in ("partition", "account", "qos", "constraint"):
             if getattr(self, key) is not None:
                 params[key] = getattr(self, key)
         if self.requeue:
-            params["additional_parameters"] = {"requeue": True}
+            params["additional_parameters"]["requeue"] = True
         return params
 
     def sbatch_directives(self) -> list[str]:
@@ -86,7 +90,7 @@ class SlurmRequest:
             f"--gpus-per-node={self.gpus_per_node}",
             f"--cpus-per-task={self.cpus_per_task}",
             f"--time={self.time_minutes}",
-            f"--signal=USR2@{self.signal_before_limit_s}",
+            f"--signal=B:USR2@{self.signal_before_limit_s}",
         ]
         lines += [f"--{key}={getattr(self, key)}" for key in ("partition", "account", "qos", "constraint") if getattr(self, key)]
         if self.requeue:
@@ -116,8 +120,70 @@ def slurm_reachable() -> tuple[bool, str]:
     return True, ping.stdout.strip()
 
 
+def parse_time_left(text: str) -> float | None:
+    """``squeue -o %L`` (``[D-]HH:MM:SS``, ``MM:SS``) in seconds; None for ``UNLIMITED``,
+    ``NOT_SET``, ``INVALID`` or anything else."""
+    match = re.fullmatch(r"(?:(\d+)-)?(?:(\d+):)?(\d+):(\d+)", text.strip())
+    if match is None:
+        return None
+    days, hours, minutes, seconds = (int(g) if g else 0 for g in match.groups())
+    return ((days * 24 + hours) * 60 + minutes) * 60 + seconds
+
+
+class TimeLimitRelay:
+    """In the batch step: tells rank 0 that the time limit is near by writing ``STOP`` in
+    the log folder (:mod:`libra_hpc.runtime.signals`), when Slurm's warning reaches this
+    process (SIGUSR2) or, in case it reaches only the batch shell, when ``squeue`` says
+    less than ``before_s`` is left (asked every ``every_s``; a limit an admin cut with
+    ``scontrol update`` counts from then on)."""
+
+    def __init__(self, folder: Path, job_id: str, before_s: float, every_s: float = 15.0,
+                 time_left: Callable[[str], float | None] | None = None):
+        import threading
+
+        self.file, self.job_id, self.before_s, self.every_s = Path(folder) / "STOP", job_id, before_s, every_s
+        self.time_left = time_left or _time_left
+        self.said: str | None = None
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="time-limit", daemon=True)
+
+    def start(self) -> TimeLimitRelay:
+        import signal
+
+        self.file.unlink(missing_ok=True)  # an earlier run's: this run is new
+        signal.signal(signal.SIGUSR2, lambda *_: self.tell("SIGUSR2 (the time-limit warning, to the batch step)"))
+        self._thread.start()
+        return self
+
+    def close(self) -> None:
+        self._done.set()
+
+    def tell(self, what: str) -> None:
+        if self.said is None:
+            self.said = what
+            self.file.write_text(what + "\n")
+            log.info("told rank 0 to stop: %s", what)
+
+    def look(self) -> None:
+        left = self.time_left(self.job_id)
+        if left is not None and left <= self.before_s:
+            self.tell(f"time limit in {left:.0f} s (squeue; cluster.signal_before_limit_s={self.before_s:g})")
+
+    def _run(self) -> None:
+        while self.said is None and not self._done.wait(self.every_s):
+            try:
+                self.look()
+            except (OSError, subprocess.SubprocessError) as exc:
+                log.warning("time left of job %s not known: %s", self.job_id, exc)
+
+
+def _time_left(job_id: str) -> float | None:
+    said = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%L"], capture_output=True, text=True, timeout=30)
+    return parse_time_left(said.stdout) if said.returncode == 0 else None
+
+
 def run_world_step(command: list[str], logs_root: str | None = None,
-                   post_mortem: Callable[[Path, str], str | None] | None = None) -> int:
+                   post_mortem: Callable[[Path, str], str | None] | None = None, warn_before_s: float = 120) -> int:
     """Runs in the job's batch step (submitted by submitit): the MPI world as a job step.
     When the world ended badly, ``post_mortem(log folder, srun's last output)`` names the
     rank whose death ended it (the submitter passes the job's own:
@@ -128,8 +194,11 @@ def run_world_step(command: list[str], logs_root: str | None = None,
     logging.basicConfig(level=logging.INFO)
     job, name = os.environ.get("SLURM_JOB_ID"), os.environ.get("SLURM_JOB_NAME")
     folder = Path(logs_root) / f"{name}-{job}" if logs_root and job and name else None
+    relay = None
     if folder is not None:  # this run's to write: an earlier run's would requeue a finished job
         (folder / "REQUEUE").unlink(missing_ok=True)
+        folder.mkdir(parents=True, exist_ok=True)
+        relay = TimeLimitRelay(folder, job, warn_before_s).start()
     log.info("starting the MPI world: %s", " ".join(command))
     process = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, errors="replace")
     said = []
@@ -137,6 +206,8 @@ def run_world_step(command: list[str], logs_root: str | None = None,
         sys.stderr.write(line)
         said.append(line)
     code = process.wait()
+    if relay is not None:
+        relay.close()
     if folder is not None:
         if code != 0 and post_mortem is not None and (folder / "config.yaml").is_file():
             lost = post_mortem(folder, "".join(said[-200:]))
@@ -162,7 +233,8 @@ def submit(request: SlurmRequest, config_path: Path, folder: Path, logs_root: st
     executor = submitit.SlurmExecutor(folder=folder, max_num_timeout=3)
     executor.update_parameters(**request.submitit_parameters())
     try:
-        job = executor.submit(run_world_step, request.srun_command(config_path), logs_root, post_mortem)
+        job = executor.submit(run_world_step, request.srun_command(config_path), logs_root, post_mortem,
+                              request.signal_before_limit_s)
     except FailedJobError as exc:
         said = [line for line in str(exc).splitlines() if line.strip()]
         raise SubmissionError(

@@ -57,6 +57,9 @@ class CheckpointDriver:
         self.every = cfg.checkpoint_every_steps
         self.pending: dict | None = None
         self.saved_version: int | None = None
+        self.stop_seen: dict | None = None
+        self.abandoned: float | None = None
+        """Seconds after the stop at which the step in flight was given up (``job.stop_grace_s``)."""
 
     # ------------------------------------------------------------------ resume
 
@@ -143,21 +146,40 @@ class CheckpointDriver:
         post a policy nobody takes would hold the world's exit), ``save`` when the state at
         this version is to be saved first (``job.checkpoint_on_stop``)."""
         s = self.s
+        stop = getattr(s, "stop", None)
+        if self.stop_seen is None:  # the first look since the stop came: what was going on
+            service = getattr(s, "service", None)
+            stats = service.stats() if service is not None else {}
+            self.stop_seen = {"training": bool(getattr(s, "training", False)),
+                              "rollout_turns_running": stats.get("leased", 0),
+                              "rollout_trajectories_in_flight": stats.get("active", 0)}
         if phase != "rl":
             return "done"
         if s.training or self.pending is not None or relaying:
+            waited = stop.clock() - stop.at if getattr(stop, "at", None) is not None else 0.0
+            if waited > s.cfg.job.stop_grace_s:  # the limit comes before the step ends: resume from the last save
+                self.abandoned = round(waited, 1)
+                return "done"
             return "wait"
         if not s.cfg.job.checkpoint_on_stop or s.version == 0 or self.saved_version == s.version:
             return "done"
         return "save"
 
-    def after_stop(self, signal: str) -> None:
-        """The run stopped early: under Slurm, ask for a requeue while requeues are left
-        (from the checkpoint just saved, or from the start when the stop came before the
-        first step); else say how to resume by hand."""
+    def after_stop(self, signal: str, phase: str) -> None:
+        """The run stopped early (``stop_requested``, with what was going on when it came):
+        under Slurm, ask for a requeue while requeues are left (from the checkpoint just
+        saved, or the newest one when the step in flight was abandoned, or from the start
+        when the stop came before the first save); else say how to resume by hand."""
         s = self.s
         folder = s.runlog.folder
+        s.runlog.event("stop_requested", signal=signal, phase=phase, version=s.version, **(self.stop_seen or {}),
+                       **({"abandoned_after_s": self.abandoned} if self.abandoned else {}))
+        if self.abandoned:
+            log.warning("the step in flight did not end within job.stop_grace_s=%g s of the stop: abandoned",
+                        s.cfg.job.stop_grace_s)
         why = requeue_refusal(os.environ, s.cfg.cluster.requeue, s.cfg.cluster.max_requeues)
+        if self.abandoned:  # the newest checkpoint on disk, whichever run saved it
+            self.saved_version = next(iter(self.store.versions()), None)
         if why is None:
             job, restarts = os.environ["SLURM_JOB_ID"], restart_count(os.environ)
             start = "the start" if self.saved_version is None else self.store.path(self.saved_version)

@@ -95,8 +95,7 @@ class JobController:
             loop.every(5.0, self._progress, name="progress")
             loop.run(stop_when=lambda: self.phase == "done" or self._stop_now())
             if self.stop and self.phase != "done":
-                self.runlog.event("stop_requested", signal=self.stop.signal, phase=self.phase, version=s.version)
-                self.checkpoints.after_stop(self.stop.signal)
+                self.checkpoints.after_stop(self.stop.signal, self.phase)
         finally:
             stand_down()  # ranks that exit from here on are not lost; leaders take the last policy
             self.world.command({"op": "stop", "version": s.version})
