@@ -8,6 +8,7 @@ round trip unchanged and a restored loop's state compares equal to the saved one
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict
 from typing import Any
@@ -124,3 +125,32 @@ def pool_from(data: dict | None) -> HybridPool | None:
     return HybridPool.restored(replicas, min_rollout_gpus=data["min_rollout_gpus"],
                                rollout_core_gpus=data["rollout_core_gpus"], training_core_gpus=data["training_core_gpus"],
                                timeouts=PhaseTimeouts(**data["timeouts"]), now=data["now"])
+
+
+def settled(state: dict, running: dict | None) -> dict:
+    """A control loop's :meth:`~libra_hpc.planner.control.ControlLoop.state_dict` made fit
+    to run a world started in the layout ``running`` (:func:`layout_state` of the job's
+    layout when it was saved, hybrid lends included; a resumed job starts in it): a hybrid
+    replica mid-way through a lend or a return is put where that layout has it, ``active``
+    when its slots train there and ``rollout`` when they serve rollout, so that a
+    transition is finished or undone, never half-applied; a lend trial on a replica put
+    back to rollout is dropped (the lend it judged was undone). A copy; ``state`` is left
+    as it was."""
+    state = json.loads(json.dumps(state))
+    layout, pool = layout_from(running), state["pool"]
+    if layout is None or pool is None:
+        return state
+    training = set(layout.training.slots) if layout.training is not None else set()
+    undone = set()
+    for replica in pool["replicas"]:
+        lent = set(slots_from(replica["slots"])) <= training
+        if replica["state"] != ("active" if lent else "rollout"):
+            replica["state"], replica["since"] = ("active" if lent else "rollout"), pool["now"]
+            if not lent:
+                undone.add(replica["rid"])
+        if lent and replica["activated_at"] is None:
+            replica["activated_at"] = pool["now"]
+    trial = state["lending"]["trial"]
+    if trial is not None and trial.get("rid") in undone:
+        state["lending"]["trial"] = None
+    return state

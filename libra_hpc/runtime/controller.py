@@ -7,8 +7,7 @@ staleness bound, trajectories routed to their group's DP replica, a step when th
 tracker, :mod:`.batches`, says so; then :mod:`.planning` may decide a layout change that
 :mod:`.relayout` carries out; checkpoints at step boundaries, :mod:`.checkpointing`),
 ``eval:final``, ``export``, ``done``. The controller owns the job's state (:class:`~.state.JobState`)
-and is the only object that sends: its helpers answer with the commands to send.
-"""
+and is the only object that sends: its helpers answer with the commands to send."""
 
 from __future__ import annotations
 
@@ -24,7 +23,7 @@ from libra_hpc.runtime.batches import tracker_from_config
 from libra_hpc.runtime.checkpointing import CheckpointDriver
 from libra_hpc.runtime.evaluation import HeldOut
 from libra_hpc.runtime.heartbeat import stand_down
-from libra_hpc.runtime.planning import PlannerDriver
+from libra_hpc.runtime.planning import PlannerDriver, resumed_layout
 from libra_hpc.runtime.relayout import Relayouts
 from libra_hpc.runtime.roles import roles_from_layout
 from libra_hpc.runtime.startup import queue_service, warm_start
@@ -71,16 +70,15 @@ class JobController:
         try:
             self.warm, build_s = warm_start(cfg, self.task, self.orchestrator, self.runlog)
             self.summary["warmstart_build_s"] = round(build_s, 1)
-            s.layout = s.initial = layout_from_config(cfg)
-            s.ids = {g.slots: g.gid for g in s.layout.rollout_instances}
+            self.checkpoints = CheckpointDriver(s)
+            loaded = self.checkpoints.find()  # resumed: in the layout the checkpoint was saved in
+            s.layout, s.initial, s.ids = resumed_layout(loaded and loaded.state, layout_from_config(cfg))
             s.roles = roles_from_layout(s.layout, s.rank_of, s.ids)
             s.service, self.router = queue_service(cfg, s.roles, self.runlog)
             self.batches = tracker_from_config(cfg, s, PromptSampler(self.task.splits, seed=cfg.rl.seed))
             self.relayout = Relayouts(s, self.batches.untrained_on, self.rebuild_queue)
             self.planner = None if cfg.job.eval_checkpoint else PlannerDriver(s, self.relayout)
-            self.runlog.event("layout_applied", step=0, by="config", **s.layout.summary())
-            self.checkpoints = CheckpointDriver(s)
-            loaded = self.checkpoints.find()
+            self.runlog.event("layout_applied", step=0, by="checkpoint" if loaded else "config", **s.layout.summary())
             self.world.command({"op": "start", "roles": s.roles, "warm": str(self.warm),
                                 **self.checkpoints.start_message(loaded)})
             if loaded is not None:
@@ -350,7 +348,8 @@ class JobController:
                              if k in self.summary},
                  "migrations": self.migrations_before + s.service.stats()["migrations"],
                  "router": self.router.state_dict() if hasattr(self.router, "state_dict") else None,
-                 "layout": s.layout.summary(), **self.batches.checkpoint(s.version)}
+                 "layout": s.layout.summary(), **self.batches.checkpoint(s.version),
+                 **({"planner": self.planner.state_dict()} if self.planner else {})}
         self._send_all(self.checkpoints.save(state))
 
     def _restore(self, loaded: Any) -> None:
@@ -363,6 +362,8 @@ class JobController:
         self.migrations_before = state.get("migrations", 0)
         if state.get("router") is not None and hasattr(self.router, "load_state_dict"):
             self.router.load_state_dict(state["router"])
+        if state.get("planner") is not None and self.planner is not None:
+            self.planner.load_state_dict(state["planner"], loaded.version)
         self.checkpoints.resumed(loaded)
         self.resumed = True
 

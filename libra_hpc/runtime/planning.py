@@ -52,6 +52,7 @@ import time
 from typing import Any
 
 from libra_hpc.config_learning import epochs_at
+from libra_hpc.planner import loop_state as S
 from libra_hpc.planner.control import ControlLoop
 from libra_hpc.planner.costs import (LengthProfile, LengthSample, RolloutCost, TimingRecord, TrainingCost, TrainShape,
                                      fit_calibration)
@@ -68,6 +69,18 @@ RECORDS = {"train": 64, "chain": 1024}
 """Timing records of each kind the calibration is fitted on (the most recent)."""
 JOB_TIMEOUTS = PhaseTimeouts(requested=600, fetching_state=900, zero_grad_sync=900, releasing=900)
 """The hybrid pool's phase timeouts in the job: a drain on CPU takes tens of seconds."""
+
+
+def resumed_layout(state: dict | None, config_layout: Any) -> tuple[Any, Any, dict]:
+    """The layout a job resumed from a checkpoint's ``state`` starts in (the one in force
+    when it was saved: a replan's, a re-shard's, a hybrid replica lent), the layout its
+    lent replicas return to, and its rollout instance ids (slots → id, the lent replica's
+    too); the config's layout without one."""
+    saved = (state or {}).get("planner")
+    if saved is None:
+        return config_layout, config_layout, {g.slots: g.gid for g in config_layout.rollout_instances}
+    return (S.layout_from(saved["layout"]), S.layout_from(saved["initial"]),
+            {S.slots_from(slots): gid for slots, gid in saved["ids"]})
 
 
 def config_plan(layout: Any, cfg: Any) -> Plan:
@@ -120,6 +133,39 @@ class PlannerDriver:
 
     def pool_instances(self) -> set[int]:
         return {i for insts in self.instances.values() for i in insts}
+
+    # ------------------------------------------------------------------ state
+
+    def state_dict(self) -> dict:
+        """What decides, for the job's checkpoint (plain data): the control loop's state
+        (calibration, length window, gate, hybrid pool, lend trial, TP selector), the timing
+        records the calibration is refitted on, the step window the gate weighs, the pool's
+        clock, the layout in force and its instance ids, the summary's counters."""
+        w = self.window
+        return {"control": self.control.state_dict(), "now": self.now(), "layout": S.layout_state(self.s.layout),
+                "initial": S.layout_state(self.s.initial),
+                "ids": [[S.slots_state(slots), gid] for slots, gid in self.s.ids.items()],
+                "records": {kind: [[r.kind, dict(r.components), r.measured_s, r.step] for r in rows]
+                            for kind, rows in self.records.items()},
+                "window": S.plain({"times": w.times, "step_times": w.step_times, "measure_from": w.measure_from,
+                                   "gain_checks": w.gain_checks}),
+                "counts": [self.replans, self.reshards, self.hybrid_applied]}
+
+    def load_state_dict(self, state: dict, version: int) -> None:
+        """Take on what :meth:`state_dict` saved at ``version`` (the world runs the layout it
+        was saved in, :func:`resumed_layout`): a hybrid lend or return under way is finished
+        or undone to match that layout (:func:`~libra_hpc.planner.loop_state.settled`); the
+        steps from ``version`` on, trained again, are dropped from the window."""
+        self.control.load_state_dict(S.settled(state["control"], state["layout"]))
+        self.t0 = time.monotonic() - state["now"]
+        self.records = {kind: [TimingRecord(k, c, m, step) for k, c, m, step in rows]
+                        for kind, rows in state["records"].items()}
+        w = state["window"]
+        self.window.times = [tuple(t) for t in w["times"] if t[0] < version]
+        self.window.step_times = [tuple(t) for t in w["step_times"] if t[0] < version]
+        self.window.measure_from, self.window.gain_checks = w["measure_from"], [tuple(g) for g in w["gain_checks"]]
+        self.replans, self.reshards, self.hybrid_applied = state["counts"]
+        self._map_pool()
 
     # ------------------------------------------------------------------ observations
 
