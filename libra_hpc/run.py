@@ -42,13 +42,14 @@ def main(argv: list[str] | None = None) -> int:
     from libra_hpc.cluster.world import World  # MPI init happens here, after the config is known to be good
     from libra_hpc.metrics.runlog import RunLog
     from libra_hpc.runtime.check import run_controller
-    from libra_hpc.runtime.signals import StopRequest
+    from libra_hpc.runtime.signals import StopRequest, install_fault_signals
     from libra_hpc.runtime.worker import run_worker
 
     from mpi4py import MPI
 
     rank = MPI.COMM_WORLD.Get_rank()
     stop = StopRequest().install()  # every rank: Slurm's USR2 must not kill workers either
+    install_fault_signals()  # soak runs only (LIBRA_FAULTS=1)
     logging.basicConfig(level=cfg.logging.level, format=f"%(asctime)s [rank {rank}] %(name)s: %(message)s")
     runlog = None
     beats = []

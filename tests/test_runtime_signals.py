@@ -51,3 +51,14 @@ def test_a_rank_that_receives_the_signal_notes_it_instead_of_dying(tmp_path):
         assert stop and stop.signal == "SIGUSR2" and stop.at == 7.0
     finally:
         signal.signal(signal.SIGUSR2, previous)
+
+
+def test_the_hang_fault_is_installed_only_for_soak_runs():
+    from libra_hpc.runtime.signals import HANG_SIGNAL, install_fault_signals
+
+    previous = signal.getsignal(HANG_SIGNAL)
+    try:
+        assert not install_fault_signals({}) and signal.getsignal(HANG_SIGNAL) == previous
+        assert install_fault_signals({"LIBRA_FAULTS": "1"}) and signal.getsignal(HANG_SIGNAL) != previous
+    finally:
+        signal.signal(HANG_SIGNAL, previous)

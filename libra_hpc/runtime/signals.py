@@ -17,6 +17,7 @@ vLLM instances ignore it (:mod:`libra_hpc.engines.rollout.reaping`).
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import time
 from pathlib import Path
@@ -79,3 +80,25 @@ class StopRequest:
         if self.signal is None:
             self._look()
         return self.signal is not None
+
+
+HANG_SIGNAL = signal.SIGRTMIN
+FAULTS_ENV = "LIBRA_FAULTS"
+
+
+def install_fault_signals(environ: dict = os.environ) -> bool:
+    """Fault injection for soak runs (``benchmarks/bench_resilience.py``), only when the
+    environment says ``LIBRA_FAULTS=1``: :data:`HANG_SIGNAL` (SIGRTMIN) makes this rank's
+    main thread hang in Python for good, while its heartbeat thread beats on: the fault
+    the progress watchdog (``job.progress_timeout_s``) is there to name. Whether it was
+    installed."""
+    if environ.get(FAULTS_ENV) != "1":
+        return False
+
+    def _hang(signum, _frame) -> None:
+        log.error("fault injected (%s): this rank's main thread hangs now", signal.Signals(signum).name)
+        while True:
+            time.sleep(3600)
+
+    signal.signal(HANG_SIGNAL, _hang)
+    return True
