@@ -1,6 +1,7 @@
 #!/usr/bin/env python
 """Validate an experiment and run it: on Slurm through submitit, or locally under mpiexec.
 
+\b
     python launch.py --nodes 6                                  # the embedded default
     python launch.py --config configs/a800-6node.yaml --dry-run # what would be asked for
     python launch.py --nodes 4 --executor slurm --wait          # submit and follow

@@ -97,6 +97,17 @@ def test_report_md_says_what_happened(finished_run: Path):
     assert "## Failures\n\n- at 44 s, rank 3: RuntimeError: CUDA out of memory" in report
     for name in PLOTS:
         assert f"(plots/{name})" in report
+    assert "### layout\n\n| key | value |\n|---|---|\n| rollout | 3 |\n| training | 4 |" in report  # not raw JSON
+
+
+def test_a_list_of_records_in_the_summary_gets_a_table_of_its_own(finished_run: Path):
+    pauses = [{"direction": "join", "pause_s": 1.25, "all_ranks_back_s": 3.5},
+              {"direction": "leave", "pause_s": 0.5, "all_ranks_back_s": 2.0}]
+    write_report(finished_run, {**SUMMARY, "hybrid_pauses_s": pauses, "layout_gains": []})
+    report = (finished_run / "report.md").read_text()
+    assert ("### hybrid_pauses_s\n\n| direction | pause_s | all_ranks_back_s |\n|---|---|---|\n"
+            "| join | 1.25 | 3.5 |\n| leave | 0.5 | 2 |") in report
+    assert "| layout_gains | [] |" in report and '"pause_s"' not in report
 
 
 def test_an_early_stopped_old_run_still_gets_a_report(tmp_path: Path):

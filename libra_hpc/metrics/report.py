@@ -170,12 +170,17 @@ def _plot_gpus(fig, steps: list[dict], events: list[dict]) -> bool:
         return False
     seen = {role for _, g in rows for role in g}
     roles = [r for r in ROLES if r in seen] + sorted(seen - set(ROLES))
-    xs = [0.0] + [t for t, _ in rows]
+    first = next(r for r in steps if _is_number(r.get("elapsed_s")) and gpus_of(r))
+    start = max(0.0, first["elapsed_s"] - first["step_s"]) if _is_number(first.get("step_s")) else 0.0
+    xs = [start] + [t for t, _ in rows]  # the run's steps; the warm start and engine start before them are marked
     ys = [[g.get(role, 0) for g in [rows[0][1]] + [g for _, g in rows]] for role in roles]
     ax = fig.add_subplot()
     ax.stackplot(xs, ys, labels=roles, step="pre", alpha=0.8)
-    _event_markers(ax, events)
-    ax.set(title="GPUs per role", xlabel="elapsed time (s)", ylabel="GPUs")
+    _event_markers(ax, [e for e in events if not _is_number(e.get("elapsed_s")) or e["elapsed_s"] >= start])
+    ax.set(title="GPUs per role", xlabel="elapsed time (s)", ylabel="GPUs", xlim=(start, xs[-1]))
+    if start > 0:
+        ax.text(0.99, 0.02, f"before {start:.0f} s: warm start, engine start and evaluation (not shown)",
+                ha="right", va="bottom", fontsize="small", transform=ax.transAxes)
     ax.legend(loc="upper left", fontsize="small")
     return True
 
@@ -294,9 +299,27 @@ def _table(header: list[str], rows: list[list[str]]) -> list[str]:
 
 
 def _summary_section(summary: dict) -> list[str]:
+    """The scalars in one key/value table; each list of records (``hybrid_pauses_s``,
+    ``layout_gains``, ...) and each mapping (``partial_rollout``, ...) in a table of its own."""
     if not summary:
         return ["## Summary", "", "No summary values."]
-    return ["## Summary", ""] + _table(["key", "value"], [[fmt(k), fmt(summary[k])] for k in sorted(summary, key=str)])
+    keys = sorted(summary, key=str)
+    nested = [k for k in keys if isinstance(summary[k], dict) or _records(summary[k])]
+    lines = ["## Summary", ""] + _table(["key", "value"], [[fmt(k), fmt(summary[k])] for k in keys if k not in nested])
+    for key in nested:
+        value = summary[key]
+        lines += ["", f"### {key}", ""]
+        if isinstance(value, dict):
+            lines += _table(["key", "value"], [[fmt(k), fmt(v)] for k, v in sorted(value.items(), key=lambda kv: str(kv[0]))])
+        else:
+            columns = list(dict.fromkeys(c for row in value for c in row))
+            lines += _table(columns, [[fmt(row.get(c)) for c in columns] for row in value])
+    return lines
+
+
+def _records(value: Any) -> bool:
+    """A non-empty list of records (dicts)."""
+    return isinstance(value, list) and bool(value) and all(isinstance(v, dict) for v in value)
 
 
 def _heldout_section(events: list[dict]) -> list[str]:
