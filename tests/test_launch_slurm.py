@@ -158,11 +158,6 @@ def _wait_for_event(cluster, job_id: str, folder: Path, until, timeout_s: float,
                 f"events: {[e['kind'] for e in read_jsonl(folder / 'events.jsonl')][-30:]}")
 
 
-def _since_last_start(events: list[dict]) -> list[dict]:
-    starts = [i for i, e in enumerate(events) if e["kind"] == "world_started"]
-    return events[starts[-1]:] if starts else []
-
-
 def _elapsed_s(cluster, job_id: str) -> int:
     """Seconds job ``job_id`` has run (``RunTime``, ``[D-]HH:MM:SS``)."""
     run = cluster.run("scontrol", "show", "job", "-o", job_id).split("RunTime=")[1].split()[0]
@@ -171,27 +166,27 @@ def _elapsed_s(cluster, job_id: str) -> int:
     return ((int(days) if days else 0) * 24 + h) * 3600 + m * 60 + sec
 
 
-def test_a_job_requeued_by_its_time_limit_and_by_scontrol_resumes_and_finishes(slurm_cluster, tmp_path, cache):
-    """One sbatch job, three runs under one job id and log folder. Run 1 is submitted with its
+def test_a_job_requeued_by_its_time_limit_resumes_and_finishes(slurm_cluster, tmp_path, cache):
+    """One sbatch job, two runs under one job id and log folder. Run 1 is submitted with its
     time limit far off (``--time=10 --signal=B:USR2@150``: the warning goes to the batch
     shell only, which tells rank 0 through the log folder); once it has saved its first
     checkpoint the limit is cut (``scontrol update TimeLimit``, as an admin would) so that
-    Slurm's time-limit warning is due within 30 s: the run finishes its step, saves a
-    checkpoint and requeues itself. The test then lifts the limit and, once run 2 has resumed
-    and saved a periodic checkpoint, requeues it from outside (``scontrol requeue``: its
-    ranks are killed mid-step). Run 3 resumes from that checkpoint and finishes. From the
-    logs: every step index once, every trajectory trained once, each batch on the prompts
-    an uninterrupted run draws."""
+    Slurm's time-limit warning is due within 30 s, while the TP-2 instance generates: the
+    run finishes its step, saves a checkpoint and requeues itself. The test lifts the limit;
+    run 2 resumes and finishes. From the logs: every step index once, every trajectory
+    trained once, each batch on the prompts an uninterrupted run draws, and no rank saw a
+    signal. (A requeue from outside, every rank killed mid-step, is a fault of the
+    resilience soak, benchmarks/bench_resilience.py, since CI had to fit in 20 minutes.)"""
     from test_job import SMALL, _expected_prompts
 
     (tmp_path / "logs").mkdir()
-    # Steps 0-7 train twenty passes (14 s each on a quiet machine, 25 s in CI), so that the
-    # warning (due within 30 s of the cut, sent up to 30 s later) lands by step 5 and run 2
-    # resumes at a slow step, which the outside requeue interrupts; steps 8-9 train one pass.
+    # Steps 0-5 train twenty passes (14 s each on a quiet machine, 25 s in CI), so that the
+    # warning (due within 30 s of the cut after step 0, sent up to 30 s later) lands by step
+    # 3; steps 6-9 train one pass.
     steps = 10
     job_id = subprocess.run(
         ["sbatch", "--parsable", f"--chdir={tmp_path}", "--time=10", "--signal=B:USR2@150", str(ROOT / "sbatch" / "libra.sh"),
-         str(SMALL), f"rl.steps={steps}", "rl.update_epochs={0: 20, 8: 1}", "job.checkpoint_every_steps=1",
+         str(SMALL), f"rl.steps={steps}", "rl.update_epochs={0: 20, 6: 1}", "job.checkpoint_every_steps=1",
          "cluster.max_requeues=4", f"job.cache_dir={cache}", "job.eval_prompts=0"],
         capture_output=True, text=True, check=True, env=_env(slurm_cluster)).stdout.strip()
     folder = tmp_path / "logs" / f"libra-{job_id}"
@@ -203,19 +198,14 @@ def test_a_job_requeued_by_its_time_limit_and_by_scontrol_resumes_and_finishes(s
     _wait_for_event(slurm_cluster, job_id, folder, lambda ev: any(e["kind"] == "requeue_requested" for e in ev),
                     300, "requeue request after the time-limit warning")
     slurm_cluster.run("scontrol", "update", f"JobId={job_id}", "TimeLimit=30")
-    _wait_for_event(slurm_cluster, job_id, folder,
-                    lambda ev: sum(e["kind"] == "world_started" for e in ev) >= 2
-                    and any(e["kind"] == "checkpoint_saved" for e in _since_last_start(ev)),
-                    420, "periodic checkpoint in the second run")
-    slurm_cluster.run("scontrol", "requeue", job_id)
     state = slurm_cluster.wait_job(job_id, timeout_s=600)
     while state in ("REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED"):
         state = slurm_cluster.wait_job(job_id, timeout_s=600)
     state, restarts = _job_state(slurm_cluster, job_id)
-    assert state == "COMPLETED" and restarts == 2, (state, restarts)
+    assert state == "COMPLETED" and restarts == 1, (state, restarts)
     events = read_jsonl(folder / "events.jsonl")
     kinds = [e["kind"] for e in events]
-    assert kinds.count("world_started") == 3 and kinds.count("shutdown") == 2  # run 2 was killed
+    assert kinds.count("world_started") == 2 and kinds.count("shutdown") == 2
     [stop] = [e for e in events if e["kind"] == "stop_requested"]
     [asked] = [e for e in events if e["kind"] == "requeue_requested"]
     assert stop["signal"].startswith("SIGUSR2 (the time-limit warning, to the batch shell")
@@ -224,9 +214,8 @@ def test_a_job_requeued_by_its_time_limit_and_by_scontrol_resumes_and_finishes(s
     # no process of the job step was signalled: no rank noted a SIGUSR2 of its own
     first_run = (folder / "slurm.out").read_text()
     assert "stopping at the next step boundary" in first_run and "stop requested (SIGUSR2):" not in first_run
-    first, second = [e for e in events if e["kind"] == "resumed"]
-    assert first["restart_count"] == 1 and first["version"] == asked["version"] == stop["version"]
-    assert second["restart_count"] == 2 and second["version"] > first["version"]
+    [resumed] = [e for e in events if e["kind"] == "resumed"]
+    assert resumed["restart_count"] == 1 and resumed["version"] == asked["version"] == stop["version"]
     metrics = [m for m in read_jsonl(folder / "metrics.jsonl") if m["kind"] == "step"]
     assert [m["step"] for m in metrics] == list(range(steps))
     summary = json.loads((folder / "summary.json").read_text())
@@ -235,5 +224,5 @@ def test_a_job_requeued_by_its_time_limit_and_by_scontrol_resumes_and_finishes(s
     assert len(trained) == len(set(trained)) == steps * 12
     by_batch = [sorted({t.split("/")[1] for t in trained if t.startswith(f"b{b}/")}) for b in range(steps)]
     assert by_batch == _expected_prompts(steps)
-    assert {"slurm.out", "slurm.out.1", "slurm.out.2"} <= {p.name for p in folder.iterdir()}
+    assert {"slurm.out", "slurm.out.1"} <= {p.name for p in folder.iterdir()}
     assert "requeueing job" in (folder / "slurm.out").read_text()
