@@ -21,7 +21,7 @@ from libra_hpc.parallel.dispatch import make_dispatcher
 from libra_hpc.runtime import records
 from libra_hpc.runtime.batches import tracker_from_config
 from libra_hpc.runtime.checkpointing import CheckpointDriver
-from libra_hpc.runtime.evaluation import HeldOut
+from libra_hpc.runtime.evaluation import RESUME_KEYS, HeldOut
 from libra_hpc.runtime.heartbeat import stand_down
 from libra_hpc.runtime.planning import PlannerDriver, resumed_layout
 from libra_hpc.runtime.relayout import Relayouts
@@ -344,8 +344,7 @@ class JobController:
     def _save_checkpoint(self) -> None:
         s = self.state
         state = {"trained_tids": list(self.trained_tids),
-                 "summary": {k: self.summary[k] for k in ("eval_success_warmstart", "eval_prompts", "warmstart_build_s")
-                             if k in self.summary},
+                 "summary": {k: self.summary[k] for k in RESUME_KEYS if k in self.summary},
                  "migrations": self.migrations_before + s.service.stats()["migrations"],
                  "router": self.router.state_dict() if hasattr(self.router, "state_dict") else None,
                  "layout": s.layout.summary(), **self.batches.checkpoint(s.version),
@@ -393,7 +392,7 @@ class JobController:
             tools=getattr(self, "tools", None), planner=getattr(self, "planner", None),
             migrations=self.migrations_before + service.stats()["migrations"] if service else 0,
             dispatch=cfg.parallel.dispatch, exported=self.exported, rss=self.rss,
-            orchestrator=getattr(self, "orchestrator", None),
+            orchestrator=getattr(self, "orchestrator", None), total_gpus=cfg.cluster.total_gpus,
             tracker=(self.batches.summary(metrics) if hasattr(self, "batches") else {}))
         self.runlog.event("trained_trajectories", tids=self.trained_tids)
         self.steplog.close()

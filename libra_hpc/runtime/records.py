@@ -86,7 +86,7 @@ def progress_line(cfg: Any, b: int, m: dict) -> str:
 def finish_summary(summary: dict, metrics: list[dict], trained: list[str], *, steps: int, completed: bool,
                    submitted: int | None, wall_s: float, reports_dropped: int, tools: Any, planner: Any,
                    migrations: int, dispatch: str, exported: str | None, rss: dict, orchestrator: Any,
-                   tracker: dict) -> dict:
+                   tracker: dict, total_gpus: int = 0) -> dict:
     """``summary.json``: ``summary`` (the evaluations so far) with the run's books, counts
     and the batch tracker's lines (``tracker``) added. ``planner``: the planner's driver
     (None without one), ``tools``: the tool service (None if it never started)."""
@@ -94,7 +94,8 @@ def finish_summary(summary: dict, metrics: list[dict], trained: list[str], *, st
     s = summary
     s.update(steps=steps, wall_s=round(wall_s, 1), **run_totals(metrics, trained, submitted),
              trajectory_reports_dropped=reports_dropped,
-             tool_calls=tools.calls if tools else 0, tool_failures=tools.failures if tools else 0,
+             tool_calls=sum(m.get("tool_calls", 0) for m in metrics),  # the trained rollouts' (not the evaluations')
+             tool_failures=tools.failures if tools else 0,
              migrations=migrations,
              layouts_applied_by_planner=p.hybrid_applied + p.replans + p.reshards if p else 0,
              replans_applied=p.replans if p else 0, reshards_applied=p.reshards if p else 0,
@@ -106,6 +107,7 @@ def finish_summary(summary: dict, metrics: list[dict], trained: list[str], *, st
     if chaos:
         s["tool_faults_injected"] = {k: sum(c[k] for c in chaos) for k in ("fail", "hang")}
     s["peak_rss_mb_by_role"] = rss_by_role(rss)
+    s["gpu_seconds_by_role"] = gpu_seconds_by_role(metrics, total_gpus, wall_s)
     if s.get("eval_success_final") is not None and s.get("eval_success_warmstart") is not None:
         s["eval_gain"] = round(s["eval_success_final"] - s["eval_success_warmstart"], 4)
     return s
@@ -133,6 +135,22 @@ def run_totals(metrics: list[dict], trained: list[str], submitted: int | None) -
             "trajectories_lost": None if submitted is None else submitted - len(set(trained)),
             "tokens_per_s": round(gen / busy, 1) if busy else 0.0,
             "tool_timeouts": sum(m.get("tool_timeouts", 0) for m in metrics)}  # the model read a timeout
+
+
+def gpu_seconds_by_role(metrics: list[dict], total_gpus: int, wall_s: float) -> dict:
+    """GPU-seconds as an admin accounts for them: each step's GPUs per role (the step rows'
+    ``gpus``) for the step's seconds, the hybrid pool's on whichever side it served; ``idle``
+    the rest of ``total_gpus`` × ``wall_s`` (the warm start, engine starts, evaluations,
+    the export). A resumed run's rows include the steps of its earlier runs, whose time
+    ``wall_s`` (this run's) does not: idle is then at least 0."""
+    out = {"training": 0.0, "rollout": 0.0, "hybrid": 0.0}
+    for m in metrics:
+        gpus, seconds = m.get("gpus") or {}, m.get("step_s") or 0.0
+        out["training"] += gpus.get("training", 0) * seconds
+        out["rollout"] += gpus.get("rollout", 0) * seconds
+        out["hybrid"] += (gpus.get("hybrid_training", 0) + gpus.get("hybrid_rollout", 0)) * seconds
+    out["idle"] = max(0.0, total_gpus * wall_s - sum(out.values()))
+    return {k: round(v, 1) for k, v in out.items()}
 
 
 def rss_by_role(rss: dict[str, float]) -> dict:

@@ -388,4 +388,5 @@ class RolloutLeader:
                           max_turn_tokens=self.cfg.rollout.max_new_tokens)
         return {"op": "eval", "phase": command["phase"], "instance": self.instance, "version": self.version,
                 "rewards": [t.reward for t in result.trajectories], "pids": [p.pid for p in prompts],
+                "tool_calls": [sum(len(returns) for _, returns in e.turns) for e in result.episodes],
                 "format_valid": result.format_valid, "wall_s": round(time.perf_counter() - started, 3)}
