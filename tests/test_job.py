@@ -58,7 +58,12 @@ def test_the_job_trains_and_leaves_what_a_user_looks_at(small_run):
     assert summary["completed"] is True and summary["steps"] == STEPS
     assert summary["eval_prompts"] == 8
     assert 0.0 <= summary["eval_success_warmstart"] <= 1.0 and 0.0 <= summary["eval_success_final"] <= 1.0
-    assert summary["tool_calls"] > 0 and summary["tokens_per_s"] > 0
+    assert summary["tokens_per_s"] > 0
+    # the greedy held-out evaluations call tools (3 of the 8 prompts in CI's runs); the tiny
+    # model's sampled training rollouts call them rarely (0-11 calls in 10 steps), so only
+    # their count is checked below
+    assert summary["eval_tool_calls"] > 0 and 0 < summary["tool_share_warmstart"] <= 1
+    assert set(summary["gpu_seconds_by_role"]) == {"training", "rollout", "hybrid", "idle"}
     assert (summary["warmstart_build_s"] > 0) is not _small_run["cache_was_warm"]  # built once, then loaded
     assert set(summary["peak_rss_mb_by_role"]) >= {"controller", "leader", "trainer"}
     for name in ("report.md", "metrics.jsonl", "events.jsonl", "config.yaml", "controller.log",
@@ -73,6 +78,7 @@ def test_the_job_trains_and_leaves_what_a_user_looks_at(small_run):
     assert [m["step"] for m in metrics] == list(range(STEPS)) and [m["version"] for m in metrics] == list(range(1, STEPS + 1))
     assert all(m["trajectories"] == 12 and m["staleness_max"] <= 1 for m in metrics)
     assert all(sum(m["gpus"].values()) == 8 and m["gpus"]["training"] == 4 for m in metrics)
+    assert summary["tool_calls"] == sum(m["tool_calls"] for m in metrics)  # the trained rollouts', not the evaluations'
 
 
 HYBRID_CYCLE = ["requested", "fetching_state", "zero_grad_sync", "active", "releasing", "rollout"]
