@@ -30,7 +30,7 @@ from typing import Any, Literal, TypeVar
 import yaml
 from pydantic import BaseModel, Field, ValidationError, field_validator
 
-from libra_hpc.config_checks import SLURM_TIME, check_common, check_layout
+from libra_hpc.config_checks import check_common, check_layout, slurm_time_s
 from libra_hpc.config_learning import RLConfig, TasksConfig, WarmStartConfig
 from libra_hpc.config_systems import (  # the sections, and their parts the rest of the code imports from here
     ChaosConfig,
@@ -90,14 +90,7 @@ class ClusterConfig(_Section):
     @property
     def time_limit_minutes(self) -> int:
         """The time limit rounded up to whole minutes (what submitit takes)."""
-        days, first, second, third = SLURM_TIME.match(str(self.time_limit)).groups()  # type: ignore[union-attr]
-        if days is not None:  # D-HH[:MM[:SS]]
-            seconds = int(days) * 86400 + int(first) * 3600 + int(second or 0) * 60 + int(third or 0)
-        elif third is not None:  # HH:MM:SS
-            seconds = int(first) * 3600 + int(second) * 60 + int(third)
-        else:  # MM[:SS]
-            seconds = int(first) * 60 + int(second or 0)
-        return max(1, -(-seconds // 60))
+        return max(1, -(-slurm_time_s(self.time_limit) // 60))  # type: ignore[operator]
 
     @property
     def total_gpus(self) -> int:

@@ -21,6 +21,20 @@ SLURM_TIME = re.compile(r"^(?:(\d+)-)?(\d+)(?::(\d+))?(?::(\d+))?$")
 """A Slurm time string: ``MM``, ``MM:SS``, ``HH:MM:SS``, ``D-HH``, ``D-HH:MM``, ``D-HH:MM:SS``."""
 
 
+def slurm_time_s(text: str | int) -> int | None:
+    """A Slurm time string (:data:`SLURM_TIME`, as ``sbatch --time`` takes it and ``squeue``
+    prints it) in seconds; None when it is not one (``UNLIMITED``, ``INVALID``, ...)."""
+    match = SLURM_TIME.match(str(text).strip())
+    if match is None:
+        return None
+    days, first, second, third = match.groups()
+    if days is not None:  # D-HH[:MM[:SS]]
+        return int(days) * 86400 + int(first) * 3600 + int(second or 0) * 60 + int(third or 0)
+    if third is not None:  # HH:MM:SS
+        return int(first) * 3600 + int(second) * 60 + int(third)
+    return int(first) * 60 + int(second or 0)  # MM[:SS]
+
+
 
 def tp_table_problem(rows: list[tuple[int, int]]) -> str | None:
     """What is wrong with a measured TP table (``parallel.training_tp_by_context``, as

@@ -178,7 +178,7 @@ def run_job(world, cfg: ExperimentConfig, runlog, stop) -> None:
         summary = controller.run()
         _write_report(runlog, summary)
         runlog.event("shutdown", steps=summary["steps"], of=cfg.rl.steps, completed=summary["completed"])
-        if getattr(getattr(controller, "checkpoints", None), "abandoned", None):
+        if controller.checkpoints.abandoned:
             # ranks still in the abandoned step would not see `stop` before the time limit
             log.warning("ending the world now: the step in flight was abandoned (job.stop_grace_s)")
             MPI.COMM_WORLD.Abort(0)

@@ -161,10 +161,10 @@ def test_script_is_valid_bash():
 
 
 def test_time_left_as_squeue_says_it():
-    from libra_hpc.cluster.slurm import parse_time_left
+    from libra_hpc.config_checks import slurm_time_s
 
-    assert [parse_time_left(t) for t in ("2:05", "1:00:00", "3-04:05:06", " 0:30\n")] == [125, 3600, 273906, 30]
-    assert [parse_time_left(t) for t in ("UNLIMITED", "NOT_SET", "INVALID", "")] == [None] * 4
+    assert [slurm_time_s(t) for t in ("2:05", "1:00:00", "3-04:05:06", " 0:30\n")] == [125, 3600, 273906, 30]
+    assert [slurm_time_s(t) for t in ("UNLIMITED", "NOT_SET", "INVALID", "")] == [None] * 4
 
 
 def test_the_batch_step_tells_rank_0_once_when_the_limit_is_near(tmp_path):

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from libra_hpc.config import ExperimentConfig
+from libra_hpc.config_checks import slurm_time_s
 
 log = logging.getLogger(__name__)
 
@@ -120,16 +121,6 @@ def slurm_reachable() -> tuple[bool, str]:
     return True, ping.stdout.strip()
 
 
-def parse_time_left(text: str) -> float | None:
-    """``squeue -o %L`` (``[D-]HH:MM:SS``, ``MM:SS``) in seconds; None for ``UNLIMITED``,
-    ``NOT_SET``, ``INVALID`` or anything else."""
-    match = re.fullmatch(r"(?:(\d+)-)?(?:(\d+):)?(\d+):(\d+)", text.strip())
-    if match is None:
-        return None
-    days, hours, minutes, seconds = (int(g) if g else 0 for g in match.groups())
-    return ((days * 24 + hours) * 60 + minutes) * 60 + seconds
-
-
 class TimeLimitRelay:
     """In the batch step: tells rank 0 that the time limit is near by writing ``STOP`` in
     the log folder (:mod:`libra_hpc.runtime.signals`), when Slurm's warning reaches this
@@ -179,7 +170,7 @@ class TimeLimitRelay:
 
 def _time_left(job_id: str) -> float | None:
     said = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%L"], capture_output=True, text=True, timeout=30)
-    return parse_time_left(said.stdout) if said.returncode == 0 else None
+    return slurm_time_s(said.stdout) if said.returncode == 0 else None
 
 
 def run_world_step(command: list[str], logs_root: str | None = None,

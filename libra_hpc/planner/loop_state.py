@@ -8,7 +8,7 @@ round trip unchanged and a restored loop's state compares equal to the saved one
 
 from __future__ import annotations
 
-import json
+import copy
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict
 from typing import Any
@@ -136,7 +136,7 @@ def settled(state: dict, running: dict | None) -> dict:
     transition is finished or undone, never half-applied; a lend trial on a replica put
     back to rollout is dropped (the lend it judged was undone). A copy; ``state`` is left
     as it was."""
-    state = json.loads(json.dumps(state))
+    state = copy.deepcopy(state)
     layout, pool = layout_from(running), state["pool"]
     if layout is None or pool is None:
         return state

@@ -34,6 +34,18 @@ class StepWindow:
     """The first step whose batch did not overlap the last switch."""
     gain_checks: list[tuple[int, dict]] = field(default_factory=list)
 
+    def state_dict(self) -> dict:
+        """The window as plain data (lists: a JSON round trip leaves it equal)."""
+        return {"times": [list(t) for t in self.times], "step_times": [list(t) for t in self.step_times],
+                "measure_from": self.measure_from, "gain_checks": [[v, dict(r)] for v, r in self.gain_checks]}
+
+    def load_state_dict(self, state: dict, before: int) -> None:
+        """Take on what :meth:`state_dict` saved, without the steps from ``before`` on (a
+        resumed run trains them again)."""
+        self.times = [tuple(t) for t in state["times"] if t[0] < before]
+        self.step_times = [tuple(t) for t in state["step_times"] if t[0] < before]
+        self.measure_from, self.gain_checks = state["measure_from"], [tuple(g) for g in state["gain_checks"]]
+
     def record(self, step: int, rollout_s: float, train_s: float, step_s: float) -> None:
         self.times.append((step, rollout_s, train_s))
         self.step_times.append((step, step_s))

@@ -146,17 +146,14 @@ class CheckpointDriver:
         post a policy nobody takes would hold the world's exit), ``save`` when the state at
         this version is to be saved first (``job.checkpoint_on_stop``)."""
         s = self.s
-        stop = getattr(s, "stop", None)
         if self.stop_seen is None:  # the first look since the stop came: what was going on
-            service = getattr(s, "service", None)
-            stats = service.stats() if service is not None else {}
-            self.stop_seen = {"training": bool(getattr(s, "training", False)),
-                              "rollout_turns_running": stats.get("leased", 0),
+            stats = s.service.stats() if s.service is not None else {}
+            self.stop_seen = {"training": s.training, "rollout_turns_running": stats.get("leased", 0),
                               "rollout_trajectories_in_flight": stats.get("active", 0)}
         if phase != "rl":
             return "done"
         if s.training or self.pending is not None or relaying:
-            waited = stop.clock() - stop.at if getattr(stop, "at", None) is not None else 0.0
+            waited = s.stop.clock() - s.stop.at
             if waited > s.cfg.job.stop_grace_s:  # the limit comes before the step ends: resume from the last save
                 self.abandoned = round(waited, 1)
                 return "done"

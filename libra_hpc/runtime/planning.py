@@ -141,14 +141,12 @@ class PlannerDriver:
         (calibration, length window, gate, hybrid pool, lend trial, TP selector), the timing
         records the calibration is refitted on, the step window the gate weighs, the pool's
         clock, the layout in force and its instance ids, the summary's counters."""
-        w = self.window
         return {"control": self.control.state_dict(), "now": self.now(), "layout": S.layout_state(self.s.layout),
                 "initial": S.layout_state(self.s.initial),
                 "ids": [[S.slots_state(slots), gid] for slots, gid in self.s.ids.items()],
                 "records": {kind: [[r.kind, dict(r.components), r.measured_s, r.step] for r in rows]
                             for kind, rows in self.records.items()},
-                "window": S.plain({"times": w.times, "step_times": w.step_times, "measure_from": w.measure_from,
-                                   "gain_checks": w.gain_checks}),
+                "window": self.window.state_dict(),
                 "counts": [self.replans, self.reshards, self.hybrid_applied]}
 
     def load_state_dict(self, state: dict, version: int) -> None:
@@ -160,10 +158,7 @@ class PlannerDriver:
         self.t0 = time.monotonic() - state["now"]
         self.records = {kind: [TimingRecord(k, c, m, step) for k, c, m, step in rows]
                         for kind, rows in state["records"].items()}
-        w = state["window"]
-        self.window.times = [tuple(t) for t in w["times"] if t[0] < version]
-        self.window.step_times = [tuple(t) for t in w["step_times"] if t[0] < version]
-        self.window.measure_from, self.window.gain_checks = w["measure_from"], [tuple(g) for g in w["gain_checks"]]
+        self.window.load_state_dict(state["window"], before=version)
         self.replans, self.reshards, self.hybrid_applied = state["counts"]
         self._map_pool()
 
