@@ -17,6 +17,7 @@ from libra_hpc.metrics.runlog import run_folder
 
 log = logging.getLogger("libra_hpc.run")
 ABORT_GRACE_S = 2.0
+PART_TIMEOUT_S = 60.0  # every rank at the end of its loop within this, or the world is ended
 
 
 def log_folder(cfg: ExperimentConfig, env: ProcessEnv, given: str | None) -> Path:
@@ -170,6 +171,7 @@ def run_job(world, cfg: ExperimentConfig, runlog, stop) -> None:
     from mpi4py import MPI
 
     data = MPI.COMM_WORLD.Dup()  # the data plane's own communicator (collective, once)
+    unsent: list = []
     if world.rank == 0:
         from libra_hpc.runtime.controller import JobController
 
@@ -185,8 +187,27 @@ def run_job(world, cfg: ExperimentConfig, runlog, stop) -> None:
     else:
         from libra_hpc.runtime.job import run_job_worker
 
-        run_job_worker(world, data, cfg)
+        unsent = run_job_worker(world, data, cfg)
+    _part(world, data, unsent, runlog)
     data.Free()
+
+
+def _part(world, data, unsent: list, runlog) -> None:
+    """Every rank: the world's last exchange (:mod:`libra_hpc.cluster.parting`), so that
+    ``MPI_Finalize`` has no send left to wait on. A rank that never arrives ends the world
+    (``MPI_Abort``) rather than leaving it hanging: the summary is written by then."""
+    from mpi4py import MPI
+
+    from libra_hpc.cluster.parting import part
+
+    parting = part(world.comm, [world.comm, data], unsent, timeout_s=PART_TIMEOUT_S)
+    if parting.complete:
+        log.info("rank %d: %s", world.rank, parting.line())
+        return
+    log.error("rank %d: %s; ending the world", world.rank, parting.line())
+    if runlog is not None:
+        runlog.event("parting_timed_out", waited_s=round(parting.waited_s, 1), line=parting.line())
+    MPI.COMM_WORLD.Abort(0)
 
 
 def _write_report(runlog, summary: dict) -> None:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from libra_hpc.cluster.layout import layout_from_config
+from libra_hpc.cluster.layout import layout_from_config, lend_hybrid_to_training
 from libra_hpc.config import load_config
 from libra_hpc.runtime.planning import PlannerDriver
 from libra_hpc.runtime.records import predicted_over_measured
@@ -116,3 +116,17 @@ def test_the_step_is_priced_as_the_pipeline_runs_it():
     assert 0 < tail < t_train
     assert late["planner_predicted_s"] == pytest.approx(rollout + tail, abs=2e-3)
     assert late["planner_steady_s"] == early["planner_steady_s"]
+
+
+def test_a_step_run_with_the_hybrid_pool_lent_is_predicted_too():
+    """The default layout with the hybrid node lent to training (one TP-2 instance left
+    beside four TP-1 ones): the blind router's share of a small batch used to leave the
+    TP-2 pool nothing, whose loaded step time was then infinite, and so was the step."""
+    d, rng = _driver(), random.Random(3)
+    _warm(d, rng, 4)
+    d.s.layout = lend_hybrid_to_training(d.s.layout, "test: the hybrid node joins training")
+    assert sorted(g.tp for g in d.s.layout.rollout_instances) == [1, 1, 1, 1, 2] and d.s.layout.training.dp == 3
+    record, reports = _step(d, 4, rng)
+    got = d.predict(4, record, reports, 12.0)
+    predicted, measured = got["planner_terms"]["rollout_s"]
+    assert 0.8 <= predicted / measured <= 1.25

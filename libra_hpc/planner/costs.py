@@ -38,7 +38,6 @@ from libra_hpc.planner.calibration import TimingRecord as TimingRecord
 from libra_hpc.planner.calibration import fit_calibration as fit_calibration
 from libra_hpc.planner.lengths import LengthProfile as LengthProfile
 from libra_hpc.planner.lengths import LengthSample as LengthSample
-from libra_hpc.planner.lengths import apportion
 from libra_hpc.planner.profiles import HardwareProfile, ModelProfile
 
 log = logging.getLogger(__name__)
@@ -225,8 +224,9 @@ def rollout_makespan(pools: Sequence[tuple[RolloutCost, int]], lengths: LengthPr
                   for (c, n, conc, _, _), shares in zip(per_pool, per_bucket)]
         # the extreme trajectories (longest generation, longest tools) on their best pool, loaded
         pick = max if blind else min  # blind: an extreme may land on the slowest pool
+        used = [(c, sigma) for (c, _, sigma), n in zip(loaded, assigned) if n > 0]  # a pool given nothing runs no extreme
         chain = max(pick(c.prefill_s(x.prompt_len) + x.gen_len * sigma + c.held_s(x.tool_time_s, x.turns)
-                         for c, _, sigma in loaded)
+                         for c, sigma in used)
                     for x in lengths.extremes)
         makespan = max(chain, *(m for _, m, _ in loaded))
     return RolloutEstimate(max(makespan, bound), bound, None, info)
@@ -286,13 +286,22 @@ def _loaded_s(cost: RolloutCost, instances: int, conc: int, counts: Sequence[int
 
 
 def _spread(counts: Sequence[int], pools: Sequence[tuple[int, Sequence[float]]]) -> tuple[float, list[int], list[list[int]]]:
-    """Placement blind to length: every bucket shared out over the pools in proportion to
-    their lanes; each pool's makespan is its longest bucket's duration or its lanes'
-    throughput. Returns what :func:`_assign` does."""
+    """Placement blind to length: the trajectories, in bucket order, dealt to the pools in
+    proportion to their lanes (each to the pool furthest behind its share so far, a
+    weighted round robin: a router that cannot tell them apart), so every bucket is
+    shared out and the totals follow the lanes even when each bucket has fewer
+    trajectories than there are pools; each pool's makespan is its longest bucket's
+    duration or its lanes' throughput. Returns what :func:`_assign` does."""
     per_bucket = [[0] * len(counts) for _ in pools]
+    total = sum(lanes for lanes, _ in pools)
+    given = [0] * len(pools)
+    dealt = 0
     for k, m in enumerate(counts):
-        for p, share in enumerate(apportion([lanes for lanes, _ in pools], m)):
-            per_bucket[p][k] = share
+        for _ in range(m):
+            dealt += 1
+            p = max(range(len(pools)), key=lambda q: (dealt * pools[q][0] / total - given[q], pools[q][0], -q))
+            given[p] += 1
+            per_bucket[p][k] += 1
     makespan = 0.0
     for p, (lanes, dur) in enumerate(pools):
         present = [k for k, x in enumerate(per_bucket[p]) if x]

@@ -43,17 +43,27 @@ class Job:
         self.codec = TextCodec(self.warm)
         self.prompts = {p.pid: p for p in self.task.splits.train}
         self.heldout = list(self.task.splits.heldout)
+        self.unsent: list = []  # send requests a role loop left posted when it stopped (cluster/parting.py)
+        self.keep: list = []  # the buffers those sends read from, alive until the parting
+
+    def hand_over(self, requests: list, buffers: list = ()) -> None:
+        """A stopping role's posted sends, completed by the world's parting rather than
+        waited for here (their receivers may have stopped already)."""
+        self.unsent += requests
+        self.keep += buffers
 
     def report(self, message: dict) -> None:
         message = {**message, "role": self.role, "rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)}
         self.comm.send(message, dest=CONTROLLER, tag=REPORT)
 
 
-def run_job_worker(world: Any, data: Any, cfg: Any) -> None:
+def run_job_worker(world: Any, data: Any, cfg: Any) -> list:
+    """This worker rank's part of the job, until ``stop``; returns the send requests its
+    roles left posted (for :func:`libra_hpc.cluster.parting.part`)."""
     note("waiting for the controller's start (the warm start, the queue)", waiting=True)
     start = world.next_command()
     if start["op"] == "stop":
-        return
+        return []
     job = Job(world, data, cfg, start)
     try:
         _run_role(job, start)
@@ -62,6 +72,7 @@ def run_job_worker(world: Any, data: Any, cfg: Any) -> None:
         job.report({"op": "error", "slot": job.slot, "error": f"{type(exc).__name__}: {exc}",
                     "traceback": traceback.format_exc(limit=8)})
         raise
+    return job.unsent
 
 
 def _run_role(job: Any, start: dict) -> None:

@@ -104,6 +104,7 @@ class RolloutLeader:
                 backoff.reset()
             else:
                 backoff.sleep()
+        self.job.hand_over(self.sends)  # to ranks that may have stopped: the world's parting completes them
         return "stop"
 
     def _drained(self) -> bool:

@@ -79,12 +79,11 @@ class Trainer:
                 command = message.recv()
                 if command["op"] == "stop":
                     self.stopped = True
-                    MPI.Request.Waitall(self.forwards)
-                    if self.sender is not None:  # the leaders take what was posted before they exit
-                        try:
-                            self.sender.finish(self.cfg.scheduler.lease_s)
-                        except TimeoutError as exc:
-                            log.warning("rank %d: a posted policy was not taken before the stop: %s", self.rank, exc)
+                    # the other trainers and the leaders may have stopped already: the
+                    # world's parting completes these sends (cluster/parting.py)
+                    self.job.hand_over(self.forwards)
+                    if self.sender is not None:
+                        self.job.hand_over(*self.sender.outstanding())
                     break
                 if command["op"] == "relayout":
                     return self._leave_world(command)

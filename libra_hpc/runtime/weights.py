@@ -72,6 +72,14 @@ class WeightSender:
         self._out = [(buf, reqs) for buf, reqs in self._out if not MPI.Request.Testall(reqs)]
         return len(self._out)
 
+    def outstanding(self) -> tuple[list[Any], list[Any]]:
+        """The requests still going out and the buffers they read from; this sender forgets
+        them (for a stop: the world's parting completes them)."""
+        requests = [r for _, reqs in self._out for r in reqs]
+        buffers = [buf for buf, _ in self._out]
+        self._out = []
+        return requests, buffers
+
     def finish(self, timeout_s: float) -> None:
         """Wait (sleeping) until every posted version has left; TimeoutError after ``timeout_s``."""
         from libra_hpc.cluster.messages import wait_sent
