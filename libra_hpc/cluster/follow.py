@@ -43,15 +43,26 @@ def format_event(event: dict) -> str:
     return f"{head}: {rest}" if rest else head
 
 
-def follow(events_path: Path, finished: Callable[[], bool], out: TextIO, poll_s: float = 0.5) -> list[dict]:
-    """Print new events until ``finished()`` is true, then the rest; returns all events."""
+def follow(events_path: Path, finished: Callable[[], bool], out: TextIO, poll_s: float = 0.5,
+           tty: bool | None = None) -> list[dict]:
+    """Print new events until ``finished()`` is true, then the rest; returns all events.
+    A phase's progress (the warm start, the engines' start, an evaluation, the steps) is a
+    bar on a terminal, one line per tenth elsewhere (:class:`ProgressView`; ``tty``
+    overrides ``out.isatty()``)."""
+    from libra_hpc.metrics.progress import ProgressView
+
+    view = ProgressView(out, tty)
     shown = 0
-    while True:
-        done = finished()
-        events = read_jsonl(events_path)
-        for event in events[shown:]:
-            print(format_event(event), file=out, flush=True)
-        shown = len(events)
-        if done:
-            return events
-        time.sleep(poll_s)
+    try:
+        while True:
+            done = finished()
+            events = read_jsonl(events_path)
+            for event in events[shown:]:
+                if not view.show(event, f"[{event.get('elapsed_s', 0):8.2f}s]"):
+                    view.print(format_event(event))
+            shown = len(events)
+            if done:
+                return events
+            time.sleep(poll_s)
+    finally:
+        view.close()

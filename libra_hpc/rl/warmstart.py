@@ -174,11 +174,13 @@ def nll(model: Any, rows: Sequence[tuple[list[int], list[bool]]], pad_id: int):
 
 
 def build_warmstart(path: Path, base_model: Path, task: Task, spec: dict, options: WarmStartConfig,
-                    executor: Executor, *, progress: Callable[[str], None] = log.info) -> Path:
+                    executor: Executor, *, progress: Callable[[str], None] = log.info,
+                    tick: Callable[[int, int, str], None] | None = None) -> Path:
     """The warm-start checkpoint at ``path`` (:func:`fingerprint`'s ``spec``): reused when
     already built, else demonstrations, ``options.epochs`` of supervised steps of
     ``base_model`` in this process (transformers, fp32, the caller's torch threads) and
-    publish. ``progress`` gets one line per stage, per epoch and every 100 steps."""
+    publish. ``progress`` gets one line per stage and per epoch; ``tick(step, total,
+    note)`` is called after every supervised step (the total known before the first)."""
     from libra_hpc.engines.tiny import publish_build
 
     if (path / "build.json").is_file():
@@ -225,9 +227,8 @@ def build_warmstart(path: Path, base_model: Path, task: Task, spec: dict, option
                 schedule.step()
                 optimizer.zero_grad(set_to_none=True)
                 step += 1
-                if step % 100 == 0:
-                    progress(f"warm start: epoch {epoch + 1}/{options.epochs} step {step} loss {loss.item():.3f}, "
-                             f"{time.perf_counter() - started:.0f} s")
+                if tick is not None:
+                    tick(step, total, f"epoch {epoch + 1}/{options.epochs}, loss {loss.item():.3f}")
             model.eval()
             with torch.no_grad():
                 held_nll = sum(float(nll(model, held[i:i + 8], codec.pad_id)) for i in range(0, len(held), 8))

@@ -1,13 +1,12 @@
 """The controller (rank 0) of the RL job: one event loop, never holding a token or a weight.
 
-Handlers on the loop (:mod:`.loop`): the C-MLFQ queue, tool actions on the shared Tangram
-pool (:mod:`.tools`) and the ranks' reports (one ``_on_<op>`` method each). The run:
-``starting``, ``eval:warmstart`` (:mod:`.evaluation`), ``rl`` (batches queued within the
-staleness bound, trajectories routed to their group's DP replica, a step when the batch
-tracker, :mod:`.batches`, says so; then :mod:`.planning` may decide a layout change that
-:mod:`.relayout` carries out; checkpoints at step boundaries, :mod:`.checkpointing`),
-``eval:final``, ``export``, ``done``. The controller owns the job's state (:class:`~.state.JobState`)
-and is the only object that sends: its helpers answer with the commands to send."""
+Handlers on the loop (:mod:`.loop`): the C-MLFQ queue, tool actions on the shared Tangram pool (:mod:`.tools`)
+and the ranks' reports (one ``_on_<op>`` method each). The run: ``starting``, ``eval:warmstart``
+(:mod:`.evaluation`), ``rl`` (batches queued within the staleness bound, trajectories routed to their group's
+DP replica, a step when the batch tracker, :mod:`.batches`, says so; then :mod:`.planning` may decide a layout
+change that :mod:`.relayout` carries out; checkpoints at step boundaries, :mod:`.checkpointing`),
+``eval:final``, ``export``, ``done``. The controller owns the job's state (:class:`~.state.JobState`) and is
+the only object that sends: its helpers answer with the commands to send."""
 
 from __future__ import annotations
 
@@ -131,6 +130,8 @@ class JobController:
 
     def _on_ready(self, message: dict, source: int) -> None:
         self.ready.add(source)
+        n, of = len(self.ready), len(self.world.workers)
+        self.runlog.event("progress", phase="ranks ready", done=n, total=of, unit="ranks", line=f"{n}/{of} ranks ready")
         if message.get("note"):
             self.runlog.event("warning", rank=source, role=message.get("role"), line=message["note"])
         if len(self.ready) == len(self.world.workers):

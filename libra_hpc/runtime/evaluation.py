@@ -38,8 +38,12 @@ class HeldOut:
 
     def got(self, message: dict) -> bool:
         """A leader's share came back: True once the phase is complete."""
-        self.parts[message["phase"]].append(message)
-        return len(self.parts[message["phase"]]) == self.expect
+        parts = self.parts[message["phase"]]
+        parts.append(message)
+        self.runlog.event("progress", phase=f"held-out evaluation ({message['phase']})", unit="instances",
+                          done=len(parts), total=self.expect,
+                          line=f"held-out evaluation ({message['phase']}): {len(parts)}/{self.expect} instances done")
+        return len(parts) == self.expect
 
     def result(self, phase: str, version: int) -> float | None:
         """The phase's success rate, written to the summary and the events."""

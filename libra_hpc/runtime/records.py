@@ -31,7 +31,7 @@ class StepLog:
             self.tensorboard.scalars(b, metrics)
             self.tensorboard.flush()
         line = progress_line(self.cfg, b, metrics)
-        self.runlog.event("progress", line=line)
+        self.runlog.event("progress", line=line, phase="RL steps", done=b + 1, total=self.cfg.rl.steps, say=True)
         log.info(line)
 
     def load(self, version: int, queue: dict, leader_load: dict) -> None:

@@ -13,6 +13,7 @@ def warm_start(cfg: Any, task: Any, orchestrator: Any, runlog: Any) -> tuple[Pat
     ``job.eval_checkpoint`` if set, else the warm start keyed by its inputs under
     ``job.cache_dir`` (built on a miss), else the base model."""
     from libra_hpc.engines.tiny import resolve_model
+    from libra_hpc.metrics.progress import PhaseProgress
     from libra_hpc.rl.warmstart import build_warmstart, fingerprint
 
     if cfg.job.eval_checkpoint:
@@ -31,8 +32,16 @@ def warm_start(cfg: Any, task: Any, orchestrator: Any, runlog: Any) -> tuple[Pat
     torch.set_num_threads(max(cfg.job.torch_threads, 2))
     started = time.perf_counter()
     runlog.event("warmstart", path=str(warm), cached=False, demonstrations=cfg.warmstart.demonstrations)
+    bar: list = []
+
+    def tick(step: int, total: int, note: str) -> None:
+        if not bar:
+            bar.append(PhaseProgress("warm start", total, lambda fields: runlog.event("progress", **fields),
+                                     unit="steps"))
+        bar[0].update(step, note)
+
     build_warmstart(warm, base, task, spec, cfg.warmstart, orchestrator,
-                    progress=lambda line: runlog.event("progress", line=f"warm start: {line}"))
+                    progress=lambda line: runlog.event("progress", line=line), tick=tick)
     return warm, time.perf_counter() - started
 
 
