@@ -31,7 +31,11 @@ the step's episodes answered without a tool, turns, groups kept, rollout tokens/
 times), a per-kind breakdown after each held-out evaluation, a summary table,
 and last one JSON line: ``success_warmstart``, ``success_rl`` (mean over seeds),
 ``success_rl_per_seed``, ``gains``, ``gain_min``, ``control_gain``, ``eval_prompts``,
-``seeds``, ``steps``, ``wall_s`` (and the warm start's build time, 0 when cached).
+``seeds``, ``steps``, ``wall_s`` (and the warm start's build time, 0 when cached), and the
+held-out answers split by tool use: ``success_tool_{warmstart,rl}``,
+``success_no_tool_{warmstart,rl}``, ``tool_share_{warmstart,rl}`` (the seeds pooled; the
+job's ``summary.json`` carries the same keys). ``--seeds 0 --no-control`` builds and
+scores the warm start only.
 """
 
 from __future__ import annotations
@@ -218,7 +222,9 @@ def _breakdown(result) -> dict:
     share answered without a tool."""
     episodes = result.episodes
     no_tool = lambda e: not any(returns for _, returns in e.turns)  # noqa: E731
-    out = {"no_tool": sum(map(no_tool, episodes)) / max(len(episodes), 1)}
+    out = {"no_tool": sum(map(no_tool, episodes)) / max(len(episodes), 1),
+           "rewards": [e.reward or 0.0 for e in episodes],
+           "calls": [sum(len(returns) for _, returns in e.turns) for e in episodes]}
     by: dict[str, list] = {}
     for e in episodes:
         kind = e.prompt.meta.get("kind")
@@ -303,22 +309,30 @@ def main() -> None:
         if done.returncode != 0 or not out.is_file():
             raise SystemExit(f"bench_learning: the MPI job failed (exit {done.returncode}); see its output above")
         result = json.loads(out.read_text())
+    from libra_hpc.runtime.evaluation import tool_use
+
     final = result["final"]
     warm = final["warmstart"]["success"]
+    final.setdefault("runs", [])
     seeds = [r for r in final["runs"] if r["run"] == "seed"]
     control = next((r for r in final["runs"] if r["run"] == "control"), None)
     gains = [r["success"] - warm for r in seeds]
+    mean = lambda xs: round(statistics.fmean(xs), 4) if xs else None  # noqa: E731
     print(f"\nheld-out success on {args.eval_prompts} prompts (greedy), warm start {warm:.3f}")
     print(f"{'run':>8} {'seed':>4} {'after':>7} {'gain':>7} {'format':>7}")
     for r in final["runs"]:
         print(f"{r['run']:>8} {r['seed']:>4} {r['success']:>7.3f} {r['success'] - warm:>+7.3f} {r['format_valid']:>7.2f}")
     summary = {
         "task": cfg.rl.task, "success_warmstart": round(warm, 4),
-        "success_rl": round(statistics.fmean(r["success"] for r in seeds), 4),
+        "success_rl": mean([r["success"] for r in seeds]),
         "success_rl_per_seed": [round(r["success"], 4) for r in seeds], "gains": [round(g, 4) for g in gains],
-        "gain_mean": round(statistics.fmean(gains), 4), "gain_min": round(min(gains), 4),
+        "gain_mean": mean(gains), "gain_min": round(min(gains), 4) if gains else None,
         "control_gain": None if control is None else round(control["success"] - warm, 4), "format_valid_warmstart": round(final["warmstart"]["format_valid"], 4),
-        "format_valid_rl": round(statistics.fmean(r["format_valid"] for r in seeds), 4),
+        "format_valid_rl": mean([r["format_valid"] for r in seeds]),
+        # answers with and without a tool call: the warm start's, and the seeds' pooled
+        **tool_use(final["warmstart"]["rewards"], final["warmstart"]["calls"], "warmstart"),
+        **tool_use([x for r in seeds for x in r["rewards"]], [c for r in seeds for c in r["calls"]], "rl"),
+        "tool_calls_rl_eval": sum(c for r in seeds for c in r["calls"]),
         "eval_prompts": args.eval_prompts, "seeds": args.seeds, "steps": cfg.rl.steps,
         "batch": cfg.rl.prompts_per_step * cfg.rl.group_size, "lr": cfg.training.lr,
         "warmstart_build_s": round(result["build_s"], 1), "wall_s": round(time.perf_counter() - started, 1),

@@ -23,8 +23,8 @@ A run must come back by itself (Slurm requeues it; ``cluster.max_requeues``) and
 It prints one row per run, then one JSON line: ``runs``, ``faults`` (count by type),
 ``completed``, ``hangs`` (runs not finished within ``--run-timeout``), ``steps_missing``,
 ``steps_duplicated``, ``trajectories_lost``, ``trajectories_duplicated``, ``max_exit_s``
-(from the stop decision, the ``stop_requested``/``rank_lost``/``shutdown`` event, to the
-last process of that world gone) and ``shm_left`` (``/dev/shm`` segments of this user that
+(from the stop decision, each world's first ``rank_lost``/``failure``/``shutdown`` event,
+to the last process of that world gone) and ``shm_left`` (``/dev/shm`` segments of this user that
 no live process holds, left after the runs and not there before).
 """
 
@@ -50,7 +50,10 @@ from libra_hpc.metrics.runlog import read_jsonl  # noqa: E402
 from slurm_cluster import LocalSlurmCluster, free_port_base  # noqa: E402
 
 FAULTS = ("time_limit", "requeue", "kill", "hang", "kill_in_join")
-STOP_EVENTS = ("stop_requested", "rank_lost", "shutdown", "failure", "stopped_by_slurm")
+STOP_EVENTS = ("rank_lost", "failure", "shutdown")
+"""The controller's decision that a world ends (a time-limit warning's ``stop_requested``
+comes before the grace it gives the step in flight, so it is not one; ``scontrol requeue``
+kills the world without a decision of the job's)."""
 
 
 def deal(runs: int, rng: random.Random) -> list[str]:
@@ -89,6 +92,7 @@ class Run:
         self.folder = workdir / "logs" / f"libra-{self.job}"
         self.injected: str | None = None
         self.exits: list[float] = []
+        self.exit_kinds: list[str] = []  # each stop decision's kind and its exit seconds
         self.pids: dict[int, int] = {}
 
     def events(self) -> list[dict]:
@@ -145,12 +149,21 @@ class Run:
         """From each stop decision, the seconds until the last process of that world is gone."""
         for beat in self.beats():
             self.pids[beat["pid"]] = beat["rank"]
-        decided = [e["t"] for e in self.events() if e["kind"] in STOP_EVENTS]
-        if not decided or len(self.exits) >= len(decided):
+        decided: list[tuple[float, str] | None] = []
+        for e in self.events():  # each world's first stop decision (None: killed without one)
+            if e["kind"] == "world_started":
+                decided.append(None)
+            elif e["kind"] in STOP_EVENTS and decided and decided[-1] is None:
+                decided[-1] = (e["t"], e["kind"])
+        while len(self.exit_kinds) < len(decided) - 1 and decided[len(self.exit_kinds)] is None:
+            self.exit_kinds.append("no decision")  # a world Slurm killed: nothing of the job's to time
+        if len(self.exit_kinds) >= len(decided) or decided[len(self.exit_kinds)] is None:
             return
         alive = [pid for pid in self.pids if Path(f"/proc/{pid}").exists()]
         if not alive:
-            self.exits.append(time.time() - decided[len(self.exits)])
+            t, kind = decided[len(self.exit_kinds)]
+            self.exits.append(time.time() - t)
+            self.exit_kinds.append(f"{kind}:{time.time() - t:.1f}s")
             self.pids.clear()
 
     def follow(self, timeout_s: float) -> dict:
@@ -176,7 +189,8 @@ class Run:
                 "steps_duplicated": len(steps) - len(set(steps)),
                 "trajectories_lost": summary.get("trajectories_lost"),
                 "trajectories_duplicated": summary.get("trajectories_duplicated"),
-                "max_exit_s": round(max(self.exits), 1) if self.exits else None, "log_folder": str(self.folder)}
+                "max_exit_s": round(max(self.exits), 1) if self.exits else None, "exits": ",".join(self.exit_kinds),
+                "log_folder": str(self.folder)}
 
 
 def main() -> int:

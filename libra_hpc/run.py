@@ -17,6 +17,7 @@ from libra_hpc.metrics.runlog import run_folder
 
 log = logging.getLogger("libra_hpc.run")
 ABORT_GRACE_S = 2.0
+EXIT_REPORT_S = 8.0  # a rank not gone this long after its end dumps its threads' stacks to stderr
 PART_TIMEOUT_S = 60.0  # every rank at the end of its loop within this, or the world is ended
 
 
@@ -96,6 +97,10 @@ def main(argv: list[str] | None = None) -> int:
             ignore_failure_notice()
         if runlog is not None:
             runlog.close()
+    log.info("rank %d: leaving (MPI_Finalize and the interpreter's exit next)", rank)
+    import faulthandler
+
+    faulthandler.dump_traceback_later(EXIT_REPORT_S, exit=False)  # a rank still alive then prints where it is
     return 0
 
 
