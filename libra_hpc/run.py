@@ -6,6 +6,7 @@ roles' own (:mod:`libra_hpc.runtime.worker`)."""
 from __future__ import annotations
 
 import argparse
+import atexit
 import logging
 import sys
 import time
@@ -17,6 +18,7 @@ from libra_hpc.metrics.runlog import run_folder
 
 log = logging.getLogger("libra_hpc.run")
 ABORT_GRACE_S = 2.0
+_LEFT: list[float] = []
 EXIT_REPORT_S = 8.0  # a rank not gone this long after its end dumps its threads' stacks to stderr
 PART_TIMEOUT_S = 60.0  # every rank at the end of its loop within this, or the world is ended
 
@@ -50,6 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     from mpi4py import MPI
 
     rank = MPI.COMM_WORLD.Get_rank()
+    atexit.register(_exit_handlers_done, rank)  # first registered, last run (before MPI_Finalize)
     stop = StopRequest().install()  # every rank: Slurm's USR2 must not kill workers either
     install_fault_signals()  # soak runs only (LIBRA_FAULTS=1)
     logging.basicConfig(level=cfg.logging.level, format=f"%(asctime)s [rank {rank}] %(name)s: %(message)s")
@@ -97,12 +100,29 @@ def main(argv: list[str] | None = None) -> int:
             ignore_failure_notice()
         if runlog is not None:
             runlog.close()
-    log.info("rank %d: leaving (MPI_Finalize and the interpreter's exit next)", rank)
-    import faulthandler
-
-    faulthandler.dump_traceback_later(EXIT_REPORT_S, exit=False)  # a rank still alive then prints where it is
+    _report_a_slow_exit(rank)
     return 0
 
+
+def _report_a_slow_exit(rank: int) -> None:
+    """The exit's last stretch, made visible: when the interpreter's own exit handlers are
+    done (vLLM's, torch's; ``MPI_Finalize`` comes after them) the rank logs it, and a rank
+    still alive ``EXIT_REPORT_S`` after its end prints its threads' stacks to stderr
+    (``job.out``; the "leaving" line names the rank's main thread as the stacks do)."""
+    import faulthandler
+    import threading
+
+    _LEFT.append(time.monotonic())
+    log.info("rank %d (main thread 0x%016x): leaving (the interpreter's exit handlers and MPI_Finalize next)",
+             rank, threading.get_ident())
+    faulthandler.dump_traceback_later(EXIT_REPORT_S, exit=False)
+
+
+def _exit_handlers_done(rank: int) -> None:
+    """Registered first, so the interpreter runs it after every exit handler registered
+    since (vLLM's, torch's); ``MPI_Finalize`` comes later still."""
+    if _LEFT:
+        log.info("rank %d: exit handlers done %.1f s after leaving", rank, time.monotonic() - _LEFT[0])
 
 def _remove_stale_shm(world, runlog) -> None:
     """Once per node (rank 0 on its own, the first rank of every other node): remove the
