@@ -6,7 +6,6 @@ roles' own (:mod:`libra_hpc.runtime.worker`)."""
 from __future__ import annotations
 
 import argparse
-import atexit
 import logging
 import sys
 import time
@@ -52,7 +51,6 @@ def main(argv: list[str] | None = None) -> int:
     from mpi4py import MPI
 
     rank = MPI.COMM_WORLD.Get_rank()
-    atexit.register(_exit_handlers_done, rank)  # first registered, last run (before MPI_Finalize)
     stop = StopRequest().install()  # every rank: Slurm's USR2 must not kill workers either
     install_fault_signals()  # soak runs only (LIBRA_FAULTS=1)
     logging.basicConfig(level=cfg.logging.level, format=f"%(asctime)s [rank {rank}] %(name)s: %(message)s")
@@ -105,24 +103,56 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _report_a_slow_exit(rank: int) -> None:
-    """The exit's last stretch, made visible: when the interpreter's own exit handlers are
-    done (vLLM's, torch's; ``MPI_Finalize`` comes after them) the rank logs it, and a rank
-    still alive ``EXIT_REPORT_S`` after its end prints its threads' stacks to stderr
-    (``job.out``; the "leaving" line names the rank's main thread as the stacks do)."""
+    """A rank still alive ``EXIT_REPORT_S`` after its end prints its threads' stacks to
+    stderr (``job.out``; the "leaving" line names the rank's main thread as the stacks do)."""
     import faulthandler
     import threading
 
     _LEFT.append(time.monotonic())
-    log.info("rank %d (main thread 0x%016x): leaving (the interpreter's exit handlers and MPI_Finalize next)",
-             rank, threading.get_ident())
+    log.info("rank %d (main thread 0x%016x): leaving", rank, threading.get_ident())
     faulthandler.dump_traceback_later(EXIT_REPORT_S, exit=False)
 
 
-def _exit_handlers_done(rank: int) -> None:
-    """Registered first, so the interpreter runs it after every exit handler registered
-    since (vLLM's, torch's); ``MPI_Finalize`` comes later still."""
-    if _LEFT:
-        log.info("rank %d: exit handlers done %.1f s after leaving", rank, time.monotonic() - _LEFT[0])
+def exit_rank(code: int) -> None:
+    """The rank process's end (``python -m libra_hpc.run``): once the world has parted
+    (:func:`_part`: no message in flight), the processes this rank started and that are
+    still there are killed (a vLLM worker, a tool's sandbox), ``MPI_Finalize`` runs, and the
+    process ends without the interpreter's teardown, which on a loaded node took 8-12 s
+    (torch's and vLLM's objects and threads) and does nothing the job needs: the logs, the
+    run log and every file are closed by then. Before MPI started (a bad config): a plain exit."""
+    import os
+
+    mpi = sys.modules.get("mpi4py.MPI")
+    if mpi is None or not mpi.Is_initialized() or mpi.Is_finalized():
+        sys.exit(code)
+    rank = mpi.COMM_WORLD.Get_rank()
+    reaped = _reap_children()
+    took = time.monotonic() - _LEFT[0] if _LEFT else 0.0
+    log.info("rank %d: MPI_Finalize %.1f s after leaving%s, then the process ends", rank, took,
+             f" ({reaped} child process(es) killed)" if reaped else "")
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    mpi.Finalize()
+    os._exit(code)
+
+
+def _reap_children() -> int:
+    """Kill (SIGKILL) every process this one started that is still alive, and wait for
+    them (at most 5 s); how many there were."""
+    try:
+        import psutil
+    except ImportError:
+        return 0
+    children = psutil.Process().children(recursive=True)
+    for child in children:
+        try:
+            child.kill()
+        except psutil.Error:
+            pass
+    psutil.wait_procs(children, timeout=5)
+    return len(children)
+
 
 def _remove_stale_shm(world, runlog) -> None:
     """Once per node (rank 0 on its own, the first rank of every other node): remove the
@@ -247,4 +277,4 @@ def _write_report(runlog, summary: dict) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_rank(main())
