@@ -146,8 +146,31 @@ def test_a_job_starting_in_a_killed_runs_folder_removes_its_relayouts_and_says_s
     events = []
     cfg = SimpleNamespace(job=SimpleNamespace(checkpoint_keep=2, checkpoint_every_steps=1, eval_checkpoint=None),
                           rl=SimpleNamespace(partial_rollout=False, steps=4))
-    runlog = SimpleNamespace(folder=tmp_path, event=lambda kind, **kw: events.append((kind, kw)))
+    runlog = SimpleNamespace(folder=tmp_path, event=lambda kind, **kw: events.append((kind, kw)),
+                             rewind_metrics=lambda step: 0)
     assert CheckpointDriver(SimpleNamespace(cfg=cfg, runlog=runlog)).find() is None
     assert not (tmp_path / "relayout-v1").exists()
     assert events == [("leftovers_removed", {"what": ["relayout-v1"],
                                              "why": "layout changes of a run that did not finish"})]
+
+
+def test_a_run_that_died_before_its_first_checkpoint_starts_over_without_its_rows(tmp_path):
+    """Requeued before any checkpoint was saved: the next run starts from step 0 in the same
+    log folder; the dead run's step rows go, or those steps would be counted twice."""
+    from libra_hpc.config import load_config
+    from libra_hpc.metrics.runlog import RunLog, read_jsonl
+    from libra_hpc.runtime.checkpointing import CheckpointDriver
+    from libra_hpc.runtime.state import JobState
+
+    first = RunLog(tmp_path, "x: 1\n")
+    for b in range(2):
+        first.metric(b, version=b + 1)
+    first.close()
+    log = RunLog(tmp_path, "x: 1\n")
+    driver = CheckpointDriver(JobState(load_config(None, []), log, rank_of=lambda slot: 0))
+    assert driver.find() is None
+    log.metric(0, version=1)
+    log.close()
+    assert [r["step"] for r in read_jsonl(tmp_path / "metrics.jsonl") if r["kind"] == "step"] == [0]
+    restarted = [e for e in read_jsonl(tmp_path / "events.jsonl") if e["kind"] == "restarted"]
+    assert len(restarted) == 1 and restarted[0]["metric_rows_dropped"] == 2

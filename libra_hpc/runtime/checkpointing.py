@@ -81,6 +81,11 @@ class CheckpointDriver:
         if loaded is not None and loaded.version > cfg.rl.steps:
             raise ValueError(f"{loaded.path}: checkpoint at version {loaded.version}, past rl.steps="
                              f"{cfg.rl.steps}: raise rl.steps or start in another log folder")
+        if loaded is None and (dropped := self.s.runlog.rewind_metrics(0)):
+            # an earlier run in this folder stopped before its first checkpoint: the steps start over
+            self.s.runlog.event("restarted", metric_rows_dropped=dropped,
+                                why="no checkpoint in this log folder: the run starts over from step 0")
+            log.info("no checkpoint to resume from: the %d metric rows of an earlier run dropped", dropped)
         return loaded
 
     def start_message(self, loaded: Loaded | None) -> dict:
