@@ -116,8 +116,10 @@ def _report_a_slow_exit(rank: int) -> None:
 def exit_rank(code: int) -> None:
     """The rank process's end (``python -m libra_hpc.run``): once the world has parted
     (:func:`_part`: no message in flight), the processes this rank started and that are
-    still there are killed (a vLLM worker, a tool's sandbox), ``MPI_Finalize`` runs, and the
-    process ends without the interpreter's teardown, which on a loaded node took 8-12 s
+    still there are killed (a vLLM worker, a tool's sandbox), ``MPI_Finalize`` runs, the
+    ``/dev/shm`` segments no live process holds any more are removed (a TP worker that
+    vLLM stopped with SIGTERM leaves its own; :mod:`libra_hpc.cluster.shm`'s rules, as
+    at the start), and the process ends without the interpreter's teardown, which on a loaded node took 8-12 s
     (torch's and vLLM's objects and threads) and does nothing the job needs: the logs, the
     run log and every file are closed by then. Before MPI started (a bad config): a plain exit."""
     import os
@@ -134,6 +136,12 @@ def exit_rank(code: int) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     mpi.Finalize()
+    try:  # what the engines' workers could not unlink (a TP worker stopped by SIGTERM); the last rank out gets all
+        from libra_hpc.cluster.shm import remove_stale
+
+        remove_stale()
+    except OSError:
+        pass
     os._exit(code)
 
 

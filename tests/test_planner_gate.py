@@ -191,3 +191,29 @@ def test_a_fitted_calibration_carries_its_error_per_kind():
     cal = fit_calibration(records)
     errors = dict(cal.fit_errors)
     assert set(errors) == {"decode"} and 0 < errors["decode"] < 1
+
+
+@pytest.mark.parametrize("hybrid_nodes", [0, 1])
+def test_the_candidate_is_valued_as_the_running_plan_is_with_or_without_a_hybrid_pool(hybrid_nodes):
+    """The gate compares the running plan's objective, scaled by what it measured against
+    its prediction, with the search's best: the best must be scaled the same way. Without
+    a hybrid pool it was not, so a job faster than the cost model (scale < 1) never found a
+    plan worth switching to (tests/test_job.py's replan test, on a fast machine)."""
+    from pathlib import Path
+
+    from libra_hpc.config import load_config
+    from libra_hpc.planner.control import ControlLoop
+
+    cfg = load_config(Path(__file__).resolve().parent.parent / "configs" / "default.yaml",
+                      [f"planner.hybrid_nodes={hybrid_nodes}"])
+    loop = ControlLoop.from_config(cfg)
+    prior = loop.prior()
+    unscaled = loop.best_plan(prior).plan
+    loop.scale = (0.5, 0.2)
+    scaled = loop.best_plan(prior).plan
+    at_scale = loop.valuation().step_objective(scaled.t_train * 0.5, scaled.t_rollout * 0.2)
+    if hybrid_nodes == 0:
+        assert scaled.objective == pytest.approx(at_scale, rel=1e-9)
+    else:  # a lent replica can only shorten the scaled step
+        assert scaled.objective <= at_scale * (1 + 1e-9)
+    assert scaled.objective < unscaled.objective * 0.6

@@ -84,8 +84,12 @@ class PlanValuation:
         batch in flight; with overlapping batches the step mixes both objectives, and the
         sync search minimises T_train + T_rollout, the rollout-bound case). Its
         ``plan.objective`` is the step objective. Training sequences are packed to the
-        profile's mean length. ``options`` None: the loop's search, the hybrid pool's worth
-        counted (:meth:`_with_pool`)."""
+        profile's mean length. ``options`` None: the loop's search, valued as the control
+        loop values the running plan (:meth:`pooled_objective`: scaled by the running plan's
+        measured/predicted times, the hybrid pool's worth counted where there is one, with
+        :meth:`_with_pool`): the gate compares the two. (Without a pool the candidate was
+        left unscaled while the running plan was scaled, and a job faster than the cost
+        model never replanned.)"""
         o = self.o
         batch = RLBatch(o.global_batch, math.ceil(lengths.mean_seq_tokens))
         opts = replace(options or self.search, fit_seq_len=memory_need(lengths, o.seq_len, o.memory_headroom))
@@ -99,6 +103,8 @@ class PlanValuation:
         result = best[1]
         if options is None and o.hybrid and o.hybrid_nodes:
             result = replace(result, plan=self._with_pool(result.plan, lengths, batch))
+        elif options is None:  # valued as the running plan is (scaled by what it measured), to compare with it
+            result = replace(result, plan=replace(result.plan, objective=self.pooled_objective(result.plan, None)))
         return result
 
     def _with_pool(self, plan_: Plan, lengths: LengthProfile, batch: RLBatch) -> Plan:
