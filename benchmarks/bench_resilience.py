@@ -168,9 +168,16 @@ class Run:
 
     def follow(self, timeout_s: float) -> dict:
         deadline = time.monotonic() + timeout_s
+        restored = False
         while time.monotonic() < deadline:
             if self.injected is None and self.folder.exists():
                 self.inject()
+            if self.fault == "time_limit" and self.injected and not restored and \
+                    sum(e["kind"] == "world_started" for e in self.events()) >= 2:
+                # a job requeued after its limit starts its next run with its whole limit; the cut one
+                # stays on the job in Slurm, and every later run would meet the warning again
+                self.cluster.run("scontrol", "update", f"JobId={self.job}", "TimeLimit=60", check=False)
+                restored = True
             self.watch_exits()
             state = self.state()
             if state in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY"):

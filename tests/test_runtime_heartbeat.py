@@ -236,6 +236,23 @@ def test_the_post_mortem_asks_no_requeue_when_slurm_itself_ended_the_world(tmp_p
     assert hb.slurm_ended("srun: error: node1: task 2: Killed") is None
 
 
+def test_a_step_srun_cancelled_because_a_task_died_is_a_lost_rank_and_requeues(tmp_path, clock):
+    """Seen in the soak: a trainer killed with -9; srun ended the step (its plain STEP
+    CANCELLED line) before rank 0's watchdog named the rank, and the post-mortem took it for
+    a scancel: no requeue, the job failed."""
+    for r in range(5):
+        _beat(tmp_path / "heartbeats", r, role="trainer", activity=f"rank {r} training")
+    (tmp_path / "events.jsonl").write_text(json.dumps({"kind": "world_started"}) + "\n")
+    output = ("srun: error: node2: task 3: Killed\n"
+              "srun: launch/slurm: _step_signal: Terminating StepId=17000003.0\n"
+              "slurmstepd-node1: error: *** STEP 17000003.0 ON node1 CANCELLED AT 2026-11-27T11:40:13 ***\n"
+              "srun: error: node4: task 4: Terminated\n")
+    line = hb.post_mortem(tmp_path, output, {"SLURM_JOB_ID": "17000003", "SLURM_RESTART_COUNT": "0"}, True, 3)
+    assert line.startswith("rank 3 (trainer") and "Killed" in line
+    assert [e["kind"] for e in read_jsonl(tmp_path / "events.jsonl")] == ["world_started", "rank_lost", "failure"]
+    assert (tmp_path / "REQUEUE").exists()
+
+
 def test_the_post_mortem_adds_nothing_when_the_run_said_why(tmp_path, clock):
     _beat(tmp_path / "heartbeats", 1)
     (tmp_path / "events.jsonl").write_text(

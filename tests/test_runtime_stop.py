@@ -48,8 +48,10 @@ def test_a_stop_during_the_first_steps_training_waits_for_it_and_saves_its_versi
 def test_a_stop_before_anything_trained_ends_at_once_without_a_checkpoint(tmp_path):
     c, d = _driver(tmp_path)
     assert d.stop_now() and d.saves == []  # rollouts of step 0 only: resume from the start
-    c.phase, c.training = "eval", True
-    assert d.stop_now()  # the held-out evaluation before the first step
+    c.phase = "eval:warmstart"
+    assert not d.stop_now()  # the held-out evaluation before the first step: its shares come back first
+    c.clock.now += 61  # ... unless they outlast job.stop_grace_s
+    assert d.stop_now() and d.saves == []
 
 
 def test_without_checkpoint_on_stop_a_step_in_flight_still_finishes(tmp_path):
@@ -95,3 +97,23 @@ def test_a_step_that_ends_within_the_grace_is_saved_and_the_stop_says_so(tmp_pat
     d.after_stop("SIGUSR2", "rl")
     assert c.events[0][1]["training"] is True and "abandoned_after_s" not in c.events[0][1]
     assert c.events[1][0] == "requeue_not_requested"
+
+
+def test_a_stop_in_the_final_evaluation_saves_the_last_version_so_the_resume_only_evaluates(tmp_path):
+    """Seen in the soak: the warning came during the final evaluation (every step trained,
+    the newest checkpoint two steps back); the requeued run trained those steps again and
+    met the (cut) limit in the evaluation again, until it ran out of requeues."""
+    c, d = _driver(tmp_path)
+    c.phase, c.version, d.saved_version = "eval:final", 12, 10
+    assert not d.stop_now() and d.saves == []  # the evaluation's shares come back first,
+    c.phase = "export"
+    assert not d.stop_now() and d.saves == []  # the export too (then the run is complete)
+    c.clock.now += 61  # past job.stop_grace_s: the last version is saved
+    assert not d.stop_now() and d.saves == [12]
+    assert not d.stop_now()  # the save in flight finishes first
+    d.pending, d.saved_version = None, 12
+    assert d.stop_now() and d.saves == [12]
+    c2, d2 = _driver(tmp_path, checkpoint_on_stop=False)
+    c2.phase, c2.version = "export", 12
+    c2.clock.now += 61
+    assert d2.stop_now() and d2.saves == []

@@ -149,16 +149,26 @@ class CheckpointDriver:
         """After the stop signal: ``done`` once the run may end, ``wait`` while a step, a
         save or a re-forming training world finishes (also the first step: trainers that
         post a policy nobody takes would hold the world's exit), ``save`` when the state at
-        this version is to be saved first (``job.checkpoint_on_stop``)."""
+        this version is to be saved first (``job.checkpoint_on_stop``; after the final
+        evaluation too, so that a requeued run does not train the steps since the last
+        periodic checkpoint again, only evaluates). A held-out evaluation or the export in
+        flight is waited for (up to ``job.stop_grace_s``; a final one then completes the run): its episodes' tool calls are served by
+        this loop, and a leader left waiting for them kept the world from parting (seen in
+        the soak: the parting timed out after 60 s)."""
         s = self.s
         if self.stop_seen is None:  # the first look since the stop came: what was going on
             stats = s.service.stats() if s.service is not None else {}
             self.stop_seen = {"training": s.training, "rollout_turns_running": stats.get("leased", 0),
                               "rollout_trajectories_in_flight": stats.get("active", 0)}
+        waited = s.stop.clock() - s.stop.at
+        if (phase.startswith("eval:") or phase == "export") and waited <= s.cfg.job.stop_grace_s:
+            return "wait"  # the leaders' shares come back first (their tool calls go through this loop)
+        if phase in ("eval:final", "export") and self.pending is None and s.cfg.job.checkpoint_on_stop \
+                and s.version > 0 and self.saved_version != s.version:
+            return "save"  # every step trained: the resumed run only evaluates (it redid the last steps)
         if phase != "rl":
-            return "done"
+            return "wait" if self.pending is not None else "done"
         if s.training or self.pending is not None or relaying:
-            waited = s.stop.clock() - s.stop.at
             if waited > s.cfg.job.stop_grace_s:  # the limit comes before the step ends: resume from the last save
                 self.abandoned = round(waited, 1)
                 return "done"

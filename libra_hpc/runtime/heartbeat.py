@@ -298,6 +298,17 @@ def slurm_ended(launcher_output: str) -> str | None:
     return (found.group(1) or "cancelled").strip()
 
 
+def _died_before_the_cancel(launcher_output: str) -> bool:
+    """``srun`` reported a task dead (``Killed``, ``Exited with exit code``: not the
+    ``Terminated`` its own cancel causes) before the step's plain ``CANCELLED`` line (no
+    ``DUE TO``): srun ended the step because of that death. Seen in the soak when a trainer
+    was killed: srun was faster than rank 0's watchdog, and the run was taken for a scancel
+    and not requeued."""
+    task, cancel = _SRUN.search(launcher_output), _SLURM_ENDED.search(launcher_output)
+    return (task is not None and cancel is not None and task.start() < cancel.start()
+            and not task.group(3).strip().startswith("Terminated"))
+
+
 def dead_rank(folder: Path, launcher_output: str) -> dict | None:
     """Which rank's death ended the world: the first task ``srun`` reports dead (its task
     number is the rank), described from its beats (role, slot, last activity); None when
@@ -344,6 +355,8 @@ def post_mortem(log_dir: Path, launcher_output: str, environ: dict, requeue: boo
     if said or any(e["kind"] in ("failure", "shutdown") for e in this_run):
         return said[0] if said else None
     ended = slurm_ended(launcher_output)
+    if ended == "cancelled" and _died_before_the_cancel(launcher_output):
+        ended = None  # srun cancelled the step because a task died (kill on bad exit): a lost rank
     if ended is not None:
         line = f"Slurm ended the world ({ended}); no rank was lost, and no requeue is asked for"
         writer = JsonlWriter(log_dir / "events.jsonl")
