@@ -258,33 +258,3 @@ def test_the_supervised_learning_rate_warms_up_then_decays_to_its_floor():
     assert all(a >= b for a, b in zip(factors[ramp:], factors[ramp + 1:]))  # then never rises
     assert factors[total // 2 + ramp // 2] == pytest.approx(0.525, abs=0.02)  # cosine: halfway is halfway
     assert lr_factor(total, total) == pytest.approx(0.05) and min(factors) >= 0.05
-
-
-def test_the_shared_prefix_is_run_once_and_the_loss_and_gradients_are_unchanged(tiny):
-    """Rows that begin with the same tokens (a demonstration's system prompt): the loss with
-    the prefix run once per batch equals the plain loss, and so does every gradient."""
-    import random
-
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    from libra_hpc.rl.warmstart import nll, nll_shared, shared_prefix
-
-    rng = random.Random(0)
-    head = [rng.randrange(3, 1000) for _ in range(40)]
-    rows = []
-    for n in (5, 17, 9, 30):
-        ids = head + [rng.randrange(3, 1000) for _ in range(n)]
-        rows.append((ids, [True] * 12 + [False] * 28 + [rng.random() < 0.7 for _ in range(n)]))
-    assert shared_prefix(rows) == 40
-    assert shared_prefix([(head + [5, 6], [True] * 42), (head[:10] + [7, 8, 9], [True] * 13)]) == 10
-    model = AutoModelForCausalLM.from_pretrained(tiny, dtype=torch.float32)
-    grads = []
-    for loss_of in (lambda: nll(model, rows, 1), lambda: nll_shared(model, rows, 40, 1)):
-        model.zero_grad()
-        loss = loss_of()
-        loss.backward()
-        grads.append((loss.item(), [p.grad.clone() for p in model.parameters()]))
-    (plain, g_plain), (shared, g_shared) = grads
-    assert shared == pytest.approx(plain, rel=1e-6)
-    assert max((a - b).abs().max().item() for a, b in zip(g_plain, g_shared)) < 1e-5
