@@ -119,9 +119,10 @@ def exit_rank(code: int) -> None:
     still there are killed (a vLLM worker, a tool's sandbox), ``MPI_Finalize`` runs, the
     ``/dev/shm`` segments no live process holds any more are removed (a TP worker that
     vLLM stopped with SIGTERM leaves its own; :mod:`libra_hpc.cluster.shm`'s rules, as
-    at the start), and the process ends without the interpreter's teardown, which on a loaded node took 8-12 s
-    (torch's and vLLM's objects and threads) and does nothing the job needs: the logs, the
-    run log and every file are closed by then. Before MPI started (a bad config): a plain exit."""
+    at the start), and the process ends without the interpreter's teardown, which on a
+    loaded node took 8-12 s (torch's and vLLM's objects and threads) and does nothing the
+    job needs: the logs, the run log and every file are closed by then. Before MPI
+    started (a bad config): a plain exit."""
     import os
 
     mpi = sys.modules.get("mpi4py.MPI")
