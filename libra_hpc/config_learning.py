@@ -70,6 +70,17 @@ class RLConfig(_Section):
     kl_coef: float = Field(0.0, ge=0)
     """β of the KL-to-reference penalty added to every trained token's loss (k3 estimator of
     KL(policy‖reference)); 0 (the default) turns it off and needs no reference policy."""
+    off_policy_correction: Literal["none", "tis"] = "none"
+    """How the loss treats tokens a rollout sampled from another policy than the trainer's
+    (an older version within `max_staleness`, partial rollout, and vLLM's numerics). `none`:
+    the PPO ratio is taken against the rollout's log-probs and clipped (the behaviour policy
+    as PPO's old policy). `tis`: the ratio is taken against the trainer's own log-probs
+    before the update, and each token's loss is weighted by the importance weight
+    trainer/rollout truncated at `is_cap` (AReaL's decoupled objective with truncated
+    importance sampling; libra_hpc/engines/train/loss.py). Either way each step logs the
+    gap (`logprob_gap_kl`, `logprob_gap_max`) and its staleness mix."""
+    is_cap: float = Field(2.0, gt=0)
+    """The cap C of the truncated importance weight min(trainer/rollout, C) (`off_policy_correction: tis`)."""
     update_epochs: dict[int, int] = Field(default_factory=lambda: {0: 1})
     """Optimizer passes over each batch (PPO epochs), from a step on: ``{0: 1, 14: 3}`` is one
     pass per batch, three from step 14 on. More passes make training the bottleneck; the

@@ -77,6 +77,9 @@ def test_the_job_trains_and_leaves_what_a_user_looks_at(small_run):
     metrics = [m for m in read_jsonl(folder / "metrics.jsonl") if m["kind"] == "step"]
     assert [m["step"] for m in metrics] == list(range(STEPS)) and [m["version"] for m in metrics] == list(range(1, STEPS + 1))
     assert all(m["trajectories"] == 12 and m["staleness_max"] <= 1 for m in metrics)
+    # the rollout-vs-trainer gap of every step (vLLM's log-probs against megatron's: > 0, small)
+    assert all(sum(m["staleness_mix"].values()) == 12 and 0 <= m["logprob_gap_kl"] < 1 for m in metrics)
+    assert sum(summary["staleness_mix"].values()) == 12 * STEPS and summary["logprob_gap_max"] > 0
     assert all(sum(m["gpus"].values()) == 8 and m["gpus"]["training"] == 4 for m in metrics)
     assert summary["tool_calls"] == sum(m["tool_calls"] for m in metrics)  # the trained rollouts', not the evaluations'
 

@@ -32,7 +32,7 @@ def full_step(step: int) -> dict:
         step, version=step + 1, reward=0.3 + 0.1 * step, tokens_per_s=1500.0 + 100 * step,
         rollout_s=6.25, train_s=2.5, step_s=9.0, gpus={"training": 4, "rollout": 3, **hybrid},
         queue_depth={"short": 12 - step, "long": 3}, migrations=step % 2, staleness_max=2,
-        staleness_mean=0.75, tool_calls=40 + step, tool_s=1.2, idle_s={"training": 0.5},
+        staleness_mean=0.75, logprob_gap_kl=0.002, tool_calls=40 + step, tool_s=1.2, idle_s={"training": 0.5},
         trajectories=64, scheduler_policy="cmlfq")
 
 
@@ -88,8 +88,8 @@ def test_report_md_says_what_happened(finished_run: Path):
     assert "Scheduler policy: **cmlfq**" in report
     assert "| tokens_per_s | 1,765 |" in report and "| heldout_gain | 0.44 |" in report
     assert "Warm start **0.43 → final 0.87**: gain **+0.44** on 200 prompts." in report
-    assert "| 2 | – | – | 6.25 | 2.5 | 4/4 | 0 | 2 | 42 |" in report  # the row that lost fields
-    assert "| 4 | 0.7 | 1,900 | 6.25 | 2.5 | 5/3 | 0 | 2 | – |" in report  # hybrid GPU counted as training
+    assert "| 2 | – | – | 6.25 | 2.5 | 4/4 | 0 | 2 | 0.002 | 42 |" in report  # the row that lost fields
+    assert "| 4 | 0.7 | 1,900 | 6.25 | 2.5 | 5/3 | 0 | 2 | 0.002 | – |" in report  # hybrid GPU counted as training
     assert "Missing: `reward` at step 2; `tokens_per_s` at step 2; `tool_calls` at steps 4–5." in report
     assert "| 25 | layout v2 applied (training 5, rollout 3): planner: lend hybrid to training | 3.5 | – |" in report
     assert "| 26 | plan considered, rejected: gain below the 1 s bar | 0.25 | – |" in report
@@ -273,4 +273,4 @@ def test_a_metrics_row_goes_to_tensorboard(tmp_path: Path):
     tags = {tag: value for _, step, tag, value in scalars_in(next(tmp_path.iterdir())) if step == 4}
     assert tags["reward"] == pytest.approx(0.7)
     assert tags["queue_depth/short"] == 8 and tags["idle_s/training"] == 0.5
-    assert "scheduler_policy" not in tags and len(tags) == 19
+    assert "scheduler_policy" not in tags and len(tags) == 20

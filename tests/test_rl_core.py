@@ -144,6 +144,59 @@ def test_kl_term_is_k3_to_the_reference_and_needs_one():
         PolicyBatch(torch.zeros(1, 3, dtype=torch.long), zero, zero, kl_coef=0.1)
 
 
+def test_off_policy_gap_and_truncated_importance_weights_match_a_hand_computation():
+    """Three trained tokens whose rollout (behaviour) log-probs differ from the trainer's by
+    δ = logp - old = +0.1, -1.5, +2.0, a masked one with a huge gap; cap C = 2. The gap is
+    k3 of KL(behaviour‖trainer) summed, the largest |δ|; with the correction each token's
+    loss is -min(exp(δ), C)·A at ratio 1 (one pass: the trainer's own log-probs are the
+    proximal policy), without it the PPO ratio exp(δ) is clipped against the rollout's."""
+    import torch
+
+    from libra_hpc.engines.train.loss import PolicyBatch, policy_gradient_loss
+
+    logp = torch.tensor([[-1.0, -2.0, -0.5, -3.0]])
+    deltas = [0.1, -1.5, 2.0]
+    old = torch.tensor([[-1.0 - 0.1, -2.0 + 1.5, -0.5 - 2.0, 0.0]])  # position 3 masked, behaviour 0 there
+    mask = torch.tensor([[1.0, 1.0, 1.0, 0.0]])
+    adv = torch.tensor([[1.0, -2.0, 0.5, 9.0]])
+    k3 = sum(math.exp(d) - 1 - d for d in deltas)
+
+    x = logp.clone().requires_grad_()
+    loss, tokens, report = policy_gradient_loss(x, adv, mask, old, 0.2, is_cap=2.0)
+    weights = [min(math.exp(d), 2.0) for d in deltas]  # trainer over rollout: exp(prox - old) = exp(δ)
+    assert weights == pytest.approx([math.exp(0.1), math.exp(-1.5), 2.0])
+    assert loss.item() == pytest.approx(-(weights[0] * 1.0 + weights[1] * -2.0 + weights[2] * 0.5))
+    loss.backward()  # ratio 1, inside the clip: d/dlogp = -w·A
+    assert x.grad[0].tolist() == pytest.approx([-weights[0] * 1.0, weights[1] * 2.0, -weights[2] * 0.5, 0.0])
+    assert report["gap_kl"].item() == pytest.approx(k3) and report["gap_max"].item() == pytest.approx(2.0)
+    assert report["is_capped"].item() == 1 and tokens.item() == 3
+
+    plain, _, report = policy_gradient_loss(logp, adv, mask, old, 0.2)  # PPO against the rollout's log-probs
+    expected = -sum(min(math.exp(d) * a, min(max(math.exp(d), 0.8), 1.2) * a) for d, a in zip(deltas, (1.0, -2.0, 0.5)))
+    assert plain.item() == pytest.approx(expected)
+    assert report["gap_kl"].item() == pytest.approx(k3) and report["is_capped"].item() == 0
+    assert report["clipped"].item() == 2  # exp(-1.5) and exp(2.0) left [0.8, 1.2], exp(0.1) did not
+
+    prox = torch.tensor([[-1.0, -2.0, -0.6, 0.0]])  # a later pass: the proximal policy is the first pass's
+    _, _, report = policy_gradient_loss(logp, adv, mask, old, 0.2, is_cap=2.0, prox_logprobs=prox)
+    assert report["clipped"].item() == 0  # r = exp(logp - prox): exp(0.1) on the third token only
+    with pytest.raises(ValueError, match="is_cap=2.0: .*needs old_logprobs"):
+        PolicyBatch(torch.zeros(1, 3, dtype=torch.long), mask[:, :2], adv[:, :2], is_cap=2.0)
+
+
+def test_the_correction_is_an_rl_option_that_reaches_the_batch():
+    from libra_hpc.config import RLConfig
+
+    traj_ = traj("g", generated=(0, 1, 1), reward=1.0)
+    other = traj("g", generated=(0, 1, 1), reward=0.0)
+    for correction, cap in (("none", 0.0), ("tis", 3.0)):
+        batch, _ = prepare_batch([traj_, other], RLConfig(off_policy_correction=correction, is_cap=3.0),
+                                 train_version=0, pad_id=0)
+        assert batch.is_cap == cap and batch.to_policy_batch().is_cap == cap
+    with pytest.raises(ValueError, match="off_policy_correction"):
+        RLConfig(off_policy_correction="vtrace")
+
+
 # ------------------------------------------------------------------------- staleness
 
 def test_staleness_bound_drops_exactly_the_stale_trajectories():

@@ -6,6 +6,7 @@ positions exactly zero gradient."""
 
 from __future__ import annotations
 
+import dataclasses
 
 import pytest
 import torch
@@ -110,3 +111,32 @@ def test_kl_to_the_reference_reaches_the_engine_and_holds_the_policy_back(tiny, 
     with pytest.raises(ValueError, match="needs ref_logprobs"):
         batch.to_policy_batch()
 
+
+
+def test_the_rollout_vs_trainer_gap_is_measured_and_the_correction_reaches_the_engine(tiny, torch_world):
+    """The step reports the gap between the rollout's log-probs and the trainer's: ~0 when
+    the rollout sampled from the trainer's own weights, the shift when the rollout's
+    log-probs are moved by a known amount; a later step of a stale batch (the policy moved)
+    shows a gap > 0. With ``off_policy_correction: tis`` and a cap below the importance
+    weights, every trained token's weight is truncated and the step reports so."""
+    from libra_hpc.engines.train.engine import MegatronTrainEngine
+
+    engine = MegatronTrainEngine(tiny, tp=1, lr=1e-5, micro_batch_size=2)
+    try:
+        trajectories = _rollout(engine, engine.shape.vocab_size)
+        batch, _ = prepare_batch(trajectories, RLConfig(max_staleness=1), train_version=0, pad_id=0)
+        first = grpo_step(engine, batch)
+        assert first.gap_kl == pytest.approx(0.0, abs=1e-6) and first.gap_max < 1e-4 and first.is_capped == 0
+        stale = grpo_step(engine, batch)  # the same rollout, one update later: off-policy by one version
+        assert stale.gap_kl > 1e-8 and 1e-4 < stale.gap_max < 1.0, stale  # Adam moves the tiny model far per step
+        shift = 2.0  # the rollout said each trained token was e^2 less likely than the trainer says
+        trajectories = [dataclasses.replace(t, logprobs=[lp - shift if g else lp for lp, g in zip(t.logprobs, t.generated)])
+                        for t in trajectories]
+        rl = RLConfig(max_staleness=1, off_policy_correction="tis", is_cap=1.2)
+        shifted, _ = prepare_batch(trajectories, rl, train_version=1, pad_id=0)
+        stats = grpo_step(engine, shifted)
+        drift = stale.gap_max  # how far two updates moved any token's log-prob
+        assert shift - drift - 0.5 < stats.gap_max < shift + drift + 0.5
+        assert stats.is_capped == pytest.approx(1.0), drift  # exp(2 - drift) > 1.2 on every trained token
+    finally:
+        engine.shutdown()

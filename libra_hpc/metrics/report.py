@@ -31,7 +31,7 @@ ROLES = ("training", "rollout", "hybrid_training", "hybrid_rollout")
 PER_STEP = (  # (field, column header) of report.md's per-step table after "step"
     ("reward", "reward"), ("tokens_per_s", "tokens/s"), ("rollout_s", "rollout s"),
     ("train_s", "train s"), ("gpus", "GPUs train/rollout"), ("migrations", "migrations"),
-    ("staleness_max", "staleness max"), ("tool_calls", "tool calls"),
+    ("staleness_max", "staleness max"), ("logprob_gap_kl", "log-prob gap KL"), ("tool_calls", "tool calls"),
 )
 
 PLOT_NEEDS = {  # plot -> the step fields (or events) it is drawn from

@@ -123,7 +123,7 @@ class TrainBatch:
     ``loss_mask`` 1 on generated tokens; ``advantages`` the sequence's advantage on its
     generated tokens (0 elsewhere); ``old_logprobs`` the rollout log-probs (0 elsewhere);
     ``weights`` the aggregation weights (:func:`sequence_weights`); ``kl_coef`` β of the
-    KL-to-reference term. Rows past ``num_sequences`` are all-masked padding rows (the
+    KL-to-reference term; ``is_cap`` the off-policy correction's cap (0: none). Rows past ``num_sequences`` are all-masked padding rows (the
     batch splits into whole micro-batches)."""
 
     tokens: list[list[int]]
@@ -133,15 +133,17 @@ class TrainBatch:
     weights: list[list[float]]
     num_sequences: int
     kl_coef: float = 0.0
+    is_cap: float = 0.0
 
     @property
     def trained_tokens(self) -> int:
         return sum(map(sum, self.loss_mask))
 
-    def to_policy_batch(self, ref_logprobs=None):
+    def to_policy_batch(self, ref_logprobs=None, prox_logprobs=None):
         """The engine's :class:`~libra_hpc.engines.train.loss.PolicyBatch` (imports torch).
         ``ref_logprobs`` [B, S-1]: the reference policy's log-probs of ``tokens``, needed
-        when ``kl_coef > 0``."""
+        when ``kl_coef > 0``; ``prox_logprobs``: the trainer's log-probs before the step's
+        first pass (the off-policy correction of a step of several passes)."""
         import torch
 
         from libra_hpc.engines.train.loss import PolicyBatch
@@ -151,16 +153,18 @@ class TrainBatch:
                            torch.tensor(self.advantages, dtype=torch.float32),
                            old_logprobs=torch.tensor(self.old_logprobs, dtype=torch.float32),
                            weights=torch.tensor(self.weights, dtype=torch.float32),
-                           ref_logprobs=ref_logprobs, kl_coef=self.kl_coef)
+                           ref_logprobs=ref_logprobs, kl_coef=self.kl_coef, is_cap=self.is_cap,
+                           prox_logprobs=prox_logprobs)
 
 
 def build_batch(trajectories: Sequence[Trajectory], advantages: Sequence[float], *, pad_id: int,
                 aggregation: str = "token_mean", kl_coef: float = 0.0, seq_len: int | None = None,
-                rows_multiple: int = 1) -> TrainBatch:
+                rows_multiple: int = 1, is_cap: float = 0.0) -> TrainBatch:
     """The training batch of ``trajectories`` with one ``advantages`` value each (from
     :func:`compute_advantages`). Rows are padded with ``pad_id`` to the longest trajectory,
     or to ``seq_len`` tokens when given (a longer trajectory is refused by name); the row
-    count is padded up to a multiple of ``rows_multiple`` with all-masked rows."""
+    count is padded up to a multiple of ``rows_multiple`` with all-masked rows. ``is_cap`` >
+    0: the off-policy correction's cap (``rl.is_cap`` with ``rl.off_policy_correction: tis``)."""
     if len(trajectories) != len(advantages):
         raise ValueError(f"{len(trajectories)} trajectories but {len(advantages)} advantages; one each")
     if not trajectories:
@@ -174,7 +178,9 @@ def build_batch(trajectories: Sequence[Trajectory], advantages: Sequence[float],
             raise ValueError(f"trajectory {t.name} has {len(t.tokens)} tokens, more than seq_len={width}")
     masks = [loss_mask(t) for t in trajectories]
     weights = sequence_weights([sum(m) for m in masks], aggregation)
-    batch = TrainBatch([], [], [], [], [], num_sequences=len(trajectories), kl_coef=kl_coef)
+    if is_cap < 0:
+        raise ValueError(f"is_cap={is_cap}; it must be >= 0 (rl.is_cap)")
+    batch = TrainBatch([], [], [], [], [], num_sequences=len(trajectories), kl_coef=kl_coef, is_cap=is_cap)
     for t, mask, adv, w in zip(trajectories, masks, advantages, weights):
         pad = width - len(t.tokens)
         batch.tokens.append(list(t.tokens) + [pad_id] * pad)

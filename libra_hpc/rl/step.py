@@ -42,7 +42,8 @@ def prepare_batch(trajectories: Sequence[Trajectory], rl, *, train_version: int,
     """The global batch that trains policy ``train_version`` from ``trajectories``, with
     the ``rl`` section's options (:class:`libra_hpc.config.RLConfig`: ``max_staleness``,
     ``advantage_norm``, ``advantage_eps``, ``filter_zero_variance``, ``loss_aggregation``,
-    ``kl_coef``). None (and the report saying why) when nothing is left to train on."""
+    ``kl_coef``, ``off_policy_correction`` and ``is_cap``). None (and the report saying why)
+    when nothing is left to train on."""
     report = BatchReport(given=len(trajectories),
                          mean_reward=sum(t.reward for t in trajectories) / max(len(trajectories), 1))
     fresh = drop_stale(trajectories, train_version, rl.max_staleness)
@@ -55,15 +56,19 @@ def prepare_batch(trajectories: Sequence[Trajectory], rl, *, train_version: int,
         log.warning("policy %d: nothing to train on (%s)", train_version, report)
         return None, report
     batch = build_batch(adv.trajectories, adv.values, pad_id=pad_id, aggregation=rl.loss_aggregation,
-                        kl_coef=rl.kl_coef, seq_len=seq_len, rows_multiple=rows_multiple)
+                        kl_coef=rl.kl_coef, seq_len=seq_len, rows_multiple=rows_multiple,
+                        is_cap=rl.is_cap if rl.off_policy_correction == "tis" else 0.0)
     report.sequences, report.trained_tokens = batch.num_sequences, batch.trained_tokens
     return batch, report
 
 
-def grpo_step(engine, batch: TrainBatch, *, ref_logprobs=None):
+def grpo_step(engine, batch: TrainBatch, *, ref_logprobs=None, prox_logprobs=None):
     """One optimizer step of ``engine`` (a :class:`~libra_hpc.engines.train.MegatronTrainEngine`)
     on ``batch`` (this DP replica's share): the engine's clipped policy-gradient loss with
-    the batch's rollout log-probs as the behaviour policy, aggregation weights and KL term.
-    ``ref_logprobs`` [B, S-1]: the reference policy's log-probs of ``batch.tokens``, needed
-    when ``batch.kl_coef > 0``. Returns the engine's StepStats (collective)."""
-    return engine.train_step(batch.to_policy_batch(ref_logprobs))
+    the batch's rollout log-probs as the behaviour policy, aggregation weights, KL term and
+    off-policy correction. ``ref_logprobs`` [B, S-1]: the reference policy's log-probs of
+    ``batch.tokens``, needed when ``batch.kl_coef > 0``; ``prox_logprobs``: the trainer's
+    own log-probs before the step's first pass, for the correction of a step of several
+    passes (None: each pass's own forward, exact for one pass). Returns the engine's
+    StepStats (collective)."""
+    return engine.train_step(batch.to_policy_batch(ref_logprobs, prox_logprobs))

@@ -65,6 +65,9 @@ def step_metrics(cfg: Any, b: int, version: int, record: dict, reports: list[dic
         push_s=round(max(r["push_s"] for r in reports), 3), step_s=round(step_s, 3), gpus=gpus,
         queue_depth=queue["queued"], migrations=migrations, moves=sum(r["migrations"] for r in rows),
         staleness_max=max(lags), staleness_mean=round(statistics.fmean(lags), 3),
+        staleness_mix={str(lag): lags.count(lag) for lag in sorted(set(lags))},
+        logprob_gap_kl=_sig(reports[0].get("gap_kl", 0.0)), logprob_gap_max=_sig(reports[0].get("gap_max", 0.0)),
+        is_capped=round(reports[0].get("is_capped", 0.0), 4),
         tool_calls=sum(r["tool_calls"] for r in rows), tool_s=round(sum(r["tool_s"] for r in rows), 3),
         tool_failures=sum(r.get("tool_failures", 0) for r in rows),
         tool_timeouts=sum(r.get("tool_timeouts", 0) for r in rows),
@@ -134,7 +137,29 @@ def run_totals(metrics: list[dict], trained: list[str], submitted: int | None) -
     return {"trajectories_trained": len(trained), "trajectories_duplicated": len(trained) - len(set(trained)),
             "trajectories_lost": None if submitted is None else submitted - len(set(trained)),
             "tokens_per_s": round(gen / busy, 1) if busy else 0.0,
-            "tool_timeouts": sum(m.get("tool_timeouts", 0) for m in metrics)}  # the model read a timeout
+            "tool_timeouts": sum(m.get("tool_timeouts", 0) for m in metrics),  # the model read a timeout
+            **off_policy_totals(metrics)}
+
+
+def _sig(x: float) -> float:
+    """``x`` to 4 significant digits (a log-prob gap of fp32 engines can be 1e-9)."""
+    return float(f"{x:.4g}")
+
+
+def off_policy_totals(metrics: list[dict]) -> dict:
+    """The rollout-vs-trainer gap over the run's steps (rows from before the gap was logged
+    are skipped): the mean of the steps' ``logprob_gap_kl``, the largest ``logprob_gap_max``,
+    the trajectories by staleness (policy versions behind the step they trained in)."""
+    rows = [m for m in metrics if "logprob_gap_kl" in m]
+    mix: dict[str, int] = {}
+    for m in rows:
+        for lag, n in m.get("staleness_mix", {}).items():
+            mix[lag] = mix.get(lag, 0) + n
+    if not rows:
+        return {}
+    return {"logprob_gap_kl_mean": _sig(sum(m["logprob_gap_kl"] for m in rows) / len(rows)),
+            "logprob_gap_max": max(m["logprob_gap_max"] for m in rows),
+            "staleness_mix": dict(sorted(mix.items(), key=lambda kv: int(kv[0])))}
 
 
 def gpu_seconds_by_role(metrics: list[dict], total_gpus: int, wall_s: float) -> dict:

@@ -252,8 +252,12 @@ class Trainer:
         if train is None:  # nothing (more) to learn from here; the step is still collective
             train = build_batch(trajectories or [_empty(pad)], [0.0] * max(len(trajectories), 1), pad_id=pad,
                                 rows_multiple=mbs)
-        for _ in range(epochs):
-            stats = grpo_step(self.engine, train)
+        prox = None
+        if epochs > 1 and train.is_cap > 0:  # the correction weighs against the policy before the first pass
+            import torch
+            prox = self.engine.logprobs(torch.tensor(train.tokens, dtype=torch.long))
+        passes = [grpo_step(self.engine, train, prox_logprobs=prox) for _ in range(epochs)]
+        stats, first = passes[-1], passes[0]  # the gap: the rollout against the trainer before it moved
         train_s = time.perf_counter() - started
         report = _merged([*reports, report])
         received = [item for items in streamed.values() for item in items] + received
@@ -269,6 +273,7 @@ class Trainer:
                "train_s": round(train_s, 4), "push_s": round(time.perf_counter() - started, 4),
                "pack_s": round(pack_s, 4), "wait_s": round(self.wait_s, 4), "loss": stats.loss,
                "grad_norm": stats.grad_norm, "tokens": stats.tokens, "clipped": stats.clipped_fraction,
+               "gap_kl": first.gap_kl, "gap_max": first.gap_max, "is_capped": first.is_capped,
                "dropped_stale": dict(report.dropped_stale), "max_lag": report.max_lag,
                "groups": report.groups, "filtered_groups": report.filtered_groups, "forwarded": self.forwarded,
                "streamed_groups": len(streamed), "stream_s": round(self.stream_s, 4)}

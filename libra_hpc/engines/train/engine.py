@@ -45,7 +45,11 @@ class StepStats:
     ``loss``: the surrogate loss per trained token over the global batch; ``grad_norm``:
     global gradient norm before clipping; ``tokens``: trained tokens in the global batch;
     ``seconds``: wall time of the step on this rank; ``kl``: mean k3 estimate of
-    KL(policy‖reference) per trained token (0 when the batch has no KL term)."""
+    KL(policy‖reference) per trained token (0 when the batch has no KL term). The
+    rollout-vs-trainer gap on the trained tokens (0 when the batch has no rollout
+    log-probs): ``gap_kl``, the mean k3 estimate of KL(behaviour‖trainer), ``gap_max`` the
+    largest |log-prob difference|; ``is_capped``: the share of trained tokens whose
+    importance weight the off-policy correction truncated."""
 
     loss: float
     grad_norm: float
@@ -53,6 +57,9 @@ class StepStats:
     clipped_fraction: float
     seconds: float
     kl: float = 0.0
+    gap_kl: float = 0.0
+    gap_max: float = 0.0
+    is_capped: float = 0.0
 
 
 class MegatronTrainEngine:
@@ -173,20 +180,26 @@ class MegatronTrainEngine:
         if not ok:
             raise FloatingPointError(f"training step {self.steps}: the optimizer skipped the update (inf/nan "
                                      "gradients); lower training.lr or check the advantages")
-        totals = torch.zeros(4, dtype=torch.float64, device=self.device)
+        keys = ("loss_sum", "tokens", "clipped", "kl", "gap_kl", "is_capped")
+        totals = torch.zeros(len(keys), dtype=torch.float64, device=self.device)
+        largest = torch.zeros(1, dtype=torch.float64, device=self.device)
         for report in reports:
-            totals += torch.stack([report["loss_sum"], report["tokens"], report["clipped"], report["kl"]]).to(totals)
+            totals += torch.stack([report[k] for k in keys]).to(totals)
+            largest = torch.maximum(largest, report["gap_max"].reshape(1).to(largest))
         from megatron.core import parallel_state as ps
 
         if self.placement.pp > 1:
-            dist.broadcast(totals, src=ps.get_pipeline_model_parallel_last_rank(),
-                           group=ps.get_pipeline_model_parallel_group())
+            for t in (totals, largest):
+                dist.broadcast(t, src=ps.get_pipeline_model_parallel_last_rank(),
+                               group=ps.get_pipeline_model_parallel_group())
         dist.all_reduce(totals, group=ps.get_data_parallel_group())
-        loss_sum, tokens, clipped, kl = totals.tolist()
+        dist.all_reduce(largest, op=dist.ReduceOp.MAX, group=ps.get_data_parallel_group())
+        loss_sum, tokens, clipped, kl, gap_kl, capped = totals.tolist()
         self.steps += 1
-        return StepStats(loss=loss_sum / max(tokens, 1), grad_norm=float(grad_norm), tokens=int(tokens),
-                         clipped_fraction=clipped / max(tokens, 1), seconds=time.perf_counter() - start,
-                         kl=kl / max(tokens, 1))
+        per = max(tokens, 1)
+        return StepStats(loss=loss_sum / per, grad_norm=float(grad_norm), tokens=int(tokens),
+                         clipped_fraction=clipped / per, seconds=time.perf_counter() - start, kl=kl / per,
+                         gap_kl=gap_kl / per, gap_max=float(largest.item()), is_capped=capped / per)
 
     def export_hf(self) -> dict[str, torch.Tensor] | None:
         """Full Hugging Face weights of this rank's pipeline stage, gathered over TP, on
@@ -318,10 +331,11 @@ class MegatronTrainEngine:
         out = {"input": tokens[:, :-1].contiguous(), "labels": tokens[:, 1:].contiguous(),
                "position": torch.arange(s, device=self.device).expand(tokens.shape[0], s),
                "mask": batch.loss_mask.to(self.device), "advantages": batch.advantages.to(self.device)}
-        for key, value in (("old", batch.old_logprobs), ("weights", batch.weights), ("ref", batch.ref_logprobs)):
+        for key, value in (("old", batch.old_logprobs), ("weights", batch.weights), ("ref", batch.ref_logprobs),
+                           ("prox", batch.prox_logprobs)):
             if value is not None:
                 out[key] = value.to(self.device)
-        out["kl_coef"] = batch.kl_coef
+        out["kl_coef"], out["is_cap"] = batch.kl_coef, batch.is_cap
         return out
 
     def _forward_step(self, data_iterator, model):
@@ -335,7 +349,8 @@ class MegatronTrainEngine:
             return logprobs.detach()
         loss_sum, tokens, report = policy_gradient_loss(logprobs, mb["advantages"], mb["mask"], mb.get("old"),
                                                         self.clip_eps, weights=mb.get("weights"),
-                                                        ref_logprobs=mb.get("ref"), kl_coef=mb["kl_coef"])
+                                                        ref_logprobs=mb.get("ref"), kl_coef=mb["kl_coef"],
+                                                        is_cap=mb["is_cap"], prox_logprobs=mb.get("prox"))
         return loss_sum, tokens, report
 
 
