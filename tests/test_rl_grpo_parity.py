@@ -339,3 +339,65 @@ def test_padding_rows_do_not_count_as_sequences(trl_grpo, tmp_path):
         theirs, _ = trl_loss(trl_grpo, tmp_path, case, advantages, case.cur, loss_type=LOSS_TYPES[aggregation][0],
                              beta=0.04)
         assert abs(float(ours - theirs)) < TOL, aggregation
+
+
+def test_truncated_importance_sampling_agrees_with_trls_vllm_correction(trl_grpo, tmp_path, monkeypatch):
+    """``rl.off_policy_correction: tis`` against TRL's ``vllm_importance_sampling_correction``
+    (``token_truncate``): TRL's ``_generate_and_score_completions`` is handed the rollout's
+    log-probs as vLLM's sampling log-probs and the trainer's own (the proximal policy) as
+    its forward pass, and computes the truncated weights min(exp(prox - rollout), C); its
+    ``_compute_loss`` takes the ratio against the proximal policy and weighs each token's
+    loss by them. Ours gets the rollout's log-probs as ``old_logprobs``, the trainer's as
+    ``prox_logprobs`` and C as ``is_cap``: loss and gradient agree to 1e-6, and the weights
+    are truncated on some tokens (C is below the largest)."""
+    monkeypatch.setattr(trl_grpo, "gather_object", lambda obj: obj)
+    cap = 1.5
+    for seed in SEEDS:
+        case = Case(seed)
+        gen = torch.Generator().manual_seed(100 + seed)
+        w = max(case.lengths)  # TRL pads completions to the longest
+        prox = case.old + 0.5 * torch.randn(case.b, case.width, generator=gen, dtype=torch.float64)
+        prox[:, w:] = 0.0
+        assert ((prox - case.old).exp()[case.mask.bool()] > cap).any()  # truncation is exercised
+        args = trl_config(trl_grpo, tmp_path, scale_rewards="group", per_device_train_batch_size=case.b,
+                          use_vllm=True, vllm_importance_sampling_correction=True,
+                          vllm_importance_sampling_mode="token_truncate", vllm_importance_sampling_clip_max=cap)
+        ids = [row[PROMPT:PROMPT + n].tolist() for row, n in zip(case.ids, case.lengths)]
+        tool = [case.tool[i, :n].long().tolist() for i, n in enumerate(case.lengths)]
+        sampled = [case.old[i, :n].tolist() for i, n in enumerate(case.lengths)]
+        generated = ([row[:PROMPT].tolist() for row in case.ids], ids, tool, [""] * case.b, sampled, {}, None, None)
+        rewards = torch.tensor(case.rewards, dtype=torch.float64)[:, None]
+        trainer = trl_trainer(trl_grpo, args, _generate=lambda prompts: generated,
+                              _calculate_rewards=lambda inputs, prompts, completions, ids: rewards,
+                              _get_per_token_logps_and_entropies=lambda *a, **k: (prox[:, :w], None, None),
+                              vllm_importance_sampling_mode=args.vllm_importance_sampling_mode,
+                              vllm_importance_sampling_clip_min=args.vllm_importance_sampling_clip_min,
+                              vllm_importance_sampling_clip_max=args.vllm_importance_sampling_clip_max)
+        inputs = trl_grpo.GRPOTrainer._generate_and_score_completions(trainer, [{"prompt": "q"}] * case.b)
+        weights = inputs["importance_sampling_ratio"]
+        mask = case.mask[:, :w]
+        assert torch.allclose(weights * mask, (prox - case.old).exp().clamp(max=cap)[:, :w] * mask, atol=TOL)
+
+        cur = (prox + 0.3 * torch.randn(case.b, case.width, generator=gen, dtype=torch.float64))[:, :w]
+        cur.requires_grad_(True)
+        args = trl_config(trl_grpo, tmp_path, loss_type="bnpo", beta=0.0, use_vllm=True,
+                          vllm_importance_sampling_correction=True, max_completion_length=case.width)
+        forward = lambda *model_inputs, **options: (cur, torch.zeros_like(cur), None)  # noqa: E731
+        loss_trainer = trl_trainer(trl_grpo, args, _get_per_token_logps_and_entropies=forward)
+        inputs = dict(inputs, num_items_in_batch=mask.sum())
+        theirs = trl_grpo.GRPOTrainer._compute_loss(loss_trainer, None, inputs)
+        (their_grad,) = torch.autograd.grad(theirs, cur)
+
+        adv = torch.tensor(compute_advantages(case.trajectories(), eps=1e-4, filter_zero_variance=False).values,
+                           dtype=torch.float64)
+        assert torch.allclose(adv, inputs["advantages"], atol=TOL)
+        batch = build_batch(case.trajectories(), adv.tolist(), pad_id=0, is_cap=cap)
+        f64 = lambda rows: torch.tensor(rows, dtype=torch.float64)  # noqa: E731
+        loss_sum, tokens, report = policy_gradient_loss(
+            case.ours(cur), f64(batch.advantages), f64(batch.loss_mask), f64(batch.old_logprobs), 0.2,
+            weights=f64(batch.weights), is_cap=batch.is_cap, prox_logprobs=case.ours(prox))
+        ours = loss_sum / tokens
+        (our_grad,) = torch.autograd.grad(ours, cur)
+        assert abs(float(ours - theirs)) < TOL, (seed, float(ours), float(theirs))
+        assert torch.allclose(our_grad, their_grad, rtol=0, atol=TOL), seed
+        assert report["is_capped"] > 0
