@@ -130,3 +130,28 @@ def test_a_step_run_with_the_hybrid_pool_lent_is_predicted_too():
     got = d.predict(4, record, reports, 12.0)
     predicted, measured = got["planner_terms"]["rollout_s"]
     assert 0.8 <= predicted / measured <= 1.25
+
+
+def test_a_trajectorys_wait_for_its_first_turn_is_not_fitted_as_its_chain():
+    """Trajectories that waited behind the previous batch before their first turn (their
+    report time since submission is ``wait`` longer than they ran): with the leaders'
+    ``active_s`` the fit finds the same per-turn and tool costs as without the wait;
+    without it, the wait is fitted into them."""
+    fitted = {}
+    for label, wait, report_active in (("no wait", 0.0, False), ("active_s", 20.0, True), ("no active_s", 20.0, False)):
+        d, rng = _driver(), random.Random(1)
+        for b in range(8):
+            record, reports = _step(d, b, rng)
+            for i, r in enumerate(record["rows"]):
+                ran = r["finished_at"] - record["submitted"]
+                delay = wait * (i % 2)  # half the batch waited
+                r["finished_at"] += delay
+                if report_active:
+                    r["active_s"] = ran
+            record["complete"] = max(r["finished_at"] for r in record["rows"])
+            d.predict(b, record, reports, 12.0)
+            d.observe(b, record["rows"], reports, 1)
+        cal = d.control.cal
+        fitted[label] = (cal.turn_latency_s, cal.tool_latency_scale)
+    assert fitted["active_s"] == pytest.approx(fitted["no wait"], rel=1e-6)
+    assert fitted["no active_s"][0] > 1.5 * fitted["no wait"][0], fitted

@@ -14,6 +14,8 @@ and the policy version that sampled it.
 
 from __future__ import annotations
 
+import time
+
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -59,6 +61,10 @@ class LiveEpisode:
     """Tokens the running turn generated (reported to the queue with its tool return)."""
     tool_started: float = 0.0
     extra: dict = field(default_factory=dict)
+    started: float = field(default_factory=time.time)
+    """Wall-clock time (``time.time``, comparable between hosts) the first turn began; it
+    moves with the trajectory, so the finishing leader reports how long it ran
+    (``active_s``) without the time it waited in the queue for its first turn."""
 
     @classmethod
     def start(cls, task: Task, prompt: Prompt, tid: str, codec: Any) -> LiveEpisode:
@@ -108,13 +114,15 @@ class LiveEpisode:
         return {"tid": self.tid, "episode": episode, "tokens": self.tokens, "generated": self.generated,
                 "logprobs": self.logprobs, "versions": self.versions, "turns": self.turns,
                 "tool_calls": self.tool_calls, "tool_s": self.tool_s, "migrations": self.migrations,
-                "tool_failures": self.tool_failures, "tool_timeouts": self.tool_timeouts}
+                "tool_failures": self.tool_failures, "tool_timeouts": self.tool_timeouts, "started": self.started}
 
     @classmethod
     def from_state(cls, task: Task, state: dict) -> LiveEpisode:
         saved = dict(state["episode"])
         episode = task.episode(saved["prompt"], state["tid"])
         vars(episode).update(saved)
-        return cls(state["tid"], episode, state["tokens"], state["generated"], state["logprobs"], state["versions"],
+        live = cls(state["tid"], episode, state["tokens"], state["generated"], state["logprobs"], state["versions"],
                    state["turns"], state["tool_calls"], state["tool_s"], state["migrations"],
                    state.get("tool_failures", 0), state.get("tool_timeouts", 0))
+        live.started = state.get("started", live.started)
+        return live

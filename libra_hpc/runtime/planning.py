@@ -229,8 +229,10 @@ class PlannerDriver:
                 "planner_terms": terms}
 
     def _chain_records(self, b: int, rows: list[dict], submitted: float) -> None:
-        """Each trajectory of batch ``b`` with its report time: its wall seconds since the
-        batch was submitted against its chain's parts, at the running batch its instance
+        """Each trajectory of batch ``b``: the wall seconds it ran, from its first turn's
+        start to its report (``active_s``, measured by the leaders; rows without it: since
+        the batch was submitted, which also counts the wait for a first turn behind the
+        previous batch), against its chain's parts, at the running batch its instance
         reported (rows without a report time after the submission, from before a resume,
         give none)."""
         cal = self.control.cal
@@ -243,7 +245,9 @@ class PlannerDriver:
             tp = self.s.roles.tps.get(r.get("instance"), 1)
             parts = RolloutCost(self.model, self.hw, tp, cal).chain_components(
                 x.prompt_len, x.gen_len, x.tool_time_s, x.turns, batch, batch * x.decode_context)
-            self.records["chain"].append(TimingRecord("chain", parts, r["finished_at"] - submitted, b))
+            ran = r.get("active_s")
+            measured = r["finished_at"] - submitted if ran is None else min(ran, r["finished_at"] - submitted)
+            self.records["chain"].append(TimingRecord("chain", parts, measured, b))
 
     def observe(self, b: int, rows: list[dict], reports: list[dict], epochs: int) -> None:
         """Batch ``b`` was trained: its lengths, and the timing records it gives."""

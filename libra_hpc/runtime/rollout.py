@@ -312,6 +312,7 @@ class RolloutLeader:
                          "prompt_tokens": next((i for i, g in enumerate(trajectory.generated) if g),
                                                len(trajectory.tokens)),
                          "tool_calls": episode.tool_calls, "tool_s": round(episode.tool_s, 4),
+                         "active_s": round(time.time() - episode.started, 4),
                          "tool_failures": episode.tool_failures, "tool_timeouts": episode.tool_timeouts,
                          "migrations": episode.migrations, "finish_reason": trajectory.finish_reason,
                          "min_version": min(generated, default=self.version),
