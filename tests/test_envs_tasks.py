@@ -4,9 +4,11 @@ C-MLFQ length signal measured with the scripted noisy solvers."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import os
+from pathlib import Path
 from concurrent.futures import Future
 
 import pytest
@@ -238,6 +240,25 @@ def test_search_splits_are_disjoint_and_seeded(search):
     assert all(SEARCH_KINDS[p.meta["kind"]] == p.meta["hops"] for p in search.splits.train)
     assert SearchTask(seed=3, entities=120, train_prompts=300, heldout_prompts=60).splits == search.splits
     assert SearchTask(seed=4, entities=120, train_prompts=300, heldout_prompts=60).splits != search.splits
+
+
+def test_the_default_search_split_is_disjoint_by_person_not_only_by_text():
+    """The default config's task: no held-out person is asked about by any training prompt,
+    in any wording (the two wordings of the company question used to share 138 of 200
+    held-out facts with training prompts); the split refuses a leak when one is forced."""
+    from libra_hpc.config import load_config
+    from libra_hpc.envs.registry import task_from_config
+    from libra_hpc.envs.task import Splits, SplitLeak
+
+    task = task_from_config(load_config(str(Path(__file__).resolve().parents[1] / "configs" / "default.yaml"), []))
+    people = task.splits.heldout_entities()
+    assert len(people) > 150  # 200 held-out prompts, nearly one person each
+    assert not any(p.meta["entity"] in people for p in task.splits.train)
+    assert not any(name in p.text for p in task.splits.train for name in people)
+    held = task.splits.heldout[0]
+    other_wording = dataclasses.replace(held, pid="leak", text=f"Who pays the salary of {held.meta['entity']}?")
+    with pytest.raises(SplitLeak, match="held-out entities also asked about in the training split"):
+        Splits(task.splits.train + (other_wording,), task.splits.heldout)
 
 
 def test_a_generator_that_repeats_itself_is_refused():

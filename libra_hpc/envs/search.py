@@ -136,7 +136,8 @@ def generate(world: World, seed: int, index: int, max_hops: int, kinds: Sequence
         town = world.companies[company]["town"]
         text = f"On which river lies the town where the company {person} works for is headquartered?"
         kind, answer, chain = "hq-river", world.towns[town]["river"], (person, company, town)
-    return Prompt(f"search-{seed}-{index}", text, answer, {"hops": len(chain), "chain": chain, "kind": kind})
+    return Prompt(f"search-{seed}-{index}", text, answer,
+                  {"hops": len(chain), "chain": chain, "kind": kind, "entity": person})
 
 
 class SearchIndex:

@@ -5,10 +5,12 @@ responses, and make the mistakes a small model makes: malformed calls (bad JSON,
 unknown tool, a missing argument), buggy Python, misspelt search queries, queries too
 vague to find the right passage, a wrong number copied into the answer. Each episode draws
 how careful its solver is. With ``guess`` > 0 a solver skips the tools with that
-probability and answers at once from "memory", wrongly, on the prompts ``guess_on`` names
-by their ``meta["kind"]`` (by default: multi-step problems, two or more calls needed):
-the over-confident habit a warm-start model copies from imperfect demonstrations and RL
-has to unlearn (the room for RL of issue 13, item 4).
+probability and answers at once from "memory" on the prompts ``guess_on`` names by their
+``meta["kind"]`` (by default: multi-step problems, two or more calls needed): its answer
+is a draw from the training prompts' answers of that kind (:class:`AnswerPrior`), never
+derived from the true one, so it is right as often as that prior makes it. That is the
+over-confident habit a warm-start model copies from imperfect demonstrations and RL has
+to unlearn.
 After a failed tool return the solver writes a long recovery
 turn (it re-reads the problem and the error, as models do), so failures causally lengthen
 what follows: the signal C-MLFQ routes on, measured by :func:`length_signal`. They also
@@ -21,10 +23,10 @@ from __future__ import annotations
 import json
 import random
 import statistics
+from collections import Counter
 from collections.abc import Sequence
 
 from libra_hpc.envs.arithmetic import last_number
-from libra_hpc.envs.search import JOBS, RIVERS
 from libra_hpc.envs.synthetic import CHARS_PER_TOKEN
 from libra_hpc.envs.task import Episode, Executor, Prompt, Task
 from libra_hpc.envs.toolcall import format_call
@@ -57,17 +59,19 @@ class ArithmeticSolver:
     """One call per step; ``sloppy`` episodes fail calls often (``careful`` ones rarely)."""
 
     def __init__(self, seed: int = 0, fail: tuple[float, float] = (0.08, 0.45), wrong: float = 0.12,
-                 sloppy_share: float = 0.4, guess: float = 0.0, guess_on: Sequence[str] | None = None):
+                 sloppy_share: float = 0.4, guess: float = 0.0, guess_on: Sequence[str] | None = None,
+                 prior: AnswerPrior | None = None):
         self.seed, self.fail, self.wrong, self.sloppy_share, self.guess = seed, fail, wrong, sloppy_share, guess
-        self.guess_on = guess_on
+        self.guess_on, self.prior = guess_on, prior
+        if guess > 0 and prior is None:
+            raise ValueError("ArithmeticSolver: guess > 0 needs the prior over answers its guesses come from")
 
     def __call__(self, episode: Episode) -> str:
         rng = random.Random(f"{self.seed}/{episode.trajectory}/{len(episode.turns)}")
         sloppy = random.Random(f"{self.seed}/{episode.trajectory}").random() < self.sloppy_share
         steps = episode.prompt.meta["steps"]
         if _guesses(self.seed, self.guess, self.guess_on, episode, len(steps)):
-            exact = int(episode.prompt.answer)
-            answer = exact + rng.choice((-1, 1)) * rng.randint(1, max(2, abs(exact) // 10))
+            answer = self.prior.guess(rng, episode.prompt.meta.get("kind"))
             return f"I can do this in my head without the tool. The final count is {answer}.\n<answer>{answer}</answer>"
         done = [r for _, returns in episode.turns for r in returns if r.status == "success" and last_number(r.output)]
         value = last_number(done[-1].output) if done else None
@@ -104,16 +108,18 @@ class SearchSolver:
 
     def __init__(self, seed: int = 0, typo: tuple[float, float] = (0.08, 0.4), vague: float = 0.1,
                  wrong: float = 0.12, sloppy_share: float = 0.4, guess: float = 0.0,
-                 guess_on: Sequence[str] | None = None):
+                 guess_on: Sequence[str] | None = None, prior: AnswerPrior | None = None):
         self.seed, self.typo, self.vague, self.wrong, self.sloppy_share = seed, typo, vague, wrong, sloppy_share
-        self.guess, self.guess_on = guess, guess_on
+        self.guess, self.guess_on, self.prior = guess, guess_on, prior
+        if guess > 0 and prior is None:
+            raise ValueError("SearchSolver: guess > 0 needs the prior over answers its guesses come from")
 
     def __call__(self, episode: Episode) -> str:
         rng = random.Random(f"{self.seed}/{episode.trajectory}/{len(episode.turns)}")
         sloppy = random.Random(f"{self.seed}/{episode.trajectory}").random() < self.sloppy_share
         chain = episode.prompt.meta["chain"]
         if _guesses(self.seed, self.guess, self.guess_on, episode, len(chain)):
-            answer = _wrong_guess(rng, episode.prompt.answer)
+            answer = self.prior.guess(rng, episode.prompt.meta.get("kind"))
             return f"I remember this one without searching. The answer is {answer}.\n<answer>{answer}</answer>"
         outputs = [r.output for _, returns in episode.turns for r in returns]
         found = 0
@@ -172,15 +178,26 @@ def _guesses(seed: int, rate: float, guess_on: Sequence[str] | None, episode: Ep
             and random.Random(f"{seed}/guess/{episode.trajectory}").random() < rate)
 
 
-def _wrong_guess(rng: random.Random, answer: str) -> str:
-    """A guess of the same kind as ``answer`` (a year, a river, a name) that is not it."""
-    if answer.isdigit():
-        return str(int(answer) + rng.choice((-1, 1)) * rng.randint(1, 30))
-    for names in (RIVERS, JOBS):
-        if answer in names:
-            return rng.choice([r for r in names if r != answer])
-    parts = answer.split()
-    return " ".join([parts[0][::-1].capitalize(), *parts[1:]])
+class AnswerPrior:
+    """What a solver that does not look anything up can know: how often each answer comes
+    up among the training prompts of each kind. A guess is a draw from it, so it is right
+    exactly as often as that prior makes it (the true answer is never consulted)."""
+
+    def __init__(self, prompts: Sequence[Prompt]):
+        self.answers: dict[str, list[str]] = {}
+        for p in prompts:
+            self.answers.setdefault(str(p.meta.get("kind")), []).append(p.answer)
+
+    def guess(self, rng: random.Random, kind: str) -> str:
+        pool = self.answers.get(str(kind)) or [a for answers in self.answers.values() for a in answers]
+        return rng.choice(pool)
+
+    def hit_rate(self, kind: str) -> float:
+        """The chance that a guess for a prompt of ``kind`` is right: the sum over answers
+        of their squared frequency (a draw matches a prompt drawn from the same prior)."""
+        answers = self.answers.get(str(kind), [])
+        counts = Counter(answers)
+        return sum((n / len(answers)) ** 2 for n in counts.values()) if answers else 0.0
 
 
 def run_episode(task: Task, prompt: Prompt, policy, executor: Executor, trajectory: str) -> Episode:

@@ -71,16 +71,31 @@ class SplitLeak(ValueError):
 
 @dataclass(frozen=True)
 class Splits:
-    """A task's prompts: ``train`` and ``heldout`` never share a text hash."""
+    """A task's prompts: ``train`` and ``heldout`` never share a text hash, nor, where the
+    prompts name the entity they ask about (``meta["entity"]``: the search task's person),
+    an entity: a held-out person's facts are asked in no training prompt."""
 
     train: tuple[Prompt, ...]
     heldout: tuple[Prompt, ...]
 
     def __post_init__(self):
         self.check_disjoint((p.text for p in self.train), "the training split")
+        shared = self.heldout_entities() & {p.meta.get("entity") for p in self.train}
+        if shared:
+            raise SplitLeak(f"{len(shared)} held-out entities also asked about in the training split, "
+                            f"e.g. {sorted(shared)[0]!r}")
 
     def heldout_hashes(self) -> frozenset[str]:
         return frozenset(p.hash for p in self.heldout)
+
+    def heldout_entities(self) -> frozenset[str]:
+        """The entities the held-out prompts ask about (empty for tasks that name none)."""
+        return frozenset(p.meta["entity"] for p in self.heldout if p.meta.get("entity"))
+
+    def leaking(self, text: str) -> str | None:
+        """The first held-out entity named in ``text`` (a demonstration's transcript: its
+        tool outputs may show another person's passage), or None."""
+        return next((e for e in self.heldout_entities() if e in text), None)
 
     def check_disjoint(self, texts: Iterable[str], what: str) -> None:
         """Raise :class:`SplitLeak` when any of ``texts`` is a held-out prompt. The hook for
@@ -94,19 +109,26 @@ class Splits:
 def make_splits(generate: Callable[[int], Prompt], train: int, heldout: int, *, max_tries: int = 20) -> Splits:
     """Draw ``heldout`` then ``train`` prompts from ``generate(i)`` (a seeded, deterministic
     generator of prompt ``i``), dropping duplicate texts; training drafts that hit a
-    held-out hash are dropped, so the splits are disjoint by construction."""
+    held-out hash, or ask about an entity a held-out prompt asks about (``meta["entity"]``),
+    are dropped, so the splits are disjoint by text and by entity by construction."""
     seen: set[str] = set()
+    held_entities: set[str] = set()
     out: list[list[Prompt]] = [[], []]
     index = 0
     for part, want in ((1, heldout), (0, train)):
         while len(out[part]) < want:
             if index > max_tries * (train + heldout):
-                raise ValueError(f"could not draw {train} + {heldout} distinct prompts: the generator repeats itself")
+                raise ValueError(f"could not draw {train} + {heldout} distinct prompts (disjoint by entity from the "
+                                 f"{len(held_entities)} held-out entities): the generator repeats itself")
             prompt = generate(index)
             index += 1
-            if prompt.hash not in seen:
-                seen.add(prompt.hash)
-                out[part].append(prompt)
+            entity = prompt.meta.get("entity")
+            if prompt.hash in seen or (part == 0 and entity in held_entities):
+                continue
+            seen.add(prompt.hash)
+            out[part].append(prompt)
+            if part == 1 and entity:
+                held_entities.add(entity)
     return Splits(tuple(out[0]), tuple(out[1]))
 
 

@@ -42,13 +42,13 @@ from pathlib import Path
 from typing import Any
 
 from libra_hpc.config import WarmStartConfig
-from libra_hpc.envs.solvers import ArithmeticSolver, SearchSolver, run_episode
+from libra_hpc.envs.solvers import AnswerPrior, ArithmeticSolver, SearchSolver, run_episode
 from libra_hpc.envs.task import Episode, Executor, Task
 from libra_hpc.envs.toolcall import IM_END
 
 log = logging.getLogger(__name__)
 
-_VERSION = 5  # bump when the same options produce different weights (a solver or encoding change)
+_VERSION = 6  # bump when the same options produce different weights (a solver or encoding change)
 _BASE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json")
 
 
@@ -62,10 +62,10 @@ def solver_for(task: Task, options: WarmStartConfig) -> Callable[[Episode], str]
         if unknown:
             raise ValueError(f"warmstart.guess_on: task {task.name!r} has no prompts of kind {unknown} "
                              f"(its training prompts' kinds: {sorted(kinds) or 'none recorded'})")
-    if task.name == "arithmetic":
-        return ArithmeticSolver(seed=options.seed, guess=options.guess, guess_on=options.guess_on)
-    if task.name == "search":
-        return SearchSolver(seed=options.seed, guess=options.guess, guess_on=options.guess_on)
+    if task.name in ("arithmetic", "search"):
+        make = ArithmeticSolver if task.name == "arithmetic" else SearchSolver
+        return make(seed=options.seed, guess=options.guess, guess_on=options.guess_on,
+                    prior=AnswerPrior(task.splits.train))
     make = getattr(task, "solver", None)
     if make is None:
         raise ValueError(f"warm start: task {task.name!r} has no scripted solver; give the task a "
@@ -79,13 +79,22 @@ def demonstrations(task: Task, solver: Callable[[Episode], str], executor: Execu
                    threads: int = 8) -> list[Episode]:
     """``count`` solver episodes on the training split (cycling through it with fresh
     episode ids, so the noise differs, when ``count`` exceeds it), tools run by
-    ``executor``. Raises SplitLeak if a held-out prompt would be among them."""
+    ``executor``. Raises SplitLeak if a held-out prompt would be among them. An episode
+    whose transcript names a held-out entity (a vague search showed a held-out person's
+    passage) is left out: no held-out fact is in any demonstration."""
     train = task.splits.train
     prompts = [train[i % len(train)] for i in range(count)]
     task.splits.check_disjoint((p.text for p in prompts), "the warm-start demonstrations")
     with ThreadPoolExecutor(threads) as pool:
-        return list(pool.map(lambda ip: run_episode(task, ip[1], solver, executor, f"demo/{ip[0]}"),
-                             enumerate(prompts)))
+        episodes = list(pool.map(lambda ip: run_episode(task, ip[1], solver, executor, f"demo/{ip[0]}"),
+                                 enumerate(prompts)))
+    if not task.splits.heldout_entities():
+        return episodes
+    kept = [e for e in episodes if task.splits.leaking("".join(t for t, _ in demonstration_pieces(e))) is None]
+    if len(kept) < len(episodes):
+        log.info("warm start: %d of %d demonstrations left out: their searches showed a held-out person's passage",
+                 len(episodes) - len(kept), len(episodes))
+    return kept
 
 
 def demonstration_pieces(episode: Episode) -> list[tuple[str, bool]]:
