@@ -333,7 +333,8 @@ def main() -> None:
         **tool_use(final["warmstart"]["rewards"], final["warmstart"]["calls"], "warmstart"),
         **tool_use([x for r in seeds for x in r["rewards"]], [c for r in seeds for c in r["calls"]], "rl"),
         "tool_calls_rl_eval": sum(c for r in seeds for c in r["calls"]),
-        "eval_prompts": args.eval_prompts, "seeds": args.seeds, "steps": cfg.rl.steps,
+        "eval_prompts": args.eval_prompts, "heldout_entity_overlap": _task(cfg).splits.entity_overlap(),
+        "seeds": args.seeds, "steps": cfg.rl.steps,
         "batch": cfg.rl.prompts_per_step * cfg.rl.group_size, "lr": cfg.training.lr,
         "warmstart_build_s": round(result["build_s"], 1), "wall_s": round(time.perf_counter() - started, 1),
         "cores": len(os.sched_getaffinity(0))}

@@ -255,10 +255,15 @@ def test_the_default_search_split_is_disjoint_by_person_not_only_by_text():
     assert len(people) > 150  # 200 held-out prompts, nearly one person each
     assert not any(p.meta["entity"] in people for p in task.splits.train)
     assert not any(name in p.text for p in task.splits.train for name in people)
+    assert task.splits.entity_overlap() == 0
     held = task.splits.heldout[0]
     other_wording = dataclasses.replace(held, pid="leak", text=f"Who pays the salary of {held.meta['entity']}?")
     with pytest.raises(SplitLeak, match="held-out entities also asked about in the training split"):
         Splits(task.splits.train + (other_wording,), task.splits.heldout)
+    leaky = object.__new__(Splits)  # past the constructor's check: the recount sees the leak
+    object.__setattr__(leaky, "train", task.splits.train + (other_wording,))
+    object.__setattr__(leaky, "heldout", task.splits.heldout)
+    assert leaky.entity_overlap() == 1
 
 
 def test_a_generator_that_repeats_itself_is_refused():

@@ -64,6 +64,7 @@ def test_the_job_trains_and_leaves_what_a_user_looks_at(small_run):
     # their count is checked below
     assert summary["eval_tool_calls"] > 0 and 0 < summary["tool_share_warmstart"] <= 1
     assert set(summary["gpu_seconds_by_role"]) == {"training", "rollout", "hybrid", "idle"}
+    assert summary["heldout_entity_overlap"] == 0
     assert (summary["warmstart_build_s"] > 0) is not _small_run["cache_was_warm"]  # built once, then loaded
     assert set(summary["peak_rss_mb_by_role"]) >= {"controller", "leader", "trainer"}
     for name in ("report.md", "metrics.jsonl", "events.jsonl", "config.yaml", "controller.log",

@@ -92,6 +92,11 @@ class Splits:
         """The entities the held-out prompts ask about (empty for tasks that name none)."""
         return frozenset(p.meta["entity"] for p in self.heldout if p.meta.get("entity"))
 
+    def entity_overlap(self) -> int:
+        """Held-out entities a training prompt also asks about (``heldout_entity_overlap`` in
+        ``summary.json`` and ``bench_learning.py``; 0 by construction, recounted here)."""
+        return len(self.heldout_entities() & {p.meta.get("entity") for p in self.train})
+
     def leaking(self, text: str) -> str | None:
         """The first held-out entity named in ``text`` (a demonstration's transcript: its
         tool outputs may show another person's passage), or None."""

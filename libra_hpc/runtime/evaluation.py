@@ -52,6 +52,7 @@ class HeldOut:
         success = statistics.fmean(rewards) if rewards else None
         self.summary[f"eval_success_{phase}"] = None if success is None else round(success, 4)
         self.summary["eval_prompts"] = len(rewards)
+        self.summary["heldout_entity_overlap"] = self.task.splits.entity_overlap()
         calls = [c for p in parts for c in p.get("tool_calls", [None] * len(p["rewards"]))]
         self.summary.update(tool_use(rewards, calls, PHASE_KEY.get(phase, phase)))
         self.summary["eval_tool_calls"] = self.summary.get("eval_tool_calls", 0) + sum(c or 0 for c in calls)
