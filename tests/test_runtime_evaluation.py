@@ -21,7 +21,7 @@ class _Log:
 def _heldout(prompts: int = 10) -> tuple[HeldOut, dict]:
     summary = {}
     cfg = SimpleNamespace(job=SimpleNamespace(eval_prompts=prompts))
-    task = SimpleNamespace(splits=SimpleNamespace(heldout=list(range(prompts))))
+    task = SimpleNamespace(splits=SimpleNamespace(heldout=list(range(prompts)), entity_overlap=lambda: 0))
     return HeldOut(cfg, task, _Log(), summary), summary
 
 
@@ -33,6 +33,7 @@ def test_answers_are_split_by_tool_use_per_phase_and_the_evaluations_calls_are_c
     assert held.got({"phase": "warmstart", "rewards": [0.0, 0.0], "tool_calls": [1, 0], "wall_s": 2.0})
     held.result("warmstart", version=0)
     assert summary["eval_success_warmstart"] == 0.4 and summary["eval_prompts"] == 5
+    assert summary["heldout_entity_overlap"] == 0  # the split's own recount
     assert (summary["success_tool_warmstart"], summary["success_no_tool_warmstart"], summary["tool_share_warmstart"]) \
         == (0.5, 0.3333, 0.4)
     held.start("final", {0: 1})
