@@ -80,7 +80,7 @@ class Splits:
 
     def __post_init__(self):
         self.check_disjoint((p.text for p in self.train), "the training split")
-        shared = self.heldout_entities() & {p.meta.get("entity") for p in self.train}
+        shared = self.shared_entities()
         if shared:
             raise SplitLeak(f"{len(shared)} held-out entities also asked about in the training split, "
                             f"e.g. {sorted(shared)[0]!r}")
@@ -92,10 +92,14 @@ class Splits:
         """The entities the held-out prompts ask about (empty for tasks that name none)."""
         return frozenset(p.meta["entity"] for p in self.heldout if p.meta.get("entity"))
 
+    def shared_entities(self) -> frozenset[str]:
+        """Held-out entities a training prompt also asks about."""
+        return self.heldout_entities() & {p.meta.get("entity") for p in self.train}
+
     def entity_overlap(self) -> int:
-        """Held-out entities a training prompt also asks about (``heldout_entity_overlap`` in
+        """How many :meth:`shared_entities` there are (``heldout_entity_overlap`` in
         ``summary.json`` and ``bench_learning.py``; 0 by construction, recounted here)."""
-        return len(self.heldout_entities() & {p.meta.get("entity") for p in self.train})
+        return len(self.shared_entities())
 
     def leaking(self, text: str) -> str | None:
         """The first held-out entity named in ``text`` (a demonstration's transcript: its

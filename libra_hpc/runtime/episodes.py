@@ -15,7 +15,6 @@ and the policy version that sampled it.
 from __future__ import annotations
 
 import time
-
 from dataclasses import dataclass, field
 from typing import Any
 

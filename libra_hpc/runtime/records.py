@@ -151,12 +151,12 @@ def off_policy_totals(metrics: list[dict]) -> dict:
     are skipped): the mean of the steps' ``logprob_gap_kl``, the largest ``logprob_gap_max``,
     the trajectories by staleness (policy versions behind the step they trained in)."""
     rows = [m for m in metrics if "logprob_gap_kl" in m]
+    if not rows:
+        return {}
     mix: dict[str, int] = {}
     for m in rows:
         for lag, n in m.get("staleness_mix", {}).items():
             mix[lag] = mix.get(lag, 0) + n
-    if not rows:
-        return {}
     return {"logprob_gap_kl_mean": _sig(sum(m["logprob_gap_kl"] for m in rows) / len(rows)),
             "logprob_gap_max": max(m["logprob_gap_max"] for m in rows),
             "staleness_mix": dict(sorted(mix.items(), key=lambda kv: int(kv[0])))}
