@@ -180,7 +180,8 @@ class WarmStartConfig(_Section):
     a success for RL to reinforce, see docs/learning.md)."""
     guess: float = Field(0.75, ge=0, le=1)
     """Share of the ``guess_on`` prompts on which the solver answers at once without tools,
-    wrongly: the imperfection RL has to unlearn."""
+    with a guess drawn from the training answers of the prompt's kind (right about as often
+    as that prior is): the over-confidence RL has to unlearn."""
     guess_on: list[str] | None = None
     """Prompt kinds the solver guesses on (a prompt's `meta["kind"]`: search `year`, `company`,
     `employer`, `town`, `job` (one document), `river`, `founded` (two), `hq-river` (three); arithmetic
@@ -188,6 +189,12 @@ class WarmStartConfig(_Section):
     task does not have is refused when the warm start is built."""
     seed: int = Field(0, ge=0)
     """Seed of the solver's noise and of the batch order."""
+    precision: Literal["auto", "bf16", "fp32"] = "auto"
+    """Arithmetic of the supervised pass (the weights and optimizer stay fp32): `bf16`, matrix
+    products and attention in bfloat16 under autocast (mixed precision; about 1.2x faster on a
+    CPU with native bfloat16); `fp32` throughout; `auto`, `bf16` where the CPU computes it
+    natively (AVX-512 BF16 or AMX) or on a GPU, else `fp32`. The resolved value is part of
+    the build's fingerprint."""
     loss_on: Literal["turns", "transcript"] = "turns"
     """Tokens the supervised pass trains on: `turns`, the solver's own turns (supervised fine-tuning);
     `transcript`, every token of the demonstration, questions and tool outputs included (a small

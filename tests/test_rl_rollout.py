@@ -23,6 +23,7 @@ from libra_hpc.rl.warmstart import (
     demonstrations,
     encode_demonstration,
     fingerprint,
+    resolve_precision,
     solver_for,
 )
 from libra_hpc.tools.orchestrator import ToolOrchestrator
@@ -240,6 +241,10 @@ def test_the_warm_start_fingerprint_names_everything_that_made_it(task, tiny):
               fingerprint(tiny, task, {"max_hops": 2}, WarmStartConfig(guess=0.5)),
               fingerprint(tiny, task, {"max_hops": 2}, WarmStartConfig(epochs=3))]
     assert len({base["fingerprint"], *(o["fingerprint"] for o in others)}) == 4
+    # the arithmetic is named as resolved: `auto` builds the same weights as what it resolves to
+    fp32, bf16 = (fingerprint(tiny, task, {"max_hops": 2}, WarmStartConfig(precision=p)) for p in ("fp32", "bf16"))
+    assert (fp32["precision"], bf16["precision"]) == ("fp32", "bf16") and fp32["fingerprint"] != bf16["fingerprint"]
+    assert base["precision"] == resolve_precision("auto") in ("fp32", "bf16")
 
 
 def test_the_warm_start_learns_the_demonstrations_and_is_built_once(tiny, tmp_path):
@@ -283,3 +288,58 @@ def test_the_supervised_learning_rate_warms_up_then_decays_to_its_floor():
     assert all(a >= b for a, b in zip(factors[ramp:], factors[ramp + 1:]))  # then never rises
     assert factors[total // 2 + ramp // 2] == pytest.approx(0.525, abs=0.02)  # cosine: halfway is halfway
     assert lr_factor(total, total) == pytest.approx(0.05) and min(factors) >= 0.05
+
+
+def test_the_shared_prefix_is_run_once_and_the_loss_and_gradients_are_unchanged(tiny):
+    """Rows that begin with the same tokens (a demonstration's system prompt): the loss with
+    the prefix run once per batch equals the plain loss, and so does every gradient."""
+    import random
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from libra_hpc.rl.warmstart import nll, nll_shared, shared_prefix
+
+    rng = random.Random(0)
+    head = [rng.randrange(3, 1000) for _ in range(40)]
+    rows = []
+    for n in (5, 17, 9, 30):
+        ids = head + [rng.randrange(3, 1000) for _ in range(n)]
+        rows.append((ids, [True] * 12 + [False] * 28 + [rng.random() < 0.7 for _ in range(n)]))
+    assert shared_prefix(rows) == 40
+    assert shared_prefix([(head + [5, 6], [True] * 42), (head[:10] + [7, 8, 9], [True] * 13)]) == 10
+    model = AutoModelForCausalLM.from_pretrained(tiny, dtype=torch.float32)
+    grads = []
+    for loss_of in (lambda: nll(model, rows, 1), lambda: nll_shared(model, rows, 40, 1)):
+        model.zero_grad()
+        loss = loss_of()
+        loss.backward()
+        grads.append((loss.item(), [p.grad.clone() for p in model.parameters()]))
+    (plain, g_plain), (shared, g_shared) = grads
+    assert shared == pytest.approx(plain, rel=1e-6)
+    assert max((a - b).abs().max().item() for a, b in zip(g_plain, g_shared)) < 1e-5
+
+
+def test_supervised_batches_cover_every_demonstration_once_and_pad_little():
+    """sft_batches: each demonstration once per epoch, a new order each epoch, and batches of
+    similar lengths (a long-tailed length mix like the demonstrations' pads a plain shuffle
+    by more than a third; grouped by length, by under a tenth)."""
+    import random
+
+    from libra_hpc.rl.warmstart import sft_batches
+
+    rng = random.Random(3)
+    sequences = [([1] * int(rng.lognormvariate(5, 0.8)) + [1], []) for _ in range(1000)]
+    lengths = [len(t) for t, _ in sequences]
+
+    def padded(batches):
+        return sum(max(lengths[i] for i in b) * len(b) for b in batches) / sum(lengths)
+
+    first, second = sft_batches(sequences, 8, 0, 0), sft_batches(sequences, 8, 0, 1)
+    for batches in (first, second):
+        assert sorted(i for b in batches for i in b) == list(range(1000)) and max(map(len, batches)) == 8
+    assert first != second and first == sft_batches(sequences, 8, 0, 0)
+    order = list(range(1000))
+    random.Random(1).shuffle(order)
+    assert padded([order[i:i + 8] for i in range(0, 1000, 8)]) > 1.3
+    assert padded(first) < 1.1
