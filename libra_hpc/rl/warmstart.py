@@ -49,7 +49,7 @@ from libra_hpc.envs.toolcall import IM_END
 
 log = logging.getLogger(__name__)
 
-_VERSION = 7  # bump when the same options produce different weights (a solver or encoding change)
+_VERSION = 8  # bump when the same options produce different weights (a solver or encoding change)
 _BASE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json")
 
 
