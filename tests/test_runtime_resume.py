@@ -123,6 +123,23 @@ def test_rewinding_the_metrics_keeps_earlier_steps_and_other_rows(tmp_path):
     assert [(r["kind"], r.get("step")) for r in rows] == [("step", 0), ("step", 1), ("step", 2), ("note", None), ("step", 3)]
 
 
+def test_steps_and_events_share_one_time_origin_across_a_rewind(tmp_path):
+    """A fresh run rewinds its metrics once it knows there is no checkpoint (after the warm
+    start): the step rows' ``elapsed_s`` must still count from the run's start, as the
+    events' do, or the plots place the events against the wrong steps."""
+    from libra_hpc.metrics.runlog import RunLog, read_jsonl
+
+    now = [1000.0]
+    log = RunLog(tmp_path, "x: 1\n", clock=lambda: now[0])
+    now[0] = 1190.0  # the warm start
+    log.rewind_metrics(0)
+    log.event("hybrid", what="lend")
+    log.metric(0, version=1)
+    log.close()
+    (event,), (step,) = read_jsonl(tmp_path / "events.jsonl"), read_jsonl(tmp_path / "metrics.jsonl")
+    assert event["elapsed_s"] == step["elapsed_s"] == 190.0
+
+
 def test_a_killed_runs_relayout_folders_are_removed_and_nothing_else(tmp_path):
     """A run killed during a hybrid join leaves ``relayout-v1/`` (the policy handed between
     ranks); the resumed run starts its layout versions over, and its first join found the

@@ -27,10 +27,10 @@ def run_folder(root: str | Path, job_name: str, job_id: str) -> Path:
 class JsonlWriter:
     """Append-only JSON-lines file, flushed after every record."""
 
-    def __init__(self, path: Path, clock=time.time):
+    def __init__(self, path: Path, clock=time.time, start: float | None = None):
         self.path = path
         self._clock = clock
-        self._start = clock()
+        self._start = clock() if start is None else start  # ``start``: a reopened file keeps its origin
         self._file: TextIO = path.open("a", encoding="utf-8")
 
     def write(self, kind: str, **fields: Any) -> dict:
@@ -47,12 +47,12 @@ class JsonlWriter:
 class RunLog:
     """The files of one run's log folder."""
 
-    def __init__(self, folder: Path, resolved_config: str):
+    def __init__(self, folder: Path, resolved_config: str, clock=time.time):
         self.folder = folder
         folder.mkdir(parents=True, exist_ok=True)
         (folder / "config.yaml").write_text(resolved_config)
-        self.events = JsonlWriter(folder / "events.jsonl")
-        self.metrics = JsonlWriter(folder / "metrics.jsonl")
+        self.events = JsonlWriter(folder / "events.jsonl", clock)
+        self.metrics = JsonlWriter(folder / "metrics.jsonl", clock, start=self.events._start)  # one time origin
 
     def event(self, kind: str, **fields: Any) -> dict:
         return self.events.write(kind, **fields)
@@ -72,7 +72,7 @@ class RunLog:
         staging = path.with_suffix(".jsonl.rewind")
         staging.write_text("".join(json.dumps(r, default=str) + "\n" for r in kept), encoding="utf-8")
         os.replace(staging, path)
-        self.metrics = JsonlWriter(path)
+        self.metrics = JsonlWriter(path, self.metrics._clock, start=self.metrics._start)
         return len(rows) - len(kept)
 
     def close(self) -> None:
