@@ -15,9 +15,10 @@ clipping at norm 1, bfloat16 mixed precision where the CPU has it) of the Huggin
 model in one process with transformers: a one-time build step like the tiny model's,
 which needs no torch world and runs about twice as fast on CPU as the Megatron engine
 does for this model (RL then trains on Megatron). The demonstrations' common prefix (the
-system prompt and tool descriptions) runs once per batch (:func:`nll_shared`). ``warmstart.loss_on`` picks the tokens: the solver's turns (supervised
-fine-tuning), or the whole transcript, from which a model this small learns to copy names
-and numbers out of questions and tool outputs in far fewer steps.
+system prompt and tool descriptions) runs once per batch (:func:`nll_shared`).
+``warmstart.loss_on`` picks the tokens: the solver's turns (supervised fine-tuning), or
+the whole transcript, from which a model this small learns to copy names and numbers out
+of questions and tool outputs in far fewer steps.
 
 The result is a Hugging Face checkpoint (the base's config and tokenizer, the trained
 weights) published like the tiny model build (:func:`libra_hpc.engines.tiny.publish_build`)
@@ -259,8 +260,9 @@ def build_warmstart(path: Path, base_model: Path, task: Task, spec: dict, option
     """The warm-start checkpoint at ``path`` (:func:`fingerprint`'s ``spec``): reused when
     already built, else demonstrations, ``options.epochs`` of supervised steps of
     ``base_model`` in this process (transformers, fp32 weights, ``spec['precision']``
-    arithmetic, the caller's torch threads) and publish. ``progress`` gets one line per stage and per epoch; ``tick(step, total,
-    note)`` is called after every supervised step (the total known before the first)."""
+    arithmetic, the caller's torch threads) and publish. ``progress`` gets one line per
+    stage and per epoch; ``tick(step, total, note)`` is called after every supervised step
+    (the total known before the first)."""
     from libra_hpc.engines.tiny import publish_build
 
     if (path / "build.json").is_file():
