@@ -14,7 +14,7 @@ from libra_hpc.planner.window import StepWindow, layout_gain
 from libra_hpc.runtime.records import predicted_over_measured
 
 TINY, CPU = load_model("tiny"), load_hardware("cpu")
-TRUE = Calibration(decode_step_overhead_s=0.021, prefill_mfu=0.05, tool_latency_scale=1.3, turn_latency_s=0.7)
+TRUE = Calibration(decode_step_overhead_s=0.021, tool_latency_scale=1.3, turn_latency_s=0.7)
 
 
 def _chains(steps: range, rng: random.Random, truth: Calibration = TRUE, per_step: int = 24) -> list[TimingRecord]:
@@ -31,9 +31,40 @@ def _chains(steps: range, rng: random.Random, truth: Calibration = TRUE, per_ste
 
 def test_chain_fit_recovers_known_per_term_coefficients():
     fit = fit_calibration(_chains(range(4), random.Random(0)))
-    for name in ("decode_step_overhead_s", "prefill_mfu", "tool_latency_scale", "turn_latency_s"):
+    for name in ("decode_step_overhead_s", "tool_latency_scale", "turn_latency_s"):
         assert getattr(fit, name) == pytest.approx(getattr(TRUE, name), rel=1e-6), name
     assert "chain n=96" in fit.note and "turn_latency_s 0->0.7" in fit.note and "rms rel err 0.0%" in fit.note
+
+
+def test_the_chain_fit_leaves_prefill_to_the_engine():
+    """Each turn waits 0.7 s in the queue, and a trajectory's prefilled tokens (prompt and
+    tool outputs) grow with its turns: the wall times cannot tell the two apart. The chain
+    fit keeps the prefill efficiency it was given and puts the wait where it is, per turn."""
+    rng, records = random.Random(5), []
+    for step in range(4):
+        for _ in range(24):
+            turns = rng.randint(1, 6)
+            parts = RolloutCost(TINY, CPU, 1, TRUE).chain_components(
+                300 + 150 * turns, rng.uniform(20, 900), 0.0, turns, 4, 2000)
+            records.append(TimingRecord("chain", parts, TRUE.time("chain", parts), step))
+    fit = fit_calibration(records)
+    assert fit.prefill_mfu == TRUE.prefill_mfu
+    assert fit.turn_latency_s == pytest.approx(0.7, rel=1e-6)
+
+
+def test_a_half_life_follows_costs_that_moved():
+    """Steps 0-5 cost one thing, steps 6-7 another (a new layout, other work beside it):
+    weighing every record the same, the fit sits between the two; with a half-life of one
+    step it is near the new costs, and with all records of one step alike, weights change
+    nothing."""
+    rng = random.Random(6)
+    later = Calibration(decode_step_overhead_s=0.042, tool_latency_scale=1.3, turn_latency_s=1.4)
+    records = _chains(range(6), rng) + _chains(range(6, 8), rng, truth=later)
+    flat, recent = fit_calibration(records), fit_calibration(records, half_life=1.0)
+    assert abs(recent.turn_latency_s - 1.4) < 0.4 * abs(flat.turn_latency_s - 1.4)
+    assert abs(recent.decode_step_overhead_s - 0.042) < 0.4 * abs(flat.decode_step_overhead_s - 0.042)
+    same = _chains(range(3), rng)
+    assert fit_calibration(same, half_life=1.0).turn_latency_s == pytest.approx(0.7, rel=1e-6)
 
 
 def test_fit_for_step_k_uses_only_the_steps_before_k():

@@ -47,10 +47,11 @@ def _step(d: PlannerDriver, b: int, rng: random.Random, turn_s: float = 0.8) -> 
     per turn after their batch's submission; one training pass of 6 s."""
     instances = sorted(d.s.roles.tps)
     submitted, rows = 100.0 * b, []
-    for _ in range(48):
+    for i in range(48):  # 6 GRPO groups of 8, each with unequal rewards: every one trains
         turns = rng.randint(1, 5)
         gen, tool = rng.randint(20, 90) * turns, rng.uniform(0, 0.3) * (turns - 1)
-        rows.append({"tokens": 200 + gen + 40 * turns, "gen_tokens": gen, "turns": turns, "tool_s": tool,
+        rows.append({"tid": f"{b}/p{i // 8}/{i % 8}", "reward": float(i % 2),
+                     "tokens": 200 + gen + 40 * turns, "gen_tokens": gen, "turns": turns, "tool_s": tool,
                      "prompt_tokens": 200, "instance": rng.choice(instances),
                      "finished_at": submitted + 0.02 * gen + 1.2 * tool + turn_s * turns})
     for i in instances:
@@ -155,3 +156,23 @@ def test_a_trajectorys_wait_for_its_first_turn_is_not_fitted_as_its_chain():
         fitted[label] = (cal.turn_latency_s, cal.tool_latency_scale)
     assert fitted["active_s"] == pytest.approx(fitted["no wait"], rel=1e-6)
     assert fitted["no active_s"][0] > 1.5 * fitted["no wait"][0], fitted
+
+
+def test_a_step_is_priced_on_the_groups_it_trains():
+    """GRPO leaves out the groups whose rewards are all equal (``rl.filter_zero_variance``):
+    a step that trains 1 group of 6 is priced on those 8 sequences, not on the batch's 48;
+    without the filter, on all of them. The timing record says the same."""
+    d, rng = _driver(), random.Random(4)
+    _warm(d, rng, 4)
+    record, reports = _step(d, 4, rng)
+    flat = copy.deepcopy(record)
+    for r in flat["rows"]:
+        if not r["tid"].startswith("4/p0/"):
+            r["reward"] = 1.0  # five groups all right: nothing to learn from them
+    assert d.trained_batch(flat["rows"]).global_batch == 8
+    assert d.trained_batch(record["rows"]).global_batch == 48
+    whole = copy.deepcopy(d).predict(4, record, reports, 12.0)["planner_terms"]["train_s"][0]
+    one = copy.deepcopy(d).predict(4, flat, reports, 12.0)["planner_terms"]["train_s"][0]
+    assert one < 0.75 * whole  # the fixed part (optimizer step, collectives) is paid either way
+    d.s.cfg = d.s.cfg.model_copy(update={"rl": d.s.cfg.rl.model_copy(update={"filter_zero_variance": False})})
+    assert d.trained_batch(flat["rows"]).global_batch == 48

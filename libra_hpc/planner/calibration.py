@@ -130,7 +130,12 @@ class TimingRecord(NamedTuple):
 # the fit: ``_OFF_ROOFLINE``); components not listed are held at the current values. The
 # chain kind comes last: it holds the decode roofline the engine's own steps gave and fits
 # what a trajectory's wall time adds to it (the per-step cost as the trajectory sees it,
-# prefill, tools, turns).
+# tools, turns). It does not fit the prefill efficiency: a trajectory's prefilled tokens
+# (its prompt and tool outputs) grow with its turns, so their column takes what each turn
+# waits for in the queue and prices it as engine work (seen in the job: prefill_mfu 0.5 ->
+# 0.015-0.03, a 500-token prompt at 0.4 s, which the loaded-pool model then counted as
+# prefill stalling every decode step and predicted rollouts 2-4x too long); prefill is an
+# engine's busy time, fitted from ``prefill`` records where there are any.
 _TERMS: dict[str, dict[str, tuple[str, bool]]] = {
     "decode": {"mem_s": ("bandwidth_eff", True), "comm_s": ("rollout_comm_eff", True),
                "steps": ("decode_step_overhead_s", False), "collectives": ("collective_latency_s", False)},
@@ -138,10 +143,9 @@ _TERMS: dict[str, dict[str, tuple[str, bool]]] = {
     "train": {"compute_s": ("train_mfu", True), "comm_s": ("train_comm_eff", True),
               "steps": ("train_step_overhead_s", False)},
     "chain": {"steps": ("decode_step_overhead_s", False), "turns": ("turn_latency_s", False),
-              "tool_s": ("tool_latency_scale", False), "prefill_compute_s": ("prefill_mfu", True)},
+              "tool_s": ("tool_latency_scale", False)},
 }
 _OFF_ROOFLINE = {"decode": "compute_s", "prefill": "mem_s", "train": "", "chain": ""}
-_PASSES = {"chain": 30}
 _MIN_EFFICIENCY = 0.01
 """An efficiency fitted below this is not believed: the term is held at its current value
 and the rest refitted. Such a value is the fit putting a fixed cost the records cannot
@@ -153,19 +157,25 @@ _EFFICIENCIES = {field for terms in _TERMS.values() for field, eff in terms.valu
 
 
 def fit_calibration(history: Sequence[TimingRecord], base: Calibration = DEFAULT,
-                    before: int | None = None) -> Calibration:
+                    before: int | None = None, half_life: float | None = None) -> Calibration:
     """Least-squares fit of the calibration from measured timings: decode first, then
     prefill, training and trajectory chains, each with the other kinds' fields held. A term
     whose column is all zero or dependent, or whose coefficient comes out non-positive,
     keeps its current value (and the rest is refitted without it); efficiencies are clipped
     to (0, 1]. ``before``: only records of steps before it (what predicts step ``before``
-    without looking at it). The result's ``note`` says what was fitted from how many
-    records with which relative RMS error; it is also logged."""
+    without looking at it). ``half_life``: a record's weight halves every ``half_life``
+    steps it is older than the newest record of its kind (None: all weigh the same), so
+    that the fit follows a job whose costs move (its layout, its batches' make-up, what
+    else runs on the machine) and still has several steps' records to tell its terms
+    apart. The result's ``note`` says what was fitted from how many records with which
+    relative RMS error; it is also logged."""
     cal, lines, errors = base, [], []
     for kind in ("decode", "prefill", "train", "chain"):
         records = [r for r in history if r.kind == kind and r.measured_s > 0 and (before is None or r.step < before)]
         if records:
-            cal, line, rms = _fit_kind(cal, kind, records)  # type: ignore[arg-type]
+            newest = max(r.step for r in records)
+            weights = [1.0 if half_life is None else 0.5 ** ((newest - r.step) / half_life) for r in records]
+            cal, line, rms = _fit_kind(cal, kind, records, weights)  # type: ignore[arg-type]
             lines.append(line)
             errors.append((kind, rms))
     note = "fit: " + "; ".join(lines) if lines else base.note
@@ -174,24 +184,19 @@ def fit_calibration(history: Sequence[TimingRecord], base: Calibration = DEFAULT
     return cal
 
 
-def _fit_kind(cal: Calibration, kind: Kind, records: Sequence[TimingRecord]) -> tuple[Calibration, str, float]:
-    """One kind's fit. The chain kind holds its decode steps' roofline at the current
-    efficiencies, and its compute side is priced at ``prefill_mfu``, which the chain fits
-    too: it is refitted until that settles (a fixed point, a few passes)."""
-    fitted, values = cal, {}
-    for _ in range(_PASSES.get(kind, 1)):
-        new, values = _fit_pass(fitted, kind, records)
-        settled = all(math.isclose(getattr(new, f), getattr(fitted, f), rel_tol=1e-9) for f in values)
-        fitted = new
-        if settled:
-            break
+def _fit_kind(cal: Calibration, kind: Kind, records: Sequence[TimingRecord],
+              weights: Sequence[float]) -> tuple[Calibration, str, float]:
+    """One kind's fit, each record weighing ``weights[i]``; its relative RMS error is
+    weighted the same way."""
+    fitted, values = _fit_pass(cal, kind, records, weights)
     errs = [(fitted.time(kind, r.components) - r.measured_s) / r.measured_s for r in records]
-    rms = math.sqrt(sum(e * e for e in errs) / len(errs))
+    rms = math.sqrt(sum(w * e * e for w, e in zip(weights, errs)) / sum(weights))
     changed = ", ".join(f"{f} {getattr(cal, f):.4g}->{getattr(fitted, f):.4g}" for f in values) or "nothing fitted"
     return fitted, f"{kind} n={len(records)}: {changed} (rms rel err {rms:.1%})", rms
 
 
-def _fit_pass(cal: Calibration, kind: Kind, records: Sequence[TimingRecord]) -> tuple[Calibration, dict[str, float]]:
+def _fit_pass(cal: Calibration, kind: Kind, records: Sequence[TimingRecord],
+              weights: Sequence[float]) -> tuple[Calibration, dict[str, float]]:
     """One least-squares pass. A dependent column is left out while its partner is in;
     a term whose coefficient is non-positive or implausible is left out for good, and the
     dependent ones are tried again without it (they may be what the records determine)."""
@@ -201,9 +206,11 @@ def _fit_pass(cal: Calibration, kind: Kind, records: Sequence[TimingRecord]) -> 
         names = [n for n in terms if n not in dependent]
         if not names:
             break
-        rows = [[float(r.components.get(n, _DEFAULT_COLUMN[kind].get(n, 0.0))) for n in names] for r in records]
+        root = [math.sqrt(w) for w in weights]  # weighted least squares: rows and targets scaled by sqrt(weight)
+        rows = [[q * float(r.components.get(n, _DEFAULT_COLUMN[kind].get(n, 0.0))) for n in names]
+                for r, q in zip(records, root)]
         off = {n: 0.0 for n in names} | ({_OFF_ROOFLINE[kind]: 0.0} if _OFF_ROOFLINE[kind] else {})
-        rhs = [r.measured_s - cal.time(kind, {**r.components, **off}) for r in records]
+        rhs = [q * (r.measured_s - cal.time(kind, {**r.components, **off})) for r, q in zip(records, root)]
         coef = _least_squares(rows, rhs)
         gone = next((n for n, x in zip(names, coef) if x is None), None)  # zero or dependent column first
         if gone is not None:

@@ -49,6 +49,8 @@ import logging
 import math
 import statistics
 import time
+from dataclasses import replace
+from types import SimpleNamespace
 from typing import Any
 
 from libra_hpc.config_learning import epochs_at
@@ -61,11 +63,19 @@ from libra_hpc.planner.pipeline import pipelined_step_s
 from libra_hpc.planner.search import Plan, RLBatch, reprice
 from libra_hpc.planner.search import RolloutInstance as PlanInstance
 from libra_hpc.planner.window import PendingChange, StepWindow, layout_gain, moves_training
+from libra_hpc.rl.grpo import compute_advantages
+from libra_hpc.runtime.episodes import group_of
 from libra_hpc.runtime.relayout import Applied, Relayouts
 from libra_hpc.runtime.state import JobState, Sends
 
 log = logging.getLogger(__name__)
 RECORDS = {"train": 64, "chain": 1024}
+FIT_HALF_LIFE = 1.0
+"""Steps over which a timing record's weight in the calibration fit halves. What a step
+costs moves during a job: the layout changes, fewer GRPO groups train, more epochs, and on
+a shared host whatever else runs beside it. Replayed on a default run's own records
+(issue 30), all records weighing the same predicted its rollouts 0.77x and its steps 1.8x;
+half-lives of 0.5-3 steps gave rollouts 0.83-0.99x, and 1 the steps' mean closest to 1."""
 """Timing records of each kind the calibration is fitted on (the most recent)."""
 JOB_TIMEOUTS = PhaseTimeouts(requested=600, fetching_state=900, zero_grad_sync=900, releasing=900)
 """The hybrid pool's phase timeouts in the job: a drain on CPU takes tens of seconds."""
@@ -198,16 +208,16 @@ class PlannerDriver:
         epochs = epochs_at(cfg.rl.update_epochs, b)
         lengths = LengthProfile.from_samples(self.samples(rows), len(rows))
         o, cal = self.control.o, self.control.cal
-        batch = RLBatch(len(rows), max(1, math.ceil(lengths.mean_seq_tokens)))
+        batch = self.trained_batch(rows)
         plan = config_plan(s.layout, cfg)
+        plan = replace(plan, train=replace(plan.train, uneven=True))  # whole groups per replica (runtime/batches.py)
         priced = reprice(plan, self.model, self.hw, cfg.cluster.gpus_per_node, lengths, cal, batch,
                          in_flight=o.max_staleness + 1, length_aware=o.length_aware_routing)
         t_train, rollout = priced.t_train * epochs, priced.t_rollout
         groups = o.stream_groups if epochs == 1 else 0  # steps of several passes train whole (runtime/batches.py)
         tail = t_train
         if groups and math.isfinite(t_train):
-            shape = TrainShape(plan.train.tp, plan.train.pp, plan.train.dp, plan.train.micro_batch, batch.global_batch,
-                               batch.seq_len)
+            shape = replace(plan.train, global_batch=batch.global_batch, seq_len=batch.seq_len)
             parts = TrainingCost(self.model, self.hw, shape, cal).components()
             tail = min(t_train, cal.time("train", {**parts, "compute_s": parts["compute_s"] / groups}))
         steady = pipelined_step_s(t_train, rollout, o.max_staleness, groups)
@@ -249,12 +259,22 @@ class PlannerDriver:
             measured = r["finished_at"] - submitted if ran is None else min(ran, r["finished_at"] - submitted)
             self.records["chain"].append(TimingRecord("chain", parts, measured, b))
 
+    def trained_batch(self, rows: list[dict]) -> RLBatch:
+        """The sequences a batch's training step works on: its trajectories less the GRPO
+        groups the trainer leaves out (``rl.filter_zero_variance``: every reward equal,
+        nothing to learn; the same rule, :func:`~libra_hpc.rl.grpo.compute_advantages`),
+        and their mean length. A step of 2 groups of 12 took 2.1 s where one of 10 took 9;
+        priced on the whole batch, both cost the same."""
+        members = [SimpleNamespace(group_id=group_of(r["tid"]), reward=r["reward"], tokens=r["tokens"]) for r in rows]
+        kept = compute_advantages(members, filter_zero_variance=self.s.cfg.rl.filter_zero_variance).trajectories
+        return RLBatch(max(1, len(kept)), max(1, math.ceil(statistics.fmean(m.tokens for m in kept or members))))
+
     def observe(self, b: int, rows: list[dict], reports: list[dict], epochs: int) -> None:
         """Batch ``b`` was trained: its lengths, and the timing records it gives."""
         self.control.observe(self.samples(rows))
-        mean_tokens = statistics.fmean(r["tokens"] for r in rows)
-        t = self.s.layout.training
-        shape = TrainShape(t.tp, t.pp, t.dp, self.s.cfg.training.micro_batch_size, len(rows), max(1, int(mean_tokens)))
+        batch, t = self.trained_batch(rows), self.s.layout.training
+        shape = TrainShape(t.tp, t.pp, t.dp, self.s.cfg.training.micro_batch_size, batch.global_batch, batch.seq_len,
+                           uneven=True)
         cal = self.control.cal
         per_pass = max(r["train_s"] + r.get("stream_s", 0.0) for r in reports) / max(1, epochs)  # streamed parts too
         self.records["train"].append(
@@ -262,7 +282,8 @@ class PlannerDriver:
         self.running.clear()  # the running batches the chain records of the next batch are taken at
         for kind, most in RECORDS.items():
             del self.records[kind][:-most]
-        self.control.cal = fit_calibration([r for rs in self.records.values() for r in rs], self.base, before=b + 1)
+        self.control.cal = fit_calibration([r for rs in self.records.values() for r in rs], self.base, before=b + 1,
+                                           half_life=FIT_HALF_LIFE)
 
     # ------------------------------------------------------------------ decisions
 
