@@ -12,8 +12,8 @@ Kinds of record: ``decode`` (one engine step), ``prefill``, ``train`` (one optim
 and ``chain``: one trajectory, from its batch's submission to its report, as the sum of its
 parts (its decode steps, its prefill, its tool seconds and its turns). The chain kind is
 what a rollout makespan is made of, and it is measured in wall seconds as the job lives
-them, so its per-term coefficients (wall seconds per decode step, prefill efficiency,
-seconds waited per measured tool second, seconds each turn adds) are the ones that let the
+them, so its per-term coefficients (wall seconds per decode step, seconds waited per
+measured tool second, seconds each turn adds) are the ones that let the
 planner predict the job's own steps. A fit for step ``k`` takes only records of steps
 before ``k`` (``fit_calibration(..., before=k)``).
 """
@@ -23,6 +23,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Mapping, Sequence
+from itertools import combinations
 from dataclasses import dataclass, replace
 from typing import Literal, NamedTuple
 
@@ -197,34 +198,33 @@ def _fit_kind(cal: Calibration, kind: Kind, records: Sequence[TimingRecord],
 
 def _fit_pass(cal: Calibration, kind: Kind, records: Sequence[TimingRecord],
               weights: Sequence[float]) -> tuple[Calibration, dict[str, float]]:
-    """One least-squares pass. A dependent column is left out while its partner is in;
-    a term whose coefficient is non-positive or implausible is left out for good, and the
-    dependent ones are tried again without it (they may be what the records determine)."""
-    terms, dependent = dict(_TERMS[kind]), set()
-    values: dict[str, float] = {}
-    while terms:
-        names = [n for n in terms if n not in dependent]
-        if not names:
-            break
-        root = [math.sqrt(w) for w in weights]  # weighted least squares: rows and targets scaled by sqrt(weight)
-        rows = [[q * float(r.components.get(n, _DEFAULT_COLUMN[kind].get(n, 0.0))) for n in names]
-                for r, q in zip(records, root)]
-        off = {n: 0.0 for n in names} | ({_OFF_ROOFLINE[kind]: 0.0} if _OFF_ROOFLINE[kind] else {})
-        rhs = [q * (r.measured_s - cal.time(kind, {**r.components, **off})) for r, q in zip(records, root)]
-        coef = _least_squares(rows, rhs)
-        gone = next((n for n, x in zip(names, coef) if x is None), None)  # zero or dependent column first
-        if gone is not None:
-            dependent.add(gone)
-            continue
-        bad = next((n for n, x in zip(names, coef) if x <= 0), None)  # type: ignore[operator]
-        bad = bad or next((n for n, x in zip(names, coef)  # an implausible efficiency: see _MIN_EFFICIENCY
-                           if terms[n][1] and 1.0 / x < _MIN_EFFICIENCY), None)  # type: ignore[operator]
-        if bad is None:
-            values = {terms[n][0]: (1.0 / x if terms[n][1] else x) for n, x in zip(names, coef)}  # type: ignore[operator]
-            break
-        del terms[bad]
-        dependent.clear()
-    values = {f: (min(1.0, v) if f in _EFFICIENCIES else v) for f, v in values.items()}
+    """The weighted least-squares fit of the kind's terms, over every subset of them: the
+    terms left out hold their current values, and a subset counts only when its columns are
+    independent and every coefficient it gives is positive and plausible (an efficiency
+    not below ``_MIN_EFFICIENCY``). The subset whose fit leaves the smallest residual wins
+    (the larger one on a tie). Terms whose columns move together (a training pass's
+    compute and its gradients' all-reduce both grow with its sequences) can then not
+    throw each other out: dropping the first bad term for good used to leave the job's
+    training fit with nothing (compute -54 with the all-reduce in; without it, a positive
+    step cost; then the all-reduce alone at 0.1% efficiency) where compute and step cost
+    alone fit. A handful of terms: at most 15 subsets."""
+    terms = dict(_TERMS[kind])
+    root = [math.sqrt(w) for w in weights]  # weighted least squares: rows and targets scaled by sqrt(weight)
+    best: tuple[float, int, dict[str, float]] | None = None
+    for size in range(len(terms), 0, -1):
+        for names in combinations(terms, size):
+            rows = [[q * float(r.components.get(n, _DEFAULT_COLUMN[kind].get(n, 0.0))) for n in names]
+                    for r, q in zip(records, root)]
+            off = {n: 0.0 for n in names} | ({_OFF_ROOFLINE[kind]: 0.0} if _OFF_ROOFLINE[kind] else {})
+            rhs = [q * (r.measured_s - cal.time(kind, {**r.components, **off})) for r, q in zip(records, root)]
+            coef = _least_squares(rows, rhs)
+            if any(x is None or not x > 0 or (terms[n][1] and 1.0 / x < _MIN_EFFICIENCY)  # type: ignore[operator]
+                   for n, x in zip(names, coef)):
+                continue
+            sse = sum((b - sum(a * x for a, x in zip(row, coef))) ** 2 for row, b in zip(rows, rhs))  # type: ignore[operator]
+            if best is None or sse < best[0] * (1 - 1e-9):
+                best = (sse, size, {terms[n][0]: (1.0 / x if terms[n][1] else x) for n, x in zip(names, coef)})  # type: ignore[operator]
+    values = {} if best is None else {f: (min(1.0, v) if f in _EFFICIENCIES else v) for f, v in best[2].items()}
     return replace(cal, **values), values
 
 
