@@ -217,3 +217,14 @@ def test_the_candidate_is_valued_as_the_running_plan_is_with_or_without_a_hybrid
     else:  # a lent replica can only shorten the scaled step
         assert scaled.objective <= at_scale * (1 + 1e-9)
     assert scaled.objective < unscaled.objective * 0.6
+
+
+def test_the_gate_reads_the_error_of_every_kind_the_run_fitted():
+    """The job fits trajectory chains and training passes, not engine decode steps: the
+    error the gate weighs is the largest of the kinds fitted, none when nothing was."""
+    from libra_hpc.planner.calibration import Calibration
+    from libra_hpc.planner.control import model_error
+
+    assert model_error(Calibration()) == 0.0
+    assert model_error(Calibration(fit_errors=(("train", 0.2), ("chain", 0.6)))) == 0.6
+    assert model_error(Calibration(fit_errors=(("decode", 0.1),))) == 0.1

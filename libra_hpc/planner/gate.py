@@ -121,9 +121,9 @@ class ReplanGate:
         """Whether to apply ``candidate`` now instead of the current plan, whose objective
         re-costed on today's observations is ``current_objective_s``. ``current`` (optional)
         lets the hysteresis count checks by direction instead of by identical candidate.
-        ``model_error``: the rollout model's relative error measured by this run (its fitted
-        calibration); with ``min_gain`` > 0 a rollout change must save more than the larger
-        of the two."""
+        ``model_error``: the cost models' relative error measured by this run (its fitted
+        calibration, :func:`~libra_hpc.planner.control.model_error`); with ``min_gain`` > 0
+        a rollout change must save more than the larger of the two."""
         o = self.opt
         trigger = self.due(step, pressure or {})
         if not trigger:
@@ -144,7 +144,7 @@ class ReplanGate:
         if gain < need * current_objective_s and not same_rollout:
             self.pending, self.streak = None, 0
             what = (f"min_gain {o.min_gain:g}" if need == o.min_gain
-                    else f"the rollout model's measured error {model_error:.0%}")
+                    else f"the cost models' measured error {model_error:.0%}")
             return self._say(step, Decision(False, f"{trigger}; keep: gain {gain:.3g} s/step < {what} "
                                                    f"× current step {current_objective_s:.3g} s (within the cost "
                                                    f"model's error)", True, trigger, net))
