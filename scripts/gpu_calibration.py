@@ -61,7 +61,8 @@ def measure(args) -> list[dict]:
                 grpo_step(engine, batch)
                 _sync(cuda)
                 times.append(time.perf_counter() - t)
-            point = {"groups": groups, "length": length, "sequences": report.sequences, "width": len(batch.tokens[0]),
+            point = {"groups": groups, "length": length, "mbs": args.mbs, "sequences": report.sequences,
+                     "width": len(batch.tokens[0]),
                      "step_s": statistics.median(times[1:]), "spread": (max(times[1:]) - min(times[1:])) / min(times[1:])}
             print("measured", json.dumps(point), flush=True)
             points.append(point)
@@ -86,11 +87,12 @@ def fit_and_predict(points: list[dict], args) -> dict:
     hw = load_hardware(args.hardware)
     records = []
     for p in points:
-        shape = TrainShape(1, 1, 1, args.mbs, p["sequences"], p["width"], uneven=True)
+        shape = TrainShape(1, 1, 1, p.get("mbs", args.mbs), p["sequences"], p["width"], uneven=True)
         records.append(TimingRecord("train", TrainingCost(model, hw, shape).components(), p["step_s"]))
     by_length: dict[int, list[int]] = {}
     for i, p in enumerate(points):
-        by_length.setdefault(p["length"], []).append(i)
+        if p.get("source", 0) == 0:  # fitted on the first run's points only
+            by_length.setdefault(p["length"], []).append(i)
     fitted_on = sorted({i for idx in by_length.values() for i in (min(idx, key=lambda j: points[j]["sequences"]),
                                                                    max(idx, key=lambda j: points[j]["sequences"]))})
     cal = fit_calibration([records[i] for i in fitted_on])
@@ -116,14 +118,19 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--models", default="")
     ap.add_argument("--out", default=os.environ.get("OUT", ""))
+    ap.add_argument("--points", default="", help="refit the points of earlier runs' gpu_calibration.json (comma-"
+                    "separated: fitted on the first file's smallest and largest batches, all predicted)")
     args = ap.parse_args()
     args.groups = [int(x) for x in args.groups.split(",")]
     args.lengths = [int(x) for x in args.lengths.split(",")]
     started = time.perf_counter()
-    result = fit_and_predict(measure(args), args)
-    print(f"{'groups':>6} {'length':>6} {'seqs':>5} {'width':>5} {'measured s':>10} {'predicted s':>11} {'ratio':>6}  fit")
+    points = ([{**p, "source": k} for k, f in enumerate(args.points.split(","))
+               for p in json.loads(Path(f).read_text())["points"]] if args.points else measure(args))
+    result = fit_and_predict(points, args)
+    print(f"{'mbs':>4} {'groups':>6} {'length':>6} {'seqs':>5} {'width':>5} {'measured s':>10} {'predicted s':>11} "
+          f"{'ratio':>6}  fit")
     for r in result["points"]:
-        print(f"{r['groups']:>6} {r['length']:>6} {r['sequences']:>5} {r['width']:>5} {r['step_s']:>10.4f} "
+        print(f"{r.get('mbs', args.mbs):>4} {r['groups']:>6} {r['length']:>6} {r['sequences']:>5} {r['width']:>5} {r['step_s']:>10.4f} "
               f"{r['predicted_s']:>11.4f} {r['ratio']:>6.2f}  {'x' if r['fitted'] else ''}")
     print(result["calibration"])
     result["wall_s"] = round(time.perf_counter() - started, 1)
