@@ -158,3 +158,26 @@ def test_terms_that_move_together_do_not_throw_each_other_out():
     assert 0.05 < fit.train_mfu < 0.1 and fit.train_step_overhead_s > 0
     last = records[-1]
     assert fit.time("train", last.components) == pytest.approx(last.measured_s, rel=0.5)
+
+
+def test_a_micro_batch_fixed_cost_is_fitted_and_priced():
+    """Steps whose time is mostly a fixed cost per micro-batch (a small model on a large GPU:
+    25 ms a micro-batch of 4 whatever its tokens, scripts/gpu_calibration.py on an H200):
+    the fit recovers that cost and the compute, and predicts batches it did not see."""
+    from libra_hpc.planner.costs import TrainingCost, TrainShape
+
+    truth = Calibration(train_mfu=0.25, train_step_overhead_s=0.02, train_microbatch_overhead_s=0.025)
+    h200 = load_hardware("h200-141g")
+
+    def record(seqs, length, mbs=4):
+        parts = TrainingCost(TINY, h200, TrainShape(1, 1, 1, mbs, seqs, length, uneven=True)).components()
+        return TimingRecord("train", parts, truth.time("train", parts))
+
+    assert record(64, 512).components["microbatches"] == 16
+    fit = fit_calibration([record(s, n) for s in (8, 256) for n in (256, 2048)])
+    assert fit.train_microbatch_overhead_s == pytest.approx(0.025, rel=1e-6)
+    for seqs, length, mbs in ((32, 1024, 4), (128, 512, 2), (16, 256, 8)):
+        r = record(seqs, length, mbs)
+        assert fit.time("train", r.components) == pytest.approx(r.measured_s, rel=1e-6)
+    assert Calibration().time("train", record(64, 512).components) == Calibration().time(  # default: no such cost
+        "train", {k: v for k, v in record(64, 512).components.items() if k != "microbatches"})

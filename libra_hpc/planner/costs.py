@@ -429,7 +429,8 @@ class TrainingCost:
 
     def components(self) -> dict[str, float]:
         """Ideal components of one step: compute (with the 1F1B bubble), TP + PP + DP
-        communication, collective count."""
+        communication, collective count, the step itself and its micro-batch slots (each
+        pays a fixed cost: ``Calibration.train_microbatch_overhead_s``)."""
         m, s, hw = self.model, self.shape, self.hw
         mb = max(1, self.microbatches)
         bubble = 1.0 + (s.pp - 1) / mb
@@ -445,7 +446,8 @@ class TrainingCost:
         dp_bytes = (s.dp - 1) / s.dp * params * (4 + 2)  # reduce-scatter fp32 grads, all-gather bf16 params
         dp_s = dp_bytes / hw.link_bps(s.tp * s.dp > hw.gpus_per_node)
         return {"compute_s": compute, "comm_s": tp_s + pp_s + dp_s,
-                "collectives": float(tp_calls + (2 * mb if s.pp > 1 else 0) + (2 if s.dp > 1 else 0)), "steps": 1.0}
+                "collectives": float(tp_calls + (2 * mb if s.pp > 1 else 0) + (2 if s.dp > 1 else 0)), "steps": 1.0,
+                "microbatches": float(mb + s.pp - 1)}  # the 1F1B schedule's slots per stage
 
     @property
     def step_s(self) -> float:
