@@ -197,10 +197,10 @@ def rollout_makespan(pools: Sequence[tuple[RolloutCost, int]], lengths: LengthPr
     ``length_aware``): the router moves a trajectory between buckets as its remaining
     tokens cross their limits, and each move re-prefills its context on the instance it
     moves to (:func:`~libra_hpc.planner.migration.crossings`, whose docstring states the
-    assumptions). Priced twice, as it happens: the moved trajectory waits for its
-    re-prefill (its duration grows by the re-prefill seconds on the destination's TP), and
-    the destination pool's instances stall for it (the re-prefill seconds landing on a pool
-    per batch join its prefill work in the loaded model, :func:`_loaded_s`). The rest of
+    assumptions). A move costs in two places, as in the engine: the moved trajectory waits
+    for its re-prefill (its duration grows by the re-prefill seconds on the destination's
+    TP), and the destination pool's instances stall for it (the re-prefill seconds landing
+    on a pool per batch join its prefill work in the loaded model, :func:`_loaded_s`). The rest of
     the trajectory's decode is priced where the blind placement put it, at that pool's
     loaded step time: the pricing counts what the moves cost, not where they take the
     decode (the blind placement already spreads each bucket over the pools).
