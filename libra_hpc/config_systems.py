@@ -79,6 +79,15 @@ class PlannerConfig(_Section):
     """Seconds a re-plan is assumed to cost (the pipeline drains, ranks re-form): the gate
     weighs a candidate's gain against it. (The job's: a simulator scenario charges
     ``costs.reconfig_s``.)"""
+    price_migrations: bool = True
+    """With C-MLFQ routing (``scheduler.policy: cmlfq``), price its migrations in the plan
+    valuation: a trajectory whose remaining tokens cross the limits of the buckets a plan
+    has re-prefills its context on the instance it moves to, which waits and stalls that
+    instance's decoding (libra_hpc/planner/migration.py, ``rollout_makespan``). The limits
+    are ``scheduler.bucket_token_limits``, or in a simulator scenario with
+    ``scheduler.bucket_limits: share`` the ones the plan's GPU shares give (the job uses the
+    fixed limits). false: mixed-TP plans are priced as if no trajectory moved (the
+    valuation before this option)."""
     hybrid_margin: float = Field(0.1, ge=0)
     """Hybrid pool: lend it to training when the training step takes more than the rollout
     phase × (1 + margin); give it back when rollout takes more than training × (1 + margin),

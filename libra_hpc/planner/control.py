@@ -92,7 +92,7 @@ class ControlLoop:
         tps = (self.valuation().best_single_tp(self.prior()),) if options.single_tp else options.rollout_tps
         self.search = PlannerOptions(rollout_tps=tps, min_rollout_gpus=options.min_rollout_gpus,
                                      refine_top=options.refine_top, in_flight=options.max_staleness + 1,
-                                     length_aware=options.length_aware_routing)
+                                     length_aware=options.length_aware_routing, migration=options.migration)
         self.min_gap = 1 if options.clairvoyant else max(1, self.gate.opt.every_steps // 5)
         self.last_check = -(10 ** 9)
         self.layout: Layout | None = None
@@ -265,7 +265,8 @@ class ControlLoop:
             lengths = observed
         now_plan = reprice(self.plan, self.model, self.hw, o.gpus_per_node, lengths, self.cal,
                            RLBatch(o.global_batch, math.ceil(lengths.mean_seq_tokens)),  # as best_plan's
-                           in_flight=o.max_staleness + 1, length_aware=o.length_aware_routing)
+                           in_flight=o.max_staleness + 1, length_aware=o.length_aware_routing,
+                           migration=o.migration)
         lent = self.pool is not None and bool(self.pool.training_replicas())
         self.scale = measured_scale(self.measured, now_plan, lent)
         try:

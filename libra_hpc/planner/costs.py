@@ -38,6 +38,7 @@ from libra_hpc.planner.calibration import TimingRecord as TimingRecord
 from libra_hpc.planner.calibration import fit_calibration as fit_calibration
 from libra_hpc.planner.lengths import LengthProfile as LengthProfile
 from libra_hpc.planner.lengths import LengthSample as LengthSample
+from libra_hpc.planner.migration import MigrationPricing, crossings
 from libra_hpc.planner.profiles import HardwareProfile, ModelProfile
 
 log = logging.getLogger(__name__)
@@ -156,6 +157,10 @@ class RolloutEstimate:
     """Why the plan cannot run, or None."""
     pools: tuple[tuple[int, int, int, float, int], ...] = ()
     """Per pool: (tp, instances, concurrency per instance, decode step s, trajectories)."""
+    migrations: float = 0.0
+    """C-MLFQ migrations priced per batch (:mod:`~libra_hpc.planner.migration`; 0 when none is)."""
+    migration_s: float = 0.0
+    """Seconds of re-prefill those migrations cost per batch, summed over instances."""
 
     @property
     def feasible(self) -> bool:
@@ -163,7 +168,8 @@ class RolloutEstimate:
 
 
 def rollout_makespan(pools: Sequence[tuple[RolloutCost, int]], lengths: LengthProfile,
-                     tail_aware: bool = True, in_flight: int = 1, length_aware: bool = False) -> RolloutEstimate:
+                     tail_aware: bool = True, in_flight: int = 1, length_aware: bool = False,
+                     migration: MigrationPricing | None = None) -> RolloutEstimate:
     """Makespan of the batch over pools of identical instances ``(cost, instances)``.
 
     Each instance runs a fixed batch of ``b`` sequences: its share of the RL batch in
@@ -186,6 +192,18 @@ def rollout_makespan(pools: Sequence[tuple[RolloutCost, int]], lengths: LengthPr
     the batch over the pools in proportion to their lanes, and the longest trajectories
     may land on the slowest pool: without ``length_aware`` every bucket is shared out that
     way and the extremes' chains are priced on the slowest pool. One pool: no difference.
+
+    ``migration`` (the limits of C-MLFQ's buckets; only with more than one pool and not
+    ``length_aware``): the router moves a trajectory between buckets as its remaining
+    tokens cross their limits, and each move re-prefills its context on the instance it
+    moves to (:func:`~libra_hpc.planner.migration.crossings`, whose docstring states the
+    assumptions). A move costs in two places, as in the engine: the moved trajectory waits
+    for its re-prefill (its duration grows by the re-prefill seconds on the destination's
+    TP), and the destination pool's instances stall for it (the re-prefill seconds landing
+    on a pool per batch join its prefill work in the loaded model, :func:`_loaded_s`). The rest of
+    the trajectory's decode is priced where the blind placement put it, at that pool's
+    loaded step time: the pricing counts what the moves cost, not where they take the
+    decode (the blind placement already spreads each bucket over the pools).
     Cost: O(buckets × pools × chunks) arithmetic, ~0.3 ms for 32 buckets and 4 pools
     on a shared 2-core CPU.
     """
@@ -206,34 +224,85 @@ def rollout_makespan(pools: Sequence[tuple[RolloutCost, int]], lengths: LengthPr
         return RolloutEstimate(math.inf, math.inf, why)
     bound = max(min(x.serial_s(c) for c, _, _ in live) for x in lengths.extremes)
     total_lanes = sum(n * conc for _, n, conc in live)
+    blind = not length_aware and len(live) > 1
+    moves = _Moves(live, lengths, migration) if blind and migration is not None else None
+    wait = moves.wait_s if moves is not None else [0.0] * len(lengths.count)
     per_pool = []
     for cost, n, conc in live:
         batch = max(1, min(conc, math.ceil(lengths.batch_size * conc / total_lanes)))
         base = (batch - 1) * lengths.mean_context
-        durations = [cost.prefill_s(p) + g * cost.decode_step_s(batch, base + c) + cost.held_s(t, n)
-                     for p, g, t, c, n in zip(lengths.prompt, lengths.gen, lengths.tool_s, lengths.context,
-                                              lengths.bucket_turns())]
+        durations = [cost.prefill_s(p) + w + g * cost.decode_step_s(batch, base + c) + cost.held_s(t, n)
+                     for p, w, g, t, c, n in zip(lengths.prompt, wait, lengths.gen, lengths.tool_s, lengths.context,
+                                                 lengths.bucket_turns())]
         per_pool.append((cost, n, conc, batch, durations))
     lanes = [(n * batch, d) for _, n, _, batch, d in per_pool]
-    blind = not length_aware and len(per_pool) > 1
     makespan, assigned, per_bucket = _spread(lengths.count, lanes) if blind else _assign(lengths.count, lanes)
     info = tuple((c.tp, n, conc, c.decode_step_s(b, b * lengths.mean_context), a)
                  for (c, n, conc, b, _), a in zip(per_pool, assigned))
     if tail_aware:
-        loaded = [(c, *_loaded_s(c, n, conc, shares, lengths, in_flight))
+        loaded = [(c, *_loaded_s(c, n, conc, shares, lengths, in_flight, wait,
+                                 moves.landing_s(c.tp) if moves is not None else 0.0))
                   for (c, n, conc, _, _), shares in zip(per_pool, per_bucket)]
         # the extreme trajectories (longest generation, longest tools) on their best pool, loaded
         pick = max if blind else min  # blind: an extreme may land on the slowest pool
         used = [(c, sigma) for (c, _, sigma), n in zip(loaded, assigned) if n > 0]  # a pool given nothing runs no extreme
         chain = max(pick(c.prefill_s(x.prompt_len) + x.gen_len * sigma + c.held_s(x.tool_time_s, x.turns)
-                         for c, sigma in used)
+                         for c, sigma in used) + (moves.of(x) if moves is not None else 0.0)
                     for x in lengths.extremes)
         makespan = max(chain, *(m for _, m, _ in loaded))
-    return RolloutEstimate(max(makespan, bound), bound, None, info)
+    if moves is None:
+        return RolloutEstimate(max(makespan, bound), bound, None, info)
+    return RolloutEstimate(max(makespan, bound), bound, None, info, moves.count, moves.total_s)
+
+
+class _Moves:
+    """C-MLFQ's migrations over the pools ``live`` ((cost, instances, concurrency)) for the
+    buckets of ``lengths`` (:func:`~libra_hpc.planner.migration.crossings` on each bucket's
+    mean trajectory): ``wait_s`` per bucket, the re-prefill seconds a trajectory of it
+    waits (each move priced on its destination's TP); per batch, ``count`` moves and
+    ``total_s`` re-prefill seconds; :meth:`landing_s`, the seconds landing on one pool's
+    instances. A bucket's tool-output tokens are what its mean prompt holds beyond the
+    first prompt: ``2 × (prompt + gen / 2 - context)`` (:attr:`LengthSample.decode_context`
+    is linear in them), none for a profile built without contexts."""
+
+    def __init__(self, live: Sequence[tuple[RolloutCost, int, int]], lengths: LengthProfile,
+                 migration: MigrationPricing):
+        self.cost: dict[int, RolloutCost] = {}
+        self.instances: dict[int, int] = {}
+        for cost, n, _ in live:
+            self.cost.setdefault(cost.tp, cost)
+            self.instances[cost.tp] = self.instances.get(cost.tp, 0) + n
+        gpus = {tp: n * tp for tp, n in self.instances.items()}
+        turns = lengths.bucket_turns()
+        self.buckets = migration.buckets(gpus, lengths.prompt, lengths.gen, turns, lengths.count)
+        has_context = len(lengths.context) == len(lengths.count)
+        self.wait_s, landed = [], dict.fromkeys(gpus, 0.0)
+        self.count = 0.0
+        for k, (p, g, t, m) in enumerate(zip(lengths.prompt, lengths.gen, turns, lengths.count)):
+            tool_tokens = min(p, max(0.0, 2.0 * (p + g / 2 - lengths.context[k]))) if has_context else 0.0
+            moves = crossings(self.buckets, p, g, t, tool_tokens)
+            seconds = [(tp, self.cost[tp].prefill_s(ctx)) for tp, ctx in moves]
+            self.wait_s.append(sum(s for _, s in seconds))
+            for tp, s in seconds:
+                landed[tp] += m * s
+            self.count += m * len(moves)
+        self._landed = landed
+        self.total_s = sum(landed.values())
+
+    def landing_s(self, tp: int) -> float:
+        """Re-prefill seconds per batch landing on each instance of TP ``tp`` (the moves to a
+        TP size spread evenly over its instances)."""
+        return self._landed.get(tp, 0.0) / self.instances[tp]
+
+    def of(self, x: LengthSample) -> float:
+        """Re-prefill seconds one observed trajectory ``x`` waits for (its own turns and
+        tool tokens)."""
+        return sum(self.cost[tp].prefill_s(ctx)
+                   for tp, ctx in crossings(self.buckets, x.prompt_len, x.gen_len, x.turns, x.tool_tokens))
 
 
 def _loaded_s(cost: RolloutCost, instances: int, conc: int, counts: Sequence[int], lengths: LengthProfile,
-              in_flight: int) -> tuple[float, float]:
+              in_flight: int, wait: Sequence[float] | None = None, landing_s: float = 0.0) -> tuple[float, float]:
     """Seconds until one pool's trajectories (``counts`` per bucket of ``lengths``, spread
     evenly over ``instances``) are all done, each at the decode step time of the load it
     actually runs beside. The load follows Little's law: ``in_flight`` batches share the
@@ -244,7 +313,10 @@ def _loaded_s(cost: RolloutCost, instances: int, conc: int, counts: Sequence[int
     tool is not in the running batch, so its KV is not read); above its concurrency they
     queue for seats; decoding stalls while the instance prefills joining sequences (the
     share of its time the batches' prefills take). The longest chain (prefill + decode steps + tool time) at that step
-    time, or the seats' throughput, sets the makespan.
+    time, or the seats' throughput, sets the makespan. C-MLFQ's migrations
+    (:func:`rollout_makespan`): ``wait`` per bucket, re-prefill seconds a trajectory
+    waits (added to its chain); ``landing_s``, re-prefill seconds per batch landing on each
+    instance of this pool (added to its prefill work, so to the stall).
 
     The step time is the fixed point of "the load a step time implies gives that step
     time back". Iterating that map can oscillate (a prefill-heavy pool: a short makespan
@@ -259,7 +331,9 @@ def _loaded_s(cost: RolloutCost, instances: int, conc: int, counts: Sequence[int
     gen, ctx = lengths.gen, lengths.context
     tool = [cost.held_s(t, n) for t, n in zip(lengths.tool_s, lengths.bucket_turns())]  # out of the running batch
     pre = {k: cost.prefill_s(lengths.prompt[k]) for k in live}
-    prefill_work = sum(n[k] * pre[k] for k in live)
+    prefill_work = sum(n[k] * pre[k] for k in live) + landing_s
+    if wait is not None:  # a moved trajectory also waits for its re-prefills
+        pre = {k: pre[k] + wait[k] for k in live}
     others = max(0.0, 1.0 - 1.0 / (in_flight * sum(n[k] for k in live)))  # a lone sequence waits for no one
 
     def loaded(sigma: float) -> tuple[float, float]:

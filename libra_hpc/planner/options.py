@@ -18,6 +18,7 @@ from libra_hpc.planner.calibration import Calibration
 from libra_hpc.planner.costs import LengthProfile, RolloutCost
 from libra_hpc.planner.gate import GateOptions
 from libra_hpc.planner.hybrid import PhaseTimeouts
+from libra_hpc.planner.migration import MigrationPricing
 from libra_hpc.planner.prior import prior_lengths
 from libra_hpc.planner.profiles import HardwareProfile, ModelProfile, load_hardware, load_model
 
@@ -65,6 +66,9 @@ class ControlOptions:
     length_aware_routing: bool = False
     """The router places turns by (true or predicted) length, so plans may count on the
     long trajectories reaching the fast instances (``PlannerOptions.length_aware``)."""
+    migration: MigrationPricing | None = None
+    """The bucket limits C-MLFQ's migrations are priced with (:func:`migration_pricing`;
+    ``PlannerOptions.migration``); None: no migration is priced."""
     on_memory: str = "reshard"
     """Contexts outgrew the training shape: ``reshard`` (training to another TP size on the
     same GPUs, :mod:`libra_hpc.parallel.selector`) before ``replan`` (the whole split)."""
@@ -110,7 +114,21 @@ class ControlOptions:
             stream_groups=cfg.rl.stream_groups,
             tp_table=tuple(sorted(cfg.parallel.training_tp_by_context.items()))
             if cfg.parallel.training_tp_by_context else None,
-            **{"length_aware_routing": cfg.scheduler.policy in ("oracle", "length_aware"), **setup})
+            **{"length_aware_routing": cfg.scheduler.policy in ("oracle", "length_aware"),
+               "migration": migration_pricing(cfg, cfg.scheduler.policy), **setup})
+
+
+def migration_pricing(cfg: Any, router: str, share: bool | None = None) -> MigrationPricing | None:
+    """What the plan valuation prices C-MLFQ's migrations with for ``router`` under the
+    config ``cfg``: ``scheduler.bucket_token_limits`` (``share``: whether the limits follow
+    the plan's GPU shares; None: as ``scheduler.bucket_limits`` says); None when ``router``
+    is not ``cmlfq`` (FIFO and least-load routing never move a trajectory between buckets;
+    length-aware ones are priced by their own placement) or ``planner.price_migrations``
+    is off."""
+    if router != "cmlfq" or not cfg.planner.price_migrations:
+        return None
+    pricing = MigrationPricing.from_config(cfg.scheduler)
+    return pricing if share is None else MigrationPricing(pricing.limits, share)
 
 
 def feasible_tps(model: ModelProfile, hw: HardwareProfile, tps: Sequence[int], cal: Calibration) -> tuple[int, ...]:

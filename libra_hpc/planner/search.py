@@ -50,6 +50,7 @@ from libra_hpc.planner.costs import (
     TrainShape,
     rollout_makespan,
 )
+from libra_hpc.planner.migration import MigrationPricing
 from libra_hpc.planner.profiles import HardwareProfile, ModelProfile
 
 log = logging.getLogger(__name__)
@@ -111,6 +112,10 @@ class PlannerOptions:
     ``length_aware``): the rollout makespan may send the long trajectories to the fast
     pools. Otherwise (C-MLFQ) a mixed plan is priced with the batch spread over its pools
     blind to length (``rollout_makespan``)."""
+    migration: MigrationPricing | None = None
+    """C-MLFQ's bucket limits: a mixed plan under a router that is not length-aware pays
+    the re-prefills of the trajectories it moves between buckets (``rollout_makespan``);
+    None: no migration is priced."""
 
     def __post_init__(self) -> None:
         bad = [t for t in (*self.rollout_tps, *self.train_tps) if t < 1 or t & (t - 1)]
@@ -274,7 +279,8 @@ class _Search:
         if counts not in self.memo:
             pools = [(self.costs[tp], n) for tp, n in zip(self.tps, counts) if n]
             self.memo[counts] = (rollout_makespan(pools, self.lengths, in_flight=self.opt.in_flight,
-                                                  length_aware=self.opt.length_aware).makespan_s
+                                                  length_aware=self.opt.length_aware,
+                                                  migration=self.opt.migration).makespan_s
                                  if pools else math.inf)
             self.evaluated += 1
         return self.memo[counts]
@@ -502,16 +508,18 @@ def fitting_training_cost(model: ModelProfile, hw: HardwareProfile, shape: Train
 
 def reprice(p: Plan, model: ModelProfile, hardware: HardwareProfile, gpus_per_node: int, lengths: LengthProfile,
             calibration: Calibration = DEFAULT, batch: RLBatch | None = None, in_flight: int = 1,
-            length_aware: bool = False) -> Plan:
+            length_aware: bool = False, migration: MigrationPricing | None = None) -> Plan:
     """``p`` with its times predicted again on new observations (``lengths``), for the
     replanning gate to compare the current plan with a fresh candidate. ``batch``: the
     RL batch the candidate was searched for (its sequence length follows the
-    observations); give it so that both are priced on the same batch, else ``p``'s own."""
+    observations); give it so that both are priced on the same batch, else ``p``'s own.
+    ``in_flight``, ``length_aware``, ``migration``: as :class:`PlannerOptions`'."""
     hw = hardware.model_copy(update={"gpus_per_node": gpus_per_node})
     shape = p.train if batch is None else replace(p.train, global_batch=batch.global_batch, seq_len=batch.seq_len)
     tt = fitting_training_cost(model, hw, replace(shape, recompute=False), calibration).step_s
     pools = [(RolloutCost(model, hw, tp, calibration), n) for tp, n in p.rollout_counts.items()]
-    tr = rollout_makespan(pools, lengths, in_flight=in_flight, length_aware=length_aware).makespan_s
+    tr = rollout_makespan(pools, lengths, in_flight=in_flight, length_aware=length_aware,
+                          migration=migration).makespan_s
     return replace(p, t_train=tt, t_rollout=tr, objective=objective(tt, tr, p.mode))
 
 
@@ -553,7 +561,8 @@ def exhaustive(model: ModelProfile, hardware: HardwareProfile, nodes: int, gpus_
             if flat not in seen:  # the makespan depends on the multiset only; memo, not pruning
                 pools = [(s.costs[tp], flat.count(tp)) for tp in s.tps if tp in flat]
                 seen[flat] = rollout_makespan(pools, lengths, in_flight=options.in_flight,
-                                              length_aware=options.length_aware).makespan_s
+                                              length_aware=options.length_aware,
+                                              migration=options.migration).makespan_s
             tr = seen[flat]
             o = objective(cost.step_s, tr, mode)
             if o < best[0]:

@@ -122,7 +122,8 @@ class PlanValuation:
             if pool is None:
                 continue
             candidate = reprice(candidate, self.model, self.hw, o.gpus_per_node, lengths, self.cal, batch,
-                                in_flight=o.max_staleness + 1, length_aware=o.length_aware_routing)
+                                in_flight=o.max_staleness + 1, length_aware=o.length_aware_routing,
+                                migration=o.migration)
             candidate = replace(candidate, objective=self.pooled_objective(candidate, pool))
             if candidate.objective < best.objective:
                 best = candidate

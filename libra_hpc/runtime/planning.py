@@ -59,6 +59,7 @@ from libra_hpc.planner.control import ControlLoop
 from libra_hpc.planner.costs import (LengthProfile, LengthSample, RolloutCost, TimingRecord, TrainingCost, TrainShape,
                                      fit_calibration)
 from libra_hpc.planner.hybrid import PhaseTimeouts
+from libra_hpc.planner.options import migration_pricing
 from libra_hpc.planner.pipeline import pipelined_step_s
 from libra_hpc.planner.search import Plan, RLBatch, reprice
 from libra_hpc.planner.search import RolloutInstance as PlanInstance
@@ -108,13 +109,15 @@ class PlannerDriver:
         cfg = state.cfg
         tps = sorted({g.tp for g in state.layout.rollout_instances} | set(cfg.scheduler.bucket_token_limits))
         self.control = ControlLoop.from_config(cfg, rollout_tps=tps, reconfig_s=cfg.planner.reconfig_s,
-                                               hybrid_timeouts=JOB_TIMEOUTS, replan=cfg.planner.replan)
+                                               hybrid_timeouts=JOB_TIMEOUTS, replan=cfg.planner.replan,
+                                               # the job's router uses the fixed limits
+                                               migration=migration_pricing(cfg, cfg.scheduler.policy, share=False))
         self.model, self.hw, self.base, options = self.control.model, self.control.hw, self.control.cal, self.control.o
         plan = config_plan(state.layout, cfg)
         prior = self.control.prior()
         plan = reprice(plan, self.model, self.hw, cfg.cluster.gpus_per_node, prior, self.base,
                        RLBatch(cfg.batch_size, int(prior.mean_seq_tokens)), in_flight=cfg.rl.max_staleness + 1,
-                       length_aware=options.length_aware_routing)
+                       length_aware=options.length_aware_routing, migration=options.migration)
         self.control.start(plan, "the config's layout")
         self.window = StepWindow(cfg.rl.max_staleness, cfg.rl.steps)
         self.records: dict[str, list[TimingRecord]] = {kind: [] for kind in RECORDS}
@@ -212,7 +215,8 @@ class PlannerDriver:
         plan = config_plan(s.layout, cfg)
         plan = replace(plan, train=replace(plan.train, uneven=True))  # whole groups per replica (runtime/batches.py)
         priced = reprice(plan, self.model, self.hw, cfg.cluster.gpus_per_node, lengths, cal, batch,
-                         in_flight=o.max_staleness + 1, length_aware=o.length_aware_routing)
+                         in_flight=o.max_staleness + 1, length_aware=o.length_aware_routing,
+                         migration=o.migration)
         t_train, rollout = priced.t_train * epochs, priced.t_rollout
         groups = o.stream_groups if epochs == 1 else 0  # steps of several passes train whole (runtime/batches.py)
         tail = t_train

@@ -42,6 +42,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from libra_hpc.planner.control import ControlLoop, ControlOptions
+from libra_hpc.planner.options import migration_pricing
 from libra_hpc.planner.hybrid import PhaseTimeouts
 from libra_hpc.sim.context import Context
 
@@ -85,10 +86,13 @@ SETUPS: dict[str, PolicySetup] = {s.name: s for s in (
 
 def _policy_setup(ctx: Context, setup: PolicySetup) -> dict:
     """What the simulator adds to the scenario's control options: its reconfiguration
-    cost and phase timeouts, and what the policy may do."""
+    cost and phase timeouts, and what the policy may do; its router's migrations are priced
+    as the scenario's limits say (``scheduler.bucket_limits``: the simulator's rollout
+    follows ``share``)."""
     return dict(reconfig_s=ctx.cfg.costs.reconfig_s, hybrid_timeouts=HYBRID_TIMEOUTS, replan=setup.replan,
                 hybrid=setup.hybrid, clairvoyant=setup.clairvoyant, single_tp=setup.single_tp,
-                length_aware_routing=setup.router in ("oracle", "length_aware"))
+                length_aware_routing=setup.router in ("oracle", "length_aware"),
+                migration=migration_pricing(ctx.cfg, setup.router))
 
 
 def control_options(ctx: Context, setup: PolicySetup) -> ControlOptions:

@@ -32,7 +32,6 @@ Events: :class:`Wake` (an instance's step boundary), :class:`ToolDone`.
 from __future__ import annotations
 
 import logging
-from bisect import bisect_left
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -44,6 +43,7 @@ from libra_hpc.scheduler import (
     buckets_from_instances,
     make_router,
 )
+from libra_hpc.planner.migration import share_limits as planner_share_limits
 from libra_hpc.scheduler.routers import outward_order
 from libra_hpc.sim.config import CostSpec
 from libra_hpc.sim.engine import Event
@@ -508,27 +508,12 @@ def share_limits(layout: tuple[InstanceSpec, ...], trajectories: list[tuple[int,
     tokens it decodes on the level its remaining length maps to); first turns always run on
     the top level and count there. TP sizes ascending, bucket ``i``'s limit is the smallest
     remaining length at which the decoded tokens routed to buckets ``0..i`` reach their
-    cumulative GPU share; the last bucket is unbounded. Limits are strictly increasing."""
+    cumulative GPU share; the last bucket is unbounded. Limits are strictly increasing.
+    The arithmetic is the planner's (:func:`libra_hpc.planner.migration.share_limits`),
+    which prices C-MLFQ's migrations on the limits a plan would get."""
     gpus: dict[int, int] = {}
     for s in layout:
         gpus[s.tp] = gpus.get(s.tp, 0) + s.tp
-    total_gpus = sum(gpus.values())
     first = sum(t[0] for t in trajectories if t)
-    samples = sorted((sum(t[d:]), t[d]) for t in trajectories for d in range(1, len(t)))
-    mass = first + sum(w for _, w in samples)
-    cum, acc = [], first
-    for _, w in samples:
-        acc += w
-        cum.append(acc)
-    out, share, prev = {}, 0, 0
-    tps = sorted(gpus)
-    for k, tp in enumerate(tps):
-        share += gpus[tp]
-        if k == len(tps) - 1:
-            out[tp] = 1 << 30
-            break
-        target = mass * share / total_gpus
-        limit = samples[min(bisect_left(cum, target), len(samples) - 1)][0] if samples else prev + 1
-        out[tp] = max(limit, prev + 1)
-        prev = out[tp]
-    return out
+    samples = [(sum(t[d:]), t[d]) for t in trajectories for d in range(1, len(t))]
+    return planner_share_limits(gpus, first, samples)
