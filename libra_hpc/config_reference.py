@@ -35,6 +35,9 @@ in one mapping is refused too, with both line numbers (YAML would keep the last 
 
 - `default.yaml`: the embedded default, runs anywhere (`python launch.py --nodes 6`).
 - `a800-6node.yaml`: the Libra paper's 48-GPU setup (6 × 8 A800-80G, Qwen3-14B).
+- `learning.yaml`, `learning-arith.yaml`: the learning experiments of
+  `benchmarks/bench_learning.py` (the search task; the arithmetic task).
+- `soak.yaml`: the soak run of `benchmarks/bench_soak.py` (faulty tools, a killed leader, a resume).
 - `sim/*.yaml`: simulator scenarios (`python -m libra_hpc.sim --config configs/sim/a800-swe.yaml`):
   the same schema plus the simulator's own sections ([Simulator scenarios](#simulator-scenarios)).
 - `hardware/*.yaml`, `models/*.yaml`: GPU and model profiles for the planner's cost
