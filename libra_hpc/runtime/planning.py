@@ -71,13 +71,13 @@ from libra_hpc.runtime.state import JobState, Sends
 
 log = logging.getLogger(__name__)
 RECORDS = {"train": 64, "chain": 1024}
+"""Timing records of each kind the calibration is fitted on (the most recent)."""
 FIT_HALF_LIFE = 1.0
 """Steps over which a timing record's weight in the calibration fit halves. What a step
 costs moves during a job: the layout changes, fewer GRPO groups train, more epochs, and on
 a shared host whatever else runs beside it. Replayed on a default run's own records
 (issue 30), all records weighing the same predicted its rollouts 0.77x and its steps 1.8x;
 half-lives of 0.5-3 steps gave rollouts 0.83-0.99x, and 1 the steps' mean closest to 1."""
-"""Timing records of each kind the calibration is fitted on (the most recent)."""
 JOB_TIMEOUTS = PhaseTimeouts(requested=600, fetching_state=900, zero_grad_sync=900, releasing=900)
 """The hybrid pool's phase timeouts in the job: a drain on CPU takes tens of seconds."""
 
@@ -267,8 +267,8 @@ class PlannerDriver:
         """The sequences a batch's training step works on: its trajectories less the GRPO
         groups the trainer leaves out (``rl.filter_zero_variance``: every reward equal,
         nothing to learn; the same rule, :func:`~libra_hpc.rl.grpo.compute_advantages`),
-        and their mean length. A step of 2 groups of 12 took 2.1 s where one of 10 took 9;
-        priced on the whole batch, both cost the same."""
+        and their mean length. In a default run a step training 2 of its 12 groups took
+        2.1 s and one training 10 took 9; priced on the whole batch, both cost the same."""
         members = [SimpleNamespace(group_id=group_of(r["tid"]), reward=r["reward"], tokens=r["tokens"]) for r in rows]
         kept = compute_advantages(members, filter_zero_variance=self.s.cfg.rl.filter_zero_variance).trajectories
         return RLBatch(max(1, len(kept)), max(1, math.ceil(statistics.fmean(m.tokens for m in kept or members))))
