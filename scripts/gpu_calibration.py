@@ -74,16 +74,14 @@ def fit_and_predict(points: list[dict], args) -> dict:
     at each length, every point predicted."""
     from libra_hpc.planner.calibration import TimingRecord, fit_calibration
     from libra_hpc.planner.costs import TrainingCost, TrainShape
-    from libra_hpc.planner.profiles import ModelProfile, load_hardware
+    from libra_hpc.planner.profiles import load_hardware, load_model
 
     from gpu_check import SHAPES
 
-    s = {"hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 4, "num_attention_heads": 4,
-         "num_key_value_heads": 2, "head_dim": 32, **SHAPES[args.shape]}
-    model = ModelProfile(name=args.shape, num_layers=s["num_hidden_layers"], hidden_size=s["hidden_size"],
-                         num_heads=s["num_attention_heads"], num_kv_heads=s["num_key_value_heads"],
-                         head_dim=s["head_dim"], intermediate_size=s["intermediate_size"], vocab_size=4096,
-                         tie_embeddings=True, qk_norm=True)
+    hf = {"hidden_size": "hidden_size", "intermediate_size": "intermediate_size", "num_hidden_layers": "num_layers",
+          "num_attention_heads": "num_heads", "num_key_value_heads": "num_kv_heads", "head_dim": "head_dim"}
+    model = load_model("tiny").model_copy(update={"name": args.shape,
+                                                  **{hf[k]: v for k, v in SHAPES[args.shape].items()}})
     hw = load_hardware(args.hardware)
     records = []
     for p in points:
