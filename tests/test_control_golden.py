@@ -3,9 +3,10 @@ of observations (tests/data/control_golden.json) fed to the control loop alone, 
 simulator driving it on the same scenario, give the recorded decisions, call for call.
 
 Two streams:
-- recorded: the paper scenario (configs/sim/a800-swe.yaml), 20 steps, staleness 5 and a
-  prior far shorter than the workload, so that the stream holds plan changes applied and
-  refused, and the hybrid pool's refusals while rollout binds;
+- recorded: the context-growth scenario (configs/sim/context-growth.yaml), 20 steps,
+  staleness 3 and a prior far shorter than the workload, so that the stream holds plan
+  changes applied and refused, and the hybrid pool's refusals while rollout binds (the
+  paper scenario stopped lending once the plan search minimised the pipelined step);
 - live: a pinned layout whose training binds (tests/sim_cases.py), so that the hybrid
   pool lends a replica through every phase; the simulator's stream replayed into a fresh
   loop gives the same decisions.
@@ -75,6 +76,8 @@ def replay(control: ControlLoop, journal: list[dict], pinned=None) -> list[dict]
             control.progress(given["rid"], given["now"])
         elif call == "after_training_step":
             control.after_training_step(given["now"])
+        elif call == "reshard":
+            pass  # the loop's own record, inside the after_rollout call recorded next
         else:
             raise AssertionError(f"unknown call {call!r} in the golden stream")
     return _plain(control.journal)
@@ -154,8 +157,8 @@ def test_a_different_observation_changes_the_decisions():
     assert [e["out"] for e in replay(control, journal)] != [e["out"] for e in golden["journal"]]
 
 
-SCENARIO = "configs/sim/a800-swe.yaml"
-OVERRIDES: dict = {"rl.steps": 20, "rl.max_staleness": 5, "planner.prior": {"gen_tokens_median": 200, "turns": 2}}
+SCENARIO = "configs/sim/context-growth.yaml"
+OVERRIDES: dict = {"rl.steps": 20, "rl.max_staleness": 3, "planner.prior": {"gen_tokens_median": 200, "turns": 2}}
 POLICY = "libra"
 
 if __name__ == "__main__" and "--record" in sys.argv:

@@ -16,6 +16,7 @@ from libra_hpc.planner.costs import (
     RolloutCost,
     TrainingCost,
 )
+from libra_hpc.planner.pipeline import pipelined_step_s
 from libra_hpc.planner.profiles import load_hardware, load_model
 from libra_hpc.planner.search import (
     PlanError,
@@ -56,7 +57,7 @@ def check_plan(p, nodes, g, opt=DEFAULTS):
     chunks = [p.train_slots[i : i + p.train.tp] for i in range(0, p.train.gpus, p.train.tp)]
     assert all(len({s.node for s in c}) == 1 for c in chunks)
     check_layout(plan_to_layout(p, nodes, g))
-    assert p.objective == objective(p.t_train, p.t_rollout, p.mode)
+    assert p.objective == objective(p.t_train, p.t_rollout, p.mode, opt.in_flight, opt.stream_groups)
 
 
 @pytest.mark.parametrize("nodes,g", [(1, 8), (2, 8), (6, 8), (3, 4)])
@@ -96,14 +97,15 @@ def test_nothing_fits_raises_with_the_reason():
 SMALL = [(1, 4), (1, 8), (2, 2), (2, 4), (2, 8), (4, 4), (8, 2)]
 
 
-@pytest.mark.parametrize("mode", ["async", "sync"])
+@pytest.mark.parametrize("mode", ["async", "sync", "pipelined"])
 @pytest.mark.parametrize("scale", [0.3, 2.0])
 def test_objective_matches_exhaustive_on_small_clusters(mode, scale):
     lp = lengths(scale=scale, seed=3)
+    opts = PlannerOptions(in_flight=2) if mode == "pipelined" else PlannerOptions()
     for nodes, g in SMALL:
-        want, desc = exhaustive(Q4, A800, nodes, g, lp, BATCH, mode=mode)
-        got = plan(Q4, A800, nodes, g, lp, BATCH, mode=mode).plan
-        check_plan(got, nodes, g)
+        want, desc = exhaustive(Q4, A800, nodes, g, lp, BATCH, mode=mode, options=opts)
+        got = plan(Q4, A800, nodes, g, lp, BATCH, mode=mode, options=opts).plan
+        check_plan(got, nodes, g, opts)
         assert got.objective == pytest.approx(want, rel=1e-9), (nodes, g, got.describe(), desc)
 
 
@@ -119,7 +121,22 @@ def test_async_takes_the_max_and_sync_the_sum():
     assert s.objective == s.t_train + s.t_rollout
     assert s.objective >= a.objective
     with pytest.raises(PlanError, match="mode"):
-        plan(Q14, A800, 2, 8, LP, BATCH, mode="pipelined")  # type: ignore[arg-type]
+        plan(Q14, A800, 2, 8, LP, BATCH, mode="overlapped")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("in_flight,groups", [(1, 0), (2, 0), (2, 16), (4, 0)])
+def test_pipelined_minimises_the_pipelines_own_step(in_flight, groups):
+    """``pipelined`` values a plan at the bounded-staleness pipeline's step (the control
+    loop's objective), and its pick is at least as good under that objective as the
+    asynchronous and synchronous searches' picks (k = 0: it is the synchronous sum)."""
+    opts = PlannerOptions(in_flight=in_flight, stream_groups=groups)
+    p = plan(Q14, A800, 6, 8, LP, BATCH, mode="pipelined", options=opts).plan
+    assert p.objective == pytest.approx(pipelined_step_s(p.t_train, p.t_rollout, in_flight - 1, groups))
+    for mode in ("async", "sync"):
+        other = plan(Q14, A800, 6, 8, LP, BATCH, mode=mode, options=opts).plan
+        assert p.objective <= pipelined_step_s(other.t_train, other.t_rollout, in_flight - 1, groups) * (1 + 1e-9)
+    if in_flight == 1:
+        assert p.objective == pytest.approx(p.t_train + p.t_rollout)
 
 
 @pytest.mark.parametrize("gpus", [8, 48, 512, 8192])

@@ -267,8 +267,8 @@ class ControlLoop:
                            RLBatch(o.global_batch, math.ceil(lengths.mean_seq_tokens)),  # as best_plan's
                            in_flight=o.max_staleness + 1, length_aware=o.length_aware_routing,
                            migration=o.migration)
-        lent = self.pool is not None and bool(self.pool.training_replicas())
-        self.scale = measured_scale(self.measured, now_plan, lent)
+        lent = len(self.pool.training_replicas()) if self.pool is not None else 0
+        self.scale = measured_scale(self.measured, now_plan, lent, self.pool.replica_size if lent else 0)
         try:
             candidate = self.best_plan(lengths)
         except PlanError as exc:

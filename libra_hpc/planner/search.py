@@ -26,8 +26,11 @@ Search (:func:`plan`):
 On clusters of up to 16 GPUs this is exact (checked against :func:`exhaustive`, which
 enumerates every training shape × every per-node partition without pruning).
 
-Objective: ``max(T_train, T_rollout)`` for asynchronous (pipelined, bounded-staleness)
-training, ``T_train + T_rollout`` for synchronous. Units: seconds.
+Objective: ``max(T_train, T_rollout)`` for asynchronous training with rollout and training
+overlapping perfectly (``async``), ``T_train + T_rollout`` for synchronous (``sync``), and
+the bounded-staleness pipeline's own step (``pipelined``: ``max(T_train, (T_rollout +
+T_train) / (k + 1))`` with ``k = in_flight - 1``, training streamed over ``stream_groups``
+groups; libra_hpc/planner/pipeline.py), which the control loop values plans by. Units: seconds.
 """
 
 from __future__ import annotations
@@ -51,10 +54,11 @@ from libra_hpc.planner.costs import (
     rollout_makespan,
 )
 from libra_hpc.planner.migration import MigrationPricing
+from libra_hpc.planner.pipeline import pipelined_step_s
 from libra_hpc.planner.profiles import HardwareProfile, ModelProfile
 
 log = logging.getLogger(__name__)
-Mode = Literal["async", "sync"]
+Mode = Literal["async", "sync", "pipelined"]
 Counts = tuple[int, ...]  # instances per TP, in the order of PlannerOptions.rollout_tps (descending)
 
 
@@ -116,6 +120,9 @@ class PlannerOptions:
     """C-MLFQ's bucket limits: a mixed plan under a router that is not length-aware pays
     the re-prefills of the trajectories it moves between buckets (``rollout_makespan``);
     None: no migration is priced."""
+    stream_groups: int = 0
+    """``pipelined`` objective: GRPO groups a step's training is streamed over
+    (``rl.stream_training``; 0: the batch trains whole)."""
 
     def __post_init__(self) -> None:
         bad = [t for t in (*self.rollout_tps, *self.train_tps) if t < 1 or t & (t - 1)]
@@ -195,12 +202,16 @@ class PlanError(ValueError):
     """No plan fits; the message lists why each kind of candidate failed."""
 
 
-def objective(t_train: float, t_rollout: float, mode: Mode) -> float:
+def objective(t_train: float, t_rollout: float, mode: Mode, in_flight: int = 1, stream_groups: int = 0) -> float:
+    """A plan's step, s, under ``mode`` (the module docstring); ``in_flight`` and
+    ``stream_groups`` as :class:`PlannerOptions`' (``pipelined`` only)."""
     if mode == "async":
         return max(t_train, t_rollout)
     if mode == "sync":
         return t_train + t_rollout
-    raise ValueError(f"mode must be 'async' or 'sync', got {mode!r}")
+    if mode == "pipelined":
+        return pipelined_step_s(t_train, t_rollout, in_flight - 1, stream_groups)
+    raise ValueError(f"mode must be 'async', 'sync' or 'pipelined', got {mode!r}")
 
 
 # ------------------------------------------------------------------------- geometry
@@ -414,13 +425,13 @@ class _Search:
         for gpus, cost in trains.items():
             whole, partial = _free_shape(gpus, self.nodes, self.g)
             scr = self.screen(whole, partial)
-            rows.append((objective(cost.step_s, scr[0], self.mode), gpus, cost.step_s, whole, partial, scr))
+            rows.append((self.objective(cost.step_s, scr[0]), gpus, cost.step_s, whole, partial, scr))
         rows.sort()
         floor = self.serial_floor() if self.mode == "sync" else 0.0
         best_obj, best_key, best_row, refined, results = math.inf, (math.inf, math.inf), None, 0, []
         for obj, gpus, tt, whole, partial, scr in rows:
             if tt + floor >= best_obj:
-                what = "training alone" if self.mode == "async" else "training + rollout serial floor"
+                what = "training alone" if self.mode != "sync" else "training + rollout serial floor"
                 results.append((obj, gpus, f"pruned: {what} {tt + floor:.3g} s >= best {best_obj:.3g} s"))
                 continue
             if refined >= self.opt.refine_top:
@@ -428,7 +439,7 @@ class _Search:
                 continue
             refined += 1
             tr, counts = self.refine(whole, partial, scr)
-            o = objective(tt, tr, self.mode)
+            o = self.objective(tt, tr)
             results.append((o, gpus, None))
             if counts is not None and (o, tt + tr) < best_key:
                 best_key, best_row = (o, tt + tr), (gpus, tt, tr, whole, partial, counts)
@@ -465,7 +476,10 @@ class _Search:
             for tp in pattern:
                 inst.append(RolloutInstance(tp, tuple(free[pos : pos + tp])))
                 pos += tp
-        return Plan(shape, tuple(slots[:gpus]), tuple(inst), tt, tr, objective(tt, tr, self.mode), self.mode)
+        return Plan(shape, tuple(slots[:gpus]), tuple(inst), tt, tr, self.objective(tt, tr), self.mode)
+
+    def objective(self, t_train: float, t_rollout: float) -> float:
+        return objective(t_train, t_rollout, self.mode, self.opt.in_flight, self.opt.stream_groups)
 
 
 def _lost(o: float, best: Plan) -> str:
@@ -478,8 +492,8 @@ def _lost(o: float, best: Plan) -> str:
 def _check_args(nodes: int, gpus_per_node: int, mode: str, opt: PlannerOptions) -> None:
     if nodes < 1 or gpus_per_node < 1:
         raise PlanError(f"need nodes >= 1 and gpus_per_node >= 1, got {nodes} × {gpus_per_node}")
-    if mode not in ("async", "sync"):
-        raise PlanError(f"mode must be 'async' or 'sync', got {mode!r}")
+    if mode not in ("async", "sync", "pipelined"):
+        raise PlanError(f"mode must be 'async', 'sync' or 'pipelined', got {mode!r}")
     if opt.min_train_gpus + opt.min_rollout_gpus > nodes * gpus_per_node:
         raise PlanError(f"min_train_gpus {opt.min_train_gpus} + min_rollout_gpus {opt.min_rollout_gpus} exceed the "
                         f"{nodes * gpus_per_node} GPUs of the cluster")
@@ -508,19 +522,19 @@ def fitting_training_cost(model: ModelProfile, hw: HardwareProfile, shape: Train
 
 def reprice(p: Plan, model: ModelProfile, hardware: HardwareProfile, gpus_per_node: int, lengths: LengthProfile,
             calibration: Calibration = DEFAULT, batch: RLBatch | None = None, in_flight: int = 1,
-            length_aware: bool = False, migration: MigrationPricing | None = None) -> Plan:
+            length_aware: bool = False, migration: MigrationPricing | None = None, stream_groups: int = 0) -> Plan:
     """``p`` with its times predicted again on new observations (``lengths``), for the
     replanning gate to compare the current plan with a fresh candidate. ``batch``: the
     RL batch the candidate was searched for (its sequence length follows the
     observations); give it so that both are priced on the same batch, else ``p``'s own.
-    ``in_flight``, ``length_aware``, ``migration``: as :class:`PlannerOptions`'."""
+    ``in_flight``, ``length_aware``, ``migration``, ``stream_groups``: as :class:`PlannerOptions`'."""
     hw = hardware.model_copy(update={"gpus_per_node": gpus_per_node})
     shape = p.train if batch is None else replace(p.train, global_batch=batch.global_batch, seq_len=batch.seq_len)
     tt = fitting_training_cost(model, hw, replace(shape, recompute=False), calibration).step_s
     pools = [(RolloutCost(model, hw, tp, calibration), n) for tp, n in p.rollout_counts.items()]
     tr = rollout_makespan(pools, lengths, in_flight=in_flight, length_aware=length_aware,
                           migration=migration).makespan_s
-    return replace(p, t_train=tt, t_rollout=tr, objective=objective(tt, tr, p.mode))
+    return replace(p, t_train=tt, t_rollout=tr, objective=objective(tt, tr, p.mode, in_flight, stream_groups))
 
 
 # ---------------------------------------------------------------------- exhaustive
@@ -564,7 +578,7 @@ def exhaustive(model: ModelProfile, hardware: HardwareProfile, nodes: int, gpus_
                                               length_aware=options.length_aware,
                                               migration=options.migration).makespan_s
             tr = seen[flat]
-            o = objective(cost.step_s, tr, mode)
+            o = s.objective(cost.step_s, tr)
             if o < best[0]:
                 best = (o, f"{cost.shape} rollout {list(flat)}")
     return best

@@ -3,8 +3,8 @@
 The plan search (:mod:`libra_hpc.planner.search`) prices training and rollout with the
 cost models and knows nothing of the pipeline or the hybrid pool. A :class:`PlanValuation`
 weighs its plans as the run will see them: the pipelined step at this run's staleness
-(:func:`~libra_hpc.planner.pipeline.pipelined_step_s`), the better of the asynchronous and
-synchronous searches, the hybrid pool's worth (a replica lent where that shortens the
+(:func:`~libra_hpc.planner.pipeline.pipelined_step_s`, the objective the search itself
+minimises in its ``pipelined`` mode), the hybrid pool's worth (a replica lent where that shortens the
 step), and the cost models' error measured on the running plan.
 """
 
@@ -42,17 +42,28 @@ def length_profile(samples: Sequence[LengthSample], batch_size: int) -> LengthPr
     return LengthProfile.from_samples(list(samples), batch_size)
 
 
-def measured_scale(measured: tuple[float, float | None] | None, now: Plan, lent: bool) -> tuple[float, float]:
+def measured_scale(measured: tuple[float, float | None] | None, now: Plan, lent: int = 0,
+                   replica_size: int = 0) -> tuple[float, float]:
     """Measured over predicted (training, rollout) time of the running plan (``now``:
     repriced on the lengths of this check; ``measured``: the last batch's rollout makespan
-    and training step); (1, 1) before a measurement or while hybrid replicas train
-    (``lent``: the measured step is then another shape's)."""
-    if measured is None or measured[1] is None or lent:
+    and training step); (1, 1) before a measurement. While ``lent`` hybrid replicas of
+    ``replica_size`` GPUs train, the measured step is that of the moved layout, so the
+    prediction it is set against is ``now``'s times moved as the pool moved them
+    (:func:`~libra_hpc.planner.pipeline.moved_times`). (It used to stay at (1, 1) while a
+    replica was lent, which is most of a run that lends: on a800-swe-drift the running plan
+    was then valued unscaled while rollout ran at 0.55-0.6 of its prediction, and the loop
+    applied a plan predicted 6 s a step better that was 200 s a step worse.)"""
+    if measured is None or measured[1] is None:
         return (1.0, 1.0)
     makespan, t_train = measured
     if not (now.t_train > 0 and now.t_rollout > 0 and math.isfinite(now.t_rollout)):
         return (1.0, 1.0)
-    return (t_train / now.t_train, makespan / now.t_rollout)
+    p_train, p_roll = now.t_train, now.t_rollout
+    if lent:
+        if now.rollout_gpus - lent * replica_size <= 0:
+            return (1.0, 1.0)
+        p_train, p_roll = moved_times(p_train, p_roll, now.train.dp, now.rollout_gpus, replica_size, lent)
+    return (t_train / p_train, makespan / p_roll)
 
 
 @dataclass(frozen=True)
@@ -79,11 +90,12 @@ class PlanValuation:
         return pipelined_step_s(t_train, t_rollout, self.o.max_staleness, self.o.stream_groups)
 
     def best_plan(self, lengths: LengthProfile, options: PlannerOptions | None = None) -> PlanResult:
-        """The better of plan()'s asynchronous and synchronous searches on ``lengths`` under
-        :meth:`step_objective` (plan()'s async objective max(T_train, T_rollout) assumes one
-        batch in flight; with overlapping batches the step mixes both objectives, and the
-        sync search minimises T_train + T_rollout, the rollout-bound case). Its
-        ``plan.objective`` is the step objective. Training sequences are packed to the
+        """plan()'s ``pipelined`` search on ``lengths``: the plan whose :meth:`step_objective`
+        is least. (It used to take the better of the ``async`` search, max(T_train,
+        T_rollout), and the ``sync`` one, T_train + T_rollout, under the step objective; a plan
+        best under neither was never looked at: on a800-swe-drift the loop saw the plan it
+        needed, 20 training GPUs and 7×TP4, at one check in three, and never applied it.)
+        Its ``plan.objective`` is the step objective. Training sequences are packed to the
         profile's mean length. ``options`` None: the loop's search, valued as the control
         loop values the running plan (:meth:`pooled_objective`: scaled by the running plan's
         measured/predicted times, the hybrid pool's worth counted where there is one, with
@@ -92,15 +104,10 @@ class PlanValuation:
         model never replanned.)"""
         o = self.o
         batch = RLBatch(o.global_batch, math.ceil(lengths.mean_seq_tokens))
-        opts = replace(options or self.search, fit_seq_len=memory_need(lengths, o.seq_len, o.memory_headroom))
-        best = None
-        for mode in ("async", "sync"):
-            r = plan(self.model, self.hw, o.nodes, o.gpus_per_node, lengths, batch, mode=mode,
-                     options=opts, calibration=self.cal)
-            obj = self.step_objective(r.plan.t_train, r.plan.t_rollout)
-            if best is None or obj < best[0]:
-                best = (obj, replace(r, plan=replace(r.plan, objective=obj)))
-        result = best[1]
+        opts = replace(options or self.search, fit_seq_len=memory_need(lengths, o.seq_len, o.memory_headroom),
+                       in_flight=o.max_staleness + 1, stream_groups=o.stream_groups)
+        result = plan(self.model, self.hw, o.nodes, o.gpus_per_node, lengths, batch, mode="pipelined",
+                      options=opts, calibration=self.cal)
         if options is None and o.hybrid and o.hybrid_nodes:
             result = replace(result, plan=self._with_pool(result.plan, lengths, batch))
         elif options is None:  # valued as the running plan is (scaled by what it measured), to compare with it

@@ -63,10 +63,10 @@ ASSUMPTIONS = (
     ("`libra_true_lengths` routes and plans with true lengths on Libra's plan family; `static_true_lengths` routes "
     "with true lengths on `static_hindsight`'s split; libra_vs_true_lengths uses the better of the two. Neither "
     "is an optimum."),
-    ("plan()'s async objective max(T_train, T_rollout) assumes one batch in flight; the simulated pipeline "
-    "overlaps up to k + 1 batches, so the simulator takes the better of plan()'s async and sync plans under the "
-    "pipelined step max(T_train, (T_rollout + T_train) / (k + 1)), with streamed training "
-    "max(T_train, (T_rollout + T_train / groups) / (k + 1)) (libra_hpc/planner/control.py pipelined_step_s)."),
+    ("The simulated pipeline overlaps up to k + 1 batches, so plans are searched and valued at the pipelined step "
+    "max(T_train, (T_rollout + T_train) / (k + 1)), with streamed training "
+    "max(T_train, (T_rollout + T_train / groups) / (k + 1)) (plan()'s `pipelined` mode; "
+    "libra_hpc/planner/pipeline.py pipelined_step_s)."),
     ("The workload is synthetic (libra_hpc/envs/synthetic.py); every number in the scenario file says whether it is "
     "sourced or an assumption."),
 )

@@ -13,8 +13,7 @@ training, mixed rollout TP instances; libra_hpc/planner/search.py) and choose by
 simulation (libra_hpc/sim/baselines.py runs them):
 
 - :func:`top_plans`: the plan search's best plans, one per training GPU count, valued as
-  the control loop values them (the pipelined step, the better of the asynchronous and
-  synchronous searches), on the lengths of the given batches, training sized for the
+  the control loop values them (the plan search's ``pipelined`` objective), on the lengths of the given batches, training sized for the
   longest batch's packed length;
 - :func:`pilot_plan`: the planner's choice on the first batches, training sized for
   ``training.seq_len``;
@@ -187,7 +186,7 @@ def train_counts(ctx: Context, limit: int = 64) -> list[int]:
 def top_plans(ctx: Context, steps: range, top: int) -> list[Plan]:
     """The plan search's ``top`` best plans on the lengths of batches ``steps`` (hindsight),
     one per training GPU count, valued as the control loop values plans (the pipelined step
-    objective, best of the asynchronous and synchronous searches), training sized for the
+    objective: the plan search's ``pipelined`` mode), training sized for the
     longest packed batch of ``steps`` (5% over its mean length, at most ``training.seq_len``).
     Two stages, as the search's own: every count of :func:`train_counts` is screened with
     one rollout TP size at a time, and the best ``2 × top`` counts, with the search's own
