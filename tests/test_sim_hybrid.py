@@ -38,3 +38,18 @@ def test_a_lent_replica_trains_on_a_dp_size_that_does_not_divide_the_batch(train
     libra = train_bound.runs["libra"]
     dps = {r["train_gpus"] // 2 for r in libra.rows}  # TP1 PP2: 2 GPUs per replica
     assert any(train_bound.cfg.batch_size % dp for dp in dps), dps
+
+
+def test_a_replica_released_between_training_steps_serves_rollout_again():
+    """a800-swe-drift-mirror: a replica lent at step 4 is sent back while no training step
+    runs (releasing → rollout at once). Its instances must serve again: they stayed lent,
+    8 of 48 GPUs idle for 30 steps, before the simulator unblocked them on that path."""
+    cfg = load_sim_config(ROOT / "configs" / "sim" / "a800-swe-drift-mirror.yaml", {"rl.steps": 12})
+    libra = run_scenario(cfg, ["libra"]).runs["libra"]
+    back = [e["time"] for e in libra.events if e.get("kind") == "hybrid_transition"
+            and e["from_state"] == "releasing" and e["to_state"] == "rollout"]
+    assert back, "the scenario no longer releases a replica: pick another that does"
+    gpus = cfg.cluster.nodes * cfg.cluster.gpus_per_node
+    later = [r for r in libra.rows if r["rollout_start"] > back[0]]
+    assert later and all(r["rollout_gpus"] + r["train_gpus"] == gpus for r in later), \
+        [(r["step"], r["rollout_gpus"], r["train_gpus"]) for r in later]

@@ -519,8 +519,9 @@ class PolicyRun:
                 empty = self.rollout.block(self._instances_of(e.replica), now)
                 if len(empty) == len(self._instances_of(e.replica)):
                     events += self._replica_drained(e.replica, now)
-            elif e.to_state == "releasing" and not self.training:
+            elif e.to_state == "releasing" and not self.training:  # no step to finish: serve again now
                 self._progress(e.replica, now)
+                events += self.rollout.unblock(self._instances_of(e.replica), now)
             elif e.to_state == "rollout":  # a join abandoned: serve again
                 events += self.rollout.unblock(self._instances_of(e.replica), now)
         self._record_allocation(now, "hybrid pool")
