@@ -71,7 +71,7 @@ yet. Kept here, in one place, instead of in the field descriptions; update it wi
   `grad_clip`, `ppo_clip`, `distributed_optimizer`, `seq_len`, `rollout.max_new_tokens`,
   `temperature`, `kv_cache_gib`), `planner` (the control loop the simulator runs too,
   through `ControlOptions.from_config`, libra_hpc/planner/options.py: the prior, the
-  replanning gate, `window`, `memory_headroom`, `replan`, `reconfig_s`, `price_migrations`,
+  replanning gate, `window`, `memory_headroom`, `replan`, `reconfig_s`, `price_drain`, `price_migrations`,
   the hybrid pool's `min_rollout_gpus` and `hybrid_margin`), `parallel`, the C-MLFQ queue and router
   (`scheduler.policy`, `tree_window`, `min_samples`, `rebuild_every`, `predictor_noise`,
   `affinity_tokens`, `bucket_token_limits`, `lease_s`, `max_batch`, `size_thresholds`,

@@ -76,9 +76,16 @@ class PlannerConfig(_Section):
     the current plan through the gate. false: only the hybrid pool moves GPUs. (The job's
     switch: in a simulator scenario each policy says whether it re-plans.)"""
     reconfig_s: float = Field(30.0, ge=0)
-    """Seconds a re-plan is assumed to cost (the pipeline drains, ranks re-form): the gate
-    weighs a candidate's gain against it. (The job's: a simulator scenario charges
-    ``costs.reconfig_s``.)"""
+    """Seconds a re-plan is assumed to pause the job (ranks re-form, engines restart): the
+    gate weighs a candidate's gain against it and the drain (``price_drain``). (The job's:
+    a simulator scenario charges ``costs.reconfig_s``.)"""
+    price_drain: bool = True
+    """The gate also weighs a re-plan's gain against draining the pipeline for it: no batch
+    is submitted until those in flight are trained, and the first on the new layout rolls
+    out before anything trains, one rollout and one training step in series where the
+    pipeline overlaps them (libra_hpc/planner/pipeline.py ``switch_drain_s``, at the last
+    measured times). false: only ``reconfig_s`` (the gate before this option; a test that
+    forces a re-plan sets it)."""
     price_migrations: bool = True
     """With C-MLFQ routing (``scheduler.policy: cmlfq``), price its migrations in the plan
     valuation: a trajectory whose remaining tokens cross the limits of the buckets a plan

@@ -208,7 +208,8 @@ def test_partial_rollout_trains_every_group_once_within_the_staleness_bound_acro
 
 
 REPLAN = ("--set", "planner.replan=true", "--set", "planner.every_steps=1", "--set", "planner.confirm_checks=1", "--set", "planner.margin_s=0",
-          "--set", "planner.reconfig_s=0", "--set", "planner.min_dwell_steps=0", "--set", "planner.min_gain=0",
+          "--set", "planner.reconfig_s=0", "--set", "planner.price_drain=false", "--set", "planner.min_dwell_steps=0",
+          "--set", "planner.min_gain=0",
           "--set", "planner.hybrid_nodes=0",
           # Steps 0-1 train 4 passes over their batch (training-bound: the plan search's win is
           # clear, not the few milliseconds it is on this rollout-bound job, which a loaded CI

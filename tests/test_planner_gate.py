@@ -5,6 +5,7 @@ that grow, then shrink."""
 from __future__ import annotations
 
 import random
+from pathlib import Path
 
 import pytest
 
@@ -228,3 +229,49 @@ def test_the_gate_reads_the_error_of_every_kind_the_run_fitted():
     assert model_error(Calibration()) == 0.0
     assert model_error(Calibration(fit_errors=(("train", 0.2), ("chain", 0.6)))) == 0.6
     assert model_error(Calibration(fit_errors=(("decode", 0.1),))) == 0.1
+
+
+@pytest.mark.parametrize("t_train, t_rollout, k, groups, drain", [
+    (0.5, 1.0, 0, 0, 0.0),      # synchronous: nothing overlaps, nothing to drain
+    (0.5, 1.0, 1, 0, 0.75),     # rollout-bound, step (M + T) / 2: the series M + T costs one step more
+    (3.0, 1.0, 1, 0, 1.0),      # training-bound, step T: the rollout of the first new batch
+    (0.5, 1.0, 1, 4, 0.5625),   # streamed: only the last group's share T / G follows the rollout
+])
+def test_the_drain_of_a_change_is_a_rollout_and_a_training_step_in_series(t_train, t_rollout, k, groups, drain):
+    from libra_hpc.planner.pipeline import switch_drain_s
+
+    assert switch_drain_s(t_train, t_rollout, k, groups) == pytest.approx(drain)
+
+
+def test_the_gate_weighs_a_replan_against_the_pipelines_drain():
+    """A re-plan stops the pipeline: the gate counts that drain (at the last measured times)
+    with ``reconfig_s``. On a800-swe with a prior far shorter than what is observed, the
+    search's plan saves 44 s a step, less than the 164 s drain: kept over a one-step
+    horizon; ``planner.price_drain: false`` applies it."""
+    import math
+
+    from libra_hpc.planner.control import ControlLoop, length_profile
+    from libra_hpc.planner.costs import LengthSample
+    from libra_hpc.planner.search import RLBatch, reprice
+    from libra_hpc.sim.config import load_sim_config
+
+    gate = {"planner.hybrid_nodes": 0, "planner.every_steps": 1, "planner.confirm_checks": 1, "planner.margin_s": 0,
+            "planner.min_dwell_steps": 0, "planner.min_gain": 0, "planner.prior": {"gen_tokens_median": 200, "turns": 2}}
+    decided = {}
+    for price in (True, False):
+        cfg = load_sim_config(Path(__file__).resolve().parent.parent / "configs" / "sim" / "a800-swe.yaml",
+                              {**gate, "planner.price_drain": price})
+        loop = ControlLoop.from_config(cfg, reconfig_s=0.0)
+        loop.initial()
+        loop.observe([LengthSample(2000, 8000, 10, 30.0)] * 256)
+        o = loop.o
+        lengths = length_profile(list(loop.window), o.global_batch)
+        now = reprice(loop.plan, loop.model, loop.hw, o.gpus_per_node, lengths, loop.cal,
+                      RLBatch(o.global_batch, math.ceil(lengths.mean_seq_tokens)), in_flight=o.max_staleness + 1,
+                      length_aware=o.length_aware_routing, migration=o.migration)
+        out = loop.after_rollout(1, 0.0, now.t_rollout, now.t_train)  # measured as predicted: scale 1
+        gain = loop.considered[-1]["current_objective_s"] - loop.considered[-1]["candidate_objective_s"]
+        decided[price] = (out.change is not None, gain, loop.drain_s())
+    (kept, gain, drain), (applied, _, free) = decided[True], decided[False]
+    assert 0 < gain < drain and free == 0.0, decided
+    assert not kept and applied, decided

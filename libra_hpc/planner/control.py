@@ -54,7 +54,7 @@ from libra_hpc.planner.options import feasible_tps as feasible_tps
 from libra_hpc.planner.options import profiles as profiles
 from libra_hpc.planner.pipeline import moved_times as moved_times
 from libra_hpc.planner.pipeline import pipelined_step_s as pipelined_step_s
-from libra_hpc.planner.pipeline import rollout_side_s
+from libra_hpc.planner.pipeline import rollout_side_s, switch_drain_s
 from libra_hpc.planner.profiles import HardwareProfile, ModelProfile
 from libra_hpc.planner.reshard import TrainingResharder, memory_need, memory_short, resharded
 from libra_hpc.planner.search import Plan, PlanError, PlannerOptions, PlanResult, RLBatch, reprice
@@ -242,6 +242,15 @@ class ControlLoop:
         lent = len(self.pool.training_replicas()) if self.pool is not None else 0
         return grown(self.plan.train, lent)
 
+    def drain_s(self) -> float:
+        """What draining the pipeline for a layout change costs at the last measured times
+        (:func:`~libra_hpc.planner.pipeline.switch_drain_s`; 0 before a training step is
+        measured): the gate weighs a change's gain against it and ``reconfig_s``."""
+        if not self.o.price_drain or self.measured is None or self.measured[1] is None:
+            return 0.0
+        makespan, t_train = self.measured
+        return switch_drain_s(t_train, makespan, self.o.max_staleness, self.o.stream_groups)
+
     # ------------------------------------------------------------------ internals
     def _consider(self, step: int, pressure: dict,
                   future: Callable[[], LengthProfile | None] | None) -> LayoutChange | None:
@@ -287,8 +296,8 @@ class ControlLoop:
         valuation = self.valuation()
         model_s = valuation.step_objective(now_plan.t_train, now_plan.t_rollout)  # the cost models' own prediction
         now_plan = replace(now_plan, objective=valuation.pooled_objective(now_plan, self.pool))
-        decision = self.gate.consider(step, now_plan.objective, candidate, o.reconfig_s, pressure, current=self.plan,
-                                      model_error=model_error(self.cal))
+        decision = self.gate.consider(step, now_plan.objective, candidate, o.reconfig_s + self.drain_s(), pressure,
+                                      current=self.plan, model_error=model_error(self.cal))
         self.considered.append({"step": step, "kind": "replan_check", "trigger": decision.trigger,
                                 "apply": decision.apply, "reason": decision.reason,
                                 "current_objective_s": now_plan.objective, "model_step_s": model_s,

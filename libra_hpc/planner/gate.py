@@ -4,7 +4,7 @@ A check runs every ``every_steps`` steps, or earlier on a pressure event: the ro
 queue deeper than ``queue_depth_threshold``, or the rollout / training time ratio outside
 ``ratio_band`` (one side waits on the other). At a check the candidate is applied only when
 
-    (current objective − candidate objective) × every_steps − reconfiguration cost > margin_s
+    (current objective − candidate objective) × every_steps − switch cost > margin_s
 
 i.e. the time it saves until the next check pays for the move with room to spare, and
 with hysteresis, so that a workload alternating between two shapes does not flap:
@@ -119,7 +119,8 @@ class ReplanGate:
                  pressure: Mapping[str, float] | None = None, current: Plan | None = None,
                  model_error: float = 0.0) -> Decision:
         """Whether to apply ``candidate`` now instead of the current plan, whose objective
-        re-costed on today's observations is ``current_objective_s``. ``current`` (optional)
+        re-costed on today's observations is ``current_objective_s``. ``reconfig_cost_s``:
+        what the switch costs (the control loop's: the pause and the pipeline's drain). ``current`` (optional)
         lets the hysteresis count checks by direction instead of by identical candidate.
         ``model_error``: the cost models' relative error measured by this run (its fitted
         calibration, :func:`~libra_hpc.planner.control.model_error`); with ``min_gain`` > 0
@@ -133,7 +134,7 @@ class ReplanGate:
         new = candidate.plan
         gain = current_objective_s - new.objective
         net = gain * o.every_steps - reconfig_cost_s
-        money = (f"gain {gain:.3g} s/step × {o.every_steps} steps − reconfiguration {reconfig_cost_s:.3g} s "
+        money = (f"gain {gain:.3g} s/step × {o.every_steps} steps − switch {reconfig_cost_s:.3g} s "
                  f"= {net:.3g} s")
         if net <= o.margin_s:
             self.pending, self.streak = None, 0

@@ -54,7 +54,9 @@ class ControlOptions:
     """Training shapes must fit sequences this many times the observed mean (packed)
     length, up to ``seq_len``; a running shape that no longer does is replaced at once."""
     reconfig_s: float = 30.0
-    """Seconds a layout change costs (the gate weighs the gain against it)."""
+    """Seconds a layout change pauses the job (the gate weighs the gain against it)."""
+    price_drain: bool = True
+    """The gate also counts the pipeline's drain for a change (``planner.price_drain``)."""
     hybrid_timeouts: PhaseTimeouts = PhaseTimeouts()
     replan: bool = True
     hybrid: bool = True
@@ -108,7 +110,7 @@ class ControlOptions:
             seed=cfg.rl.seed, hybrid_nodes=p.hybrid_nodes, min_rollout_gpus=p.min_rollout_gpus, window=p.window,
             gate=GateOptions(every_steps=p.every_steps, margin_s=p.margin_s, confirm_checks=p.confirm_checks,
                              min_dwell_steps=p.min_dwell_steps, min_gain=p.min_gain),
-            hybrid_margin=p.hybrid_margin, memory_headroom=p.memory_headroom,
+            hybrid_margin=p.hybrid_margin, memory_headroom=p.memory_headroom, price_drain=p.price_drain,
             on_memory=cfg.parallel.on_memory, tp_hysteresis=cfg.parallel.hysteresis,
             tp_confirm=cfg.parallel.confirm_checks,
             stream_groups=cfg.rl.stream_groups,

@@ -28,6 +28,17 @@ def rollout_side_s(makespan_s: float, k: int, stream_groups: int = 0) -> float:
     return makespan_s / (k + 1 - 1 / stream_groups) if stream_groups > 0 else makespan_s / max(1, k)
 
 
+def switch_drain_s(t_train: float, t_rollout: float, k: int, stream_groups: int = 0) -> float:
+    """Seconds a layout change costs the pipeline besides its pause: no batch is submitted
+    until the batches in flight are rolled out and trained (rollout idles through the last
+    one's training), and the first batch on the new layout rolls out before anything
+    trains (training idles): one rollout makespan and one training step (its last group's
+    share, streamed) in series where the pipeline overlaps them in one step,
+    ``T_rollout + tail - pipelined_step_s`` (0 synchronously, k = 0: nothing overlaps)."""
+    tail = t_train / stream_groups if stream_groups > 0 else t_train
+    return max(0.0, t_rollout + tail - pipelined_step_s(t_train, t_rollout, k, stream_groups))
+
+
 def moved_times(t_train: float, t_roll: float, dp: int, rollout_gpus: int, size: int,
                 replicas: int) -> tuple[float, float]:
     """Training and rollout time once ``replicas`` hybrid replicas of ``size`` GPUs move
