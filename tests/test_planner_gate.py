@@ -64,6 +64,19 @@ def test_apply_only_when_gain_over_horizon_minus_cost_beats_the_margin():
     assert not gate.consider(20, 100.0, candidate(120.0), 0.0).apply
 
 
+def test_a_gate_checking_every_step_counts_the_gain_over_its_horizon():
+    """Checked every step, a change saving 50 s a step does not pay a 200 s switch in one
+    step; over a 10-step horizon it does (the clairvoyant policy's gate: counted over one
+    step, it never left a layout twice as slow)."""
+    myopic = ReplanGate(GateOptions(every_steps=1, margin_s=0.0, confirm_checks=1, min_dwell_steps=0))
+    assert not myopic.consider(0, 100.0, candidate(50.0), 200.0).apply
+    gate = ReplanGate(GateOptions(every_steps=1, margin_s=0.0, confirm_checks=1, min_dwell_steps=0, horizon_steps=10))
+    d = gate.consider(0, 100.0, candidate(50.0), 200.0)
+    assert d.apply and d.net_gain_s == pytest.approx(300.0) and "× 10 steps" in d.reason
+    with pytest.raises(ValueError, match="GateOptions"):
+        GateOptions(horizon_steps=0)
+
+
 def test_no_flapping_under_alternating_candidates():
     gate = ReplanGate(OPT)
     a, b = candidate(60.0, train_gpus=8), candidate(60.0, train_gpus=4)

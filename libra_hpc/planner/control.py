@@ -78,7 +78,8 @@ class ControlLoop:
         self.model, self.hw, self.o = model, hw, options
         self.cal = calibration or Calibration()
         self.window: deque[LengthSample] = deque(maxlen=options.window)
-        self.gate = ReplanGate(GateOptions(every_steps=1, margin_s=0.0, confirm_checks=1, min_dwell_steps=0)
+        self.gate = ReplanGate(GateOptions(every_steps=1, margin_s=0.0, confirm_checks=1, min_dwell_steps=0,
+                                           horizon_steps=options.gate.every_steps)
                                if options.clairvoyant else options.gate)
         self.lending = HybridLending(options.hybrid_margin)
         """The hybrid pool's gate and the lend on trial."""

@@ -4,7 +4,9 @@ A check runs every ``every_steps`` steps, or earlier on a pressure event: the ro
 queue deeper than ``queue_depth_threshold``, or the rollout / training time ratio outside
 ``ratio_band`` (one side waits on the other). At a check the candidate is applied only when
 
-    (current objective − candidate objective) × every_steps − switch cost > margin_s
+    (current objective − candidate objective) × horizon − switch cost > margin_s
+
+(``horizon``: ``horizon_steps``, by default ``every_steps``)
 
 i.e. the time it saves until the next check pays for the move with room to spare, and
 with hysteresis, so that a workload alternating between two shapes does not flap:
@@ -34,7 +36,8 @@ class GateOptions:
     """Knobs of the replanning gate. Candidates for ``PlannerConfig`` fields (see the report)."""
 
     every_steps: int = 10
-    """Periodic check interval K, steps; also the horizon the gain is counted over."""
+    """Periodic check interval K, steps; also the horizon the gain is counted over unless
+    ``horizon_steps`` says otherwise."""
     queue_depth_threshold: int = 256
     """Trajectories waiting for a rollout instance above which a check runs at once."""
     ratio_band: tuple[float, float] = (0.8, 1.25)
@@ -45,6 +48,11 @@ class GateOptions:
     """Consecutive checks the same candidate must win before it is applied (1: at once)."""
     min_dwell_steps: int = 20
     """Steps after an applied change during which no other change is applied."""
+    horizon_steps: int | None = None
+    """Steps a change's gain is counted over (None: ``every_steps``). A gate that checks
+    every step (the clairvoyant policy's) still values a change over the configured
+    horizon: counted over one step, no gain ever paid a drain of two steps' time, and it
+    stayed on a layout twice as slow for 50 steps."""
     min_gain: float = 0.0
     """Share of the current plan's predicted step a change of the rollout instances must
     save per step: a smaller predicted gain is within the rollout model's error and is
@@ -52,7 +60,8 @@ class GateOptions:
 
     def __post_init__(self) -> None:
         lo, hi = self.ratio_band
-        if (self.every_steps < 1 or self.confirm_checks < 1 or self.min_dwell_steps < 0 or self.margin_s < 0
+        if (self.every_steps < 1 or (self.horizon_steps is not None and self.horizon_steps < 1)
+                or self.confirm_checks < 1 or self.min_dwell_steps < 0 or self.margin_s < 0
                 or not 0 <= self.min_gain < 1):
             raise ValueError(f"GateOptions: every_steps, confirm_checks >= 1, min_dwell_steps, margin_s >= 0, "
                              f"0 <= min_gain < 1: {self}")
@@ -133,8 +142,9 @@ class ReplanGate:
         self.last_check = step
         new = candidate.plan
         gain = current_objective_s - new.objective
-        net = gain * o.every_steps - reconfig_cost_s
-        money = (f"gain {gain:.3g} s/step × {o.every_steps} steps − switch {reconfig_cost_s:.3g} s "
+        horizon = o.horizon_steps or o.every_steps
+        net = gain * horizon - reconfig_cost_s
+        money = (f"gain {gain:.3g} s/step × {horizon} steps − switch {reconfig_cost_s:.3g} s "
                  f"= {net:.3g} s")
         if net <= o.margin_s:
             self.pending, self.streak = None, 0
