@@ -184,6 +184,28 @@ def test_off_policy_gap_and_truncated_importance_weights_match_a_hand_computatio
         PolicyBatch(torch.zeros(1, 3, dtype=torch.long), mask[:, :2], adv[:, :2], is_cap=2.0)
 
 
+
+def test_the_rollout_gap_is_never_negative_for_tiny_gaps_in_float32():
+    """exp(δ) - 1 - δ in float32 gave -5e-11 for δ near 1e-5 (CI's job test asserted
+    ``logprob_gap_kl >= 0`` and failed); the k3 estimate is >= 0 term by term and stays so."""
+    import torch
+
+    from libra_hpc.engines.train.loss import policy_gradient_loss
+
+    rng = torch.Generator().manual_seed(0)
+    logp = -torch.rand((64, 256), generator=rng, dtype=torch.float32) * 5
+    old = logp - (torch.rand((64, 256), generator=rng, dtype=torch.float32) - 0.5) * 4e-5
+    mask = torch.ones_like(logp)
+    _, _, report = policy_gradient_loss(logp, torch.zeros_like(logp), mask, old, 0.2)
+    truth = ((logp - old).double() ** 2 / 2).sum().item()  # k3 ≈ δ² / 2 for small δ
+    naive = ((torch.exp(logp - old) - 1.0 - (logp - old)) * mask).sum().item()
+    assert report["gap_kl"].item() == pytest.approx(truth, rel=0.05)
+    assert abs(naive - truth) > 10 * truth  # float32 rounding of exp(δ) - 1 swamps δ² / 2
+    for delta in (1e-5, -1e-5, 3e-6):
+        one = torch.tensor([[-1.0]])
+        _, _, report = policy_gradient_loss(one, torch.zeros_like(one), torch.ones_like(one), one - delta, 0.2)
+        assert report["gap_kl"].item() >= 0.0
+
 def test_the_correction_is_an_rl_option_that_reaches_the_batch():
     from libra_hpc.config import RLConfig
 

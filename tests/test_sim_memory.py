@@ -40,10 +40,14 @@ def test_a_plan_fits_the_length_the_batch_can_reach():
 
 @pytest.fixture(scope="module")
 def growth():
-    """Libra over context-growth's 60 steps, and beside it (as ``static_pilot``) one of the
-    best plans for the first 5 batches with training sized for them alone, fixed: the best
-    whose shape cannot hold the contexts of step 50 even with recomputation."""
-    cfg = load_sim_config(GROWTH)
+    """Libra over context-growth's 60 steps from a prior far shorter than the first batches
+    (so that its first training shape is sized for short contexts and must move when they
+    grow; from the scenario's own prior it starts on a shape that holds all 60 steps), and
+    beside it (as ``static_pilot``) one of the best plans for the first 5 batches with
+    training sized for them alone, fixed: the best whose shape cannot hold the contexts of
+    step 50 even with recomputation."""
+    cfg = load_sim_config(GROWTH, {"planner.prior": {"prompt_tokens": 1000, "gen_tokens_median": 300,
+                                                     "tail_shape": 1.5, "turns": 2, "tool_s_per_turn": 2.0}})
     result = run_scenario(cfg, ["libra"])
     ctx = Context(cfg)
     late = statistics.fmean(t.total_tokens for t in ctx.batch(50))
