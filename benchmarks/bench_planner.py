@@ -32,12 +32,12 @@ import time
 
 from libra_hpc.cluster.layout import Slot, check_layout
 from libra_hpc.planner.costs import LengthProfile, LengthSample
+from libra_hpc.planner.exhaustive import exhaustive
 from libra_hpc.planner.profiles import load_hardware, load_model
 from libra_hpc.planner.search import (
     PlanError,
     PlannerOptions,
     RLBatch,
-    exhaustive,
     plan,
     plan_to_layout,
 )

@@ -16,13 +16,13 @@ from libra_hpc.planner.costs import (
     RolloutCost,
     TrainingCost,
 )
+from libra_hpc.planner.exhaustive import exhaustive
 from libra_hpc.planner.pipeline import pipelined_step_s
 from libra_hpc.planner.profiles import load_hardware, load_model
 from libra_hpc.planner.search import (
     PlanError,
     PlannerOptions,
     RLBatch,
-    exhaustive,
     objective,
     plan,
     plan_to_layout,

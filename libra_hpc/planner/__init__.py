@@ -12,6 +12,7 @@ from libra_hpc.planner.calibration import Calibration, TimingRecord, fit_calibra
 from libra_hpc.planner.control import ControlLoop
 from libra_hpc.planner.costs import RolloutCost, TrainingCost, TrainShape, rollout_makespan
 from libra_hpc.planner.decisions import LayoutChange
+from libra_hpc.planner.exhaustive import exhaustive
 from libra_hpc.planner.gate import Decision, GateOptions, ReplanGate
 from libra_hpc.planner.hybrid import HybridPool, HybridPoolError, HybridReplica, PhaseTimeouts, PoolEvent
 from libra_hpc.planner.lengths import LengthProfile, LengthSample
@@ -23,7 +24,6 @@ from libra_hpc.planner.search import (
     PlannerOptions,
     PlanResult,
     RLBatch,
-    exhaustive,
     plan,
     plan_to_layout,
     reprice,

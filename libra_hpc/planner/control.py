@@ -276,7 +276,7 @@ class ControlLoop:
         now_plan = reprice(self.plan, self.model, self.hw, o.gpus_per_node, lengths, self.cal,
                            RLBatch(o.global_batch, math.ceil(lengths.mean_seq_tokens)),  # as best_plan's
                            in_flight=o.max_staleness + 1, length_aware=o.length_aware_routing,
-                           migration=o.migration)
+                           migration=o.migration, stream_groups=o.stream_groups)
         lent = len(self.pool.training_replicas()) if self.pool is not None else 0
         self.scale = measured_scale(self.measured, now_plan, lent, self.pool.replica_size if lent else 0)
         try:

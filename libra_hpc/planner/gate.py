@@ -129,8 +129,9 @@ class ReplanGate:
                  model_error: float = 0.0) -> Decision:
         """Whether to apply ``candidate`` now instead of the current plan, whose objective
         re-costed on today's observations is ``current_objective_s``. ``reconfig_cost_s``:
-        what the switch costs (the control loop's: the pause and the pipeline's drain). ``current`` (optional)
-        lets the hysteresis count checks by direction instead of by identical candidate.
+        what the switch costs (the control loop's: the pause and the pipeline's drain).
+        ``current`` (optional) lets the hysteresis count checks by direction instead of by
+        identical candidate.
         ``model_error``: the cost models' relative error measured by this run (its fitted
         calibration, :func:`~libra_hpc.planner.control.model_error`); with ``min_gain`` > 0
         a rollout change must save more than the larger of the two."""

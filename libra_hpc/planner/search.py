@@ -23,7 +23,8 @@ Search (:func:`plan`):
    sizes (step sizes halving) from the best screened start. At most ``refine_top``
    candidates are refined; the rest keep their screened objective and lose as
    "not refined".
-On clusters of up to 16 GPUs this is exact (checked against :func:`exhaustive`, which
+On clusters of up to 16 GPUs this is exact (checked against
+:func:`~libra_hpc.planner.exhaustive.exhaustive`, which
 enumerates every training shape × every per-node partition without pruning).
 
 Objective: ``max(T_train, T_rollout)`` for asynchronous training with rollout and training
@@ -535,53 +536,6 @@ def reprice(p: Plan, model: ModelProfile, hardware: HardwareProfile, gpus_per_no
     tr = rollout_makespan(pools, lengths, in_flight=in_flight, length_aware=length_aware,
                           migration=migration).makespan_s
     return replace(p, t_train=tt, t_rollout=tr, objective=objective(tt, tr, p.mode, in_flight, stream_groups))
-
-
-# ---------------------------------------------------------------------- exhaustive
-
-
-def _partitions(size: int, parts: Sequence[int]) -> list[tuple[int, ...]]:
-    """Multisets of ``parts`` (descending) summing to ``size``."""
-    if size == 0:
-        return [()]
-    return [(p, *rest) for i, p in enumerate(parts) if p <= size
-            for rest in _partitions(size - p, parts[i:])]
-
-
-def exhaustive(model: ModelProfile, hardware: HardwareProfile, nodes: int, gpus_per_node: int,
-               lengths: LengthProfile, batch: RLBatch, *, mode: Mode = "async",
-               options: PlannerOptions = PlannerOptions(), calibration: Calibration = DEFAULT) -> tuple[float, str]:
-    """Reference optimum for small clusters (<= 16 GPUs): every training shape (with
-    recomputation when it does not fit otherwise) × every choice of per-node partitions of
-    the free slots into rollout instances, no pruning, no memo of best per size. Returns
-    (objective, description)."""
-    _check_args(nodes, gpus_per_node, mode, options)
-    if nodes * gpus_per_node > 16:
-        raise PlanError(f"exhaustive() is for <= 16 GPUs, got {nodes * gpus_per_node}")
-    hw = hardware.model_copy(update={"gpus_per_node": gpus_per_node})
-    s = _Search(model, hw, nodes, gpus_per_node, lengths, batch, mode, options, calibration)
-    best: tuple[float, str] = (math.inf, "nothing fits")
-    seen: dict[tuple[int, ...], float] = {}
-    for shape in s.train_shapes():
-        cost = fitting_training_cost(model, hw, shape, calibration)
-        if cost.infeasible:
-            continue
-        whole, partial = _free_shape(shape.gpus, nodes, gpus_per_node)
-        sizes = ([partial] if partial else []) + [gpus_per_node] * whole
-        for choice in itertools.product(*(_partitions(z, s.tps) for z in sizes)):
-            flat = tuple(sorted((tp for part in choice for tp in part), reverse=True))
-            if not flat:
-                continue
-            if flat not in seen:  # the makespan depends on the multiset only; memo, not pruning
-                pools = [(s.costs[tp], flat.count(tp)) for tp in s.tps if tp in flat]
-                seen[flat] = rollout_makespan(pools, lengths, in_flight=options.in_flight,
-                                              length_aware=options.length_aware,
-                                              migration=options.migration).makespan_s
-            tr = seen[flat]
-            o = s.objective(cost.step_s, tr)
-            if o < best[0]:
-                best = (o, f"{cost.shape} rollout {list(flat)}")
-    return best
 
 
 # ------------------------------------------------------------------------- layout

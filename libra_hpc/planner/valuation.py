@@ -4,8 +4,8 @@ The plan search (:mod:`libra_hpc.planner.search`) prices training and rollout wi
 cost models and knows nothing of the pipeline or the hybrid pool. A :class:`PlanValuation`
 weighs its plans as the run will see them: the pipelined step at this run's staleness
 (:func:`~libra_hpc.planner.pipeline.pipelined_step_s`, the objective the search itself
-minimises in its ``pipelined`` mode), the hybrid pool's worth (a replica lent where that shortens the
-step), and the cost models' error measured on the running plan.
+minimises in its ``pipelined`` mode), the hybrid pool's worth (a replica lent where that
+shortens the step), and the cost models' error measured on the running plan.
 """
 
 from __future__ import annotations
@@ -130,7 +130,7 @@ class PlanValuation:
                 continue
             candidate = reprice(candidate, self.model, self.hw, o.gpus_per_node, lengths, self.cal, batch,
                                 in_flight=o.max_staleness + 1, length_aware=o.length_aware_routing,
-                                migration=o.migration)
+                                migration=o.migration, stream_groups=o.stream_groups)
             candidate = replace(candidate, objective=self.pooled_objective(candidate, pool))
             if candidate.objective < best.objective:
                 best = candidate
@@ -162,8 +162,7 @@ class PlanValuation:
         best = None
         for tp in self.o.rollout_tps:
             try:
-                r = self.best_plan(prior, PlannerOptions(rollout_tps=(tp,), min_rollout_gpus=self.o.min_rollout_gpus,
-                                                         in_flight=self.o.max_staleness + 1))
+                r = self.best_plan(prior, PlannerOptions(rollout_tps=(tp,), min_rollout_gpus=self.o.min_rollout_gpus))
             except PlanError:
                 continue
             if best is None or r.plan.objective < best[0]:

@@ -13,8 +13,8 @@ training, mixed rollout TP instances; libra_hpc/planner/search.py) and choose by
 simulation (libra_hpc/sim/baselines.py runs them):
 
 - :func:`top_plans`: the plan search's best plans, one per training GPU count, valued as
-  the control loop values them (the plan search's ``pipelined`` objective), on the lengths of the given batches, training sized for the
-  longest batch's packed length;
+  the control loop values them (the plan search's ``pipelined`` objective), on the
+  lengths of the given batches, training sized for the longest batch's packed length;
 - :func:`pilot_plan`: the planner's choice on the first batches, training sized for
   ``training.seq_len``;
 - :func:`best_simulated`: each candidate simulated on the batches it is for (from a cold
