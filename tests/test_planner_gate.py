@@ -288,3 +288,19 @@ def test_the_gate_weighs_a_replan_against_the_pipelines_drain():
     (kept, gain, drain), (applied, _, free) = decided[True], decided[False]
     assert 0 < gain < drain and free == 0.0, decided
     assert not kept and applied, decided
+
+
+def test_the_running_plans_scale_is_measured_while_a_replica_is_lent():
+    """With a hybrid replica training, the measured times are those of the moved layout:
+    they are set against the plan's times moved as the pool moved them, not left at
+    (1, 1) (which let rollout run at 0.55-0.6 of its prediction unseen on a800-swe-drift)."""
+    from libra_hpc.planner.pipeline import moved_times
+    from libra_hpc.planner.valuation import measured_scale
+
+    now = candidate(100.0).plan  # 8 training GPUs (DP 4), 8 TP-1 rollout GPUs, 100 s each side
+    assert measured_scale((100.0, 100.0), now) == pytest.approx((1.0, 1.0))
+    assert measured_scale((50.0, 120.0), now) == pytest.approx((1.2, 0.5))
+    t_train, t_roll = moved_times(100.0, 100.0, 4, 8, 2, 1)  # one replica of 2 GPUs lent: 80 s, 133 s
+    assert measured_scale((t_roll, t_train), now, lent=1, replica_size=2) == pytest.approx((1.0, 1.0))
+    assert measured_scale((t_roll * 0.5, t_train), now, lent=1, replica_size=2) == pytest.approx((1.0, 0.5))
+    assert measured_scale((50.0, 50.0), now, lent=4, replica_size=2) == (1.0, 1.0)  # no rollout left to measure
