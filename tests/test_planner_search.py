@@ -188,3 +188,32 @@ def test_reprice_drops_recomputation_the_shorter_batch_does_not_need():
     current = plan(Q14, A800, 6, 8, LP, BATCH).plan
     recomputing = replace(current, train=replace(current.train, recompute=True))
     assert reprice(recomputing, Q14, A800, 8, LP, batch=BATCH).t_train == pytest.approx(current.t_train)
+
+
+def test_training_is_priced_on_the_share_the_step_trains():
+    """GRPO groups left out of training (every reward equal, ``rl.filter_zero_variance``):
+    rollout still generates them, training does not see them. A profile whose samples are
+    a third trained prices training on that third (fewer GPUs to training, the same
+    rollout makespan for the same instances); its plan keeps the whole batch's shape."""
+    from dataclasses import replace
+
+    from libra_hpc.planner.search import reprice
+    rng = random.Random(3)
+    base = [LengthSample(rng.randint(200, 1500), max(1, int(0.25 * min(8000, rng.paretovariate(1.3) * 600))),
+                         rng.randint(1, 4), rng.uniform(0, 10)) for _ in range(256)]  # training-heavy
+    third = [x._replace(trained=i % 3 == 0) for i, x in enumerate(base)]
+    whole, part = (LengthProfile.from_samples(s, 256, buckets=16) for s in (base, third))
+    assert whole.trained_share == 1.0 and part.trained_share == pytest.approx(86 / 256)
+    assert RLBatch.of(256, whole) == RLBatch(256, math.ceil(whole.mean_seq_tokens))  # as before: nothing left out
+    batch = RLBatch.of(256, part)
+    assert batch.trained == 86 and batch.seq_len == math.ceil(
+        sum(x.prompt_len + x.gen_len for x in third if x.trained) / 86)
+    p_whole = plan(Q14, A800, 6, 8, whole, RLBatch.of(256, whole)).plan
+    p_part = plan(Q14, A800, 6, 8, part, batch).plan
+    assert p_part.train_gpus < p_whole.train_gpus, (p_part.describe(), p_whole.describe())
+    assert p_part.train.global_batch == 256 and not p_part.train.uneven  # the plan's shape: the whole batch
+    same = reprice(p_whole, Q14, A800, 8, part, batch=batch)
+    trained_shape = replace(p_whole.train, global_batch=86, seq_len=batch.seq_len, uneven=True)
+    assert same.t_train == pytest.approx(TrainingCost(Q14, A800, trained_shape).step_s)
+    assert same.t_train < p_whole.t_train
+    assert same.t_rollout == pytest.approx(reprice(p_whole, Q14, A800, 8, whole).t_rollout)

@@ -133,3 +133,54 @@ def test_bad_points_are_refused_saying_why(points, says):
     with pytest.raises(ConfigError, match="workload.drift.turn_tokens") as err:
         load_sim_config(SWE, {"workload.drift.turn_tokens": points})
     assert says in str(err.value)
+
+
+def test_solve_rates_give_rewards_and_the_trainer_leaves_uniform_groups_out():
+    """``workload.solve_rate``: every sample gets a 0/1 reward from its prompt's solve rate
+    (drawn apart: the turns and tool calls are those of the batch without rewards), and
+    the simulator's trainer leaves out the groups whose rewards are all equal, as the
+    job's does (``rl.filter_zero_variance``); ``drift.solve_rate`` moves how many."""
+    from libra_hpc.sim.context import Context, samples_of, trained_of
+
+    plain = load_sim_config(SWE, {"rl.steps": 40})
+    rewarded = load_sim_config(SWE, {"rl.steps": 40, "workload.solve_rate": [0.0, 0.5],
+                                     "workload.drift.solve_rate": [[0, 0.2], [20, 1.0]]})
+    a, b = Context(plain).batch(30), Context(rewarded).batch(30)
+    assert repr(a) == repr(b) and all(t.reward is None and t.trained for t in a)
+    assert {t.reward for t in b} == {0.0, 1.0}
+    groups: dict[str, list] = {}
+    for t in b:
+        groups.setdefault(t.prompt_id, []).append(t)
+    for members in groups.values():
+        uniform = len({t.reward for t in members}) == 1
+        assert all(t.trained != uniform for t in members)
+    assert 0 < len(trained_of(b)) < len(b)
+    assert [x.trained for x in samples_of(b)] == [t.trained for t in b]  # what the planner is told
+    early, late = Context(rewarded).batch(0), Context(rewarded).batch(30)
+    assert sum(t.reward for t in early) < 0.5 * sum(t.reward for t in late)
+    assert len(trained_of(early)) < len(trained_of(late))
+    unfiltered = load_sim_config(SWE, {"rl.steps": 40, "workload.solve_rate": [0.0, 0.5],
+                                       "rl.filter_zero_variance": False})
+    assert all(t.trained for t in Context(unfiltered).batch(30))
+    with pytest.raises(ConfigError, match="solve_rate"):
+        load_sim_config(SWE, {"workload.solve_rate": [0.6, 0.2]})
+
+
+def test_a_simulated_step_trains_only_the_groups_it_keeps():
+    """The same batches, with most groups left out: training takes fewer GPU-seconds
+    (whatever split the search picks for each), and the bound (which counts the trained
+    sequences only) still holds."""
+    from libra_hpc.sim.context import Context
+    from libra_hpc.sim.run import run_scenario
+
+    short = {"rl.steps": 3, "rl.prompts_per_step": 8, "search.sample_steps": 1, "search.top_plans": 2}
+    plain = run_scenario(load_sim_config(SWE, short), policies=["static_hindsight"])
+    rare = run_scenario(load_sim_config(SWE, {**short, "workload.solve_rate": [0.0, 0.1]}),
+                        policies=["static_hindsight"])
+    kept = [t for j in range(3) for t in Context(rare.cfg).batch(j) if t.trained]
+    assert 0 < len(kept) < 0.6 * 3 * 64
+
+    def gpu_s(result):
+        return sum(r["train_s"] * r["train_gpus"] for r in result.runs["static_hindsight"].rows)
+    assert gpu_s(rare) < 0.75 * gpu_s(plain), (gpu_s(rare), gpu_s(plain))
+    assert rare.bound_violations() == {"static_hindsight": []}

@@ -42,7 +42,7 @@ from __future__ import annotations
 import math
 import random
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
@@ -150,9 +150,12 @@ class DriftSpec(_Section):
     (turns per episode: how long the agent keeps verifying)."""
     max_turns: Points | None = None
     """Multiplier on ``max_turns``, the turn budget per trajectory (rounded, at least 1)."""
+    solve_rate: Points | None = None
+    """Multiplier on each prompt's solve rate (``workload.solve_rate``; the policy learns
+    to solve more), capped at 0.95; no effect where rewards are not modelled."""
 
     @field_validator("prompt_tokens", "turn_tokens", "tool_output_tokens", "tool_latency", "error_rate",
-                     "bug_rate", "timeout_rate", "check_again", "max_turns")
+                     "bug_rate", "timeout_rate", "check_again", "max_turns", "solve_rate")
     @classmethod
     def _points(cls, points: Points | None) -> Points | None:
         if points is None:
@@ -174,7 +177,7 @@ class DriftSpec(_Section):
 
 
 PER_FIELD = ("prompt_tokens", "turn_tokens", "tool_output_tokens", "tool_latency", "error_rate", "bug_rate",
-             "timeout_rate", "check_again", "max_turns")
+             "timeout_rate", "check_again", "max_turns", "solve_rate")
 """The per-field drift keys of :class:`DriftSpec`, in the order of :class:`Multipliers`."""
 
 
@@ -192,6 +195,7 @@ class Multipliers:
     timeout_rate: float = 1.0
     check_again: float = 1.0
     max_turns: float = 1.0
+    solve_rate: float = 1.0
 
 
 class WorkloadSpec(_Section):
@@ -224,6 +228,14 @@ class WorkloadSpec(_Section):
     """Odds of a prompt's main tool against each other tool."""
     tools: list[ToolSpec] = Field(min_length=1)
     """Tool types."""
+    solve_rate: list[float] | None = Field(None, min_length=2, max_length=2)
+    """Per-prompt range of the probability that a sample solves its task (reward 1, else
+    0), uniform over prompts and drawn independently of the trajectory's course (an
+    assumption: the simulator prices time, not learning). None: rewards are not modelled
+    and every group is trained. With ``rl.filter_zero_variance`` (the default) a group
+    whose samples all got the same reward is generated but not trained, the job's rule
+    (``rl/grpo.py``): an early policy that solves few tasks leaves most groups all-failed,
+    so training sees a fraction of what rollout generated."""
     drift: DriftSpec = DriftSpec()
 
     @model_validator(mode="after")
@@ -231,6 +243,8 @@ class WorkloadSpec(_Section):
         lo, hi = self.bug_rate
         if not 0 <= lo <= hi < 1:
             raise ValueError(f"bug_rate {self.bug_rate}: need 0 <= low <= high < 1")
+        if self.solve_rate is not None and not 0 <= self.solve_rate[0] <= self.solve_rate[1] <= 1:
+            raise ValueError(f"solve_rate {self.solve_rate}: need 0 <= low <= high <= 1")
         names = [t.name for t in self.tools]
         if len(set(names)) != len(names):
             raise ValueError(f"tools: duplicate tool names in {names}")
@@ -277,6 +291,13 @@ class Trajectory:
     prompt_tokens: int
     turns: tuple[int, ...]
     calls: tuple[ToolCall, ...]
+    reward: float | None = field(default=None, repr=False)
+    """1 solved, 0 not (``workload.solve_rate``); None where rewards are not modelled. (Out
+    of the repr, as ``trained``: the shipped batches' digests, tests/test_sim_drift.py,
+    predate both, and prove the other draws unchanged.)"""
+    trained: bool = field(default=True, repr=False)
+    """Whether the trainer trains it: False when its group is left out (every reward equal,
+    ``rl.filter_zero_variance``; set by the simulator's :class:`~libra_hpc.sim.context.Context`)."""
 
     def __post_init__(self) -> None:
         if len(self.calls) != len(self.turns) - 1 or not self.turns:
@@ -346,6 +367,7 @@ class _Prompt:
     bug_rate: float
     timeout_scale: float  # prompt's timeout rate relative to the tool's (0..2)
     tool_weights: tuple[float, ...]
+    solve_rate: float = 0.0  # workload.solve_rate: drawn from a generator of its own
 
 
 class SyntheticWorkload:
@@ -360,6 +382,9 @@ class SyntheticWorkload:
         self.spec, self.rl, self.seed, self.seq_len = spec, rl, seed, seq_len
         rng = random.Random(f"{seed}:prompts")
         self.prompts = [self._prompt(rng, i) for i in range(spec.prompt_pool)]
+        if spec.solve_rate is not None:  # its own generator: the other draws stay as they were
+            solve = random.Random(f"{seed}:solve")
+            self.prompts = [replace(p, solve_rate=solve.uniform(*spec.solve_rate)) for p in self.prompts]
 
     @classmethod
     def groups(cls, spec: WorkloadSpec, n_prompts: int, group_size: int, seed: int, seq_len: int,
@@ -384,7 +409,12 @@ class SyntheticWorkload:
         rng = random.Random(f"{self.seed}:step:{step}")
         m = multipliers(step, self.rl.steps, self.spec.drift)
         chosen = rng.sample(self.prompts, self.rl.prompts_per_step)
-        return [self._trajectory(rng, p, step, k, m) for p in chosen for k in range(self.rl.group_size)]
+        out = [self._trajectory(rng, p, step, k, m) for p in chosen for k in range(self.rl.group_size)]
+        if self.spec.solve_rate is None:
+            return out
+        solved = random.Random(f"{self.seed}:reward:{step}")  # its own generator, as the solve rates'
+        rates = [_rate(p.solve_rate, m.solve_rate) for p in chosen for _ in range(self.rl.group_size)]
+        return [replace(t, reward=float(solved.random() < r)) for t, r in zip(out, rates)]
 
     def _trajectory(self, rng: random.Random, p: _Prompt, step: int, sample: int, m: Multipliers) -> Trajectory:
         s = self.spec

@@ -30,7 +30,6 @@ a fresh loop: the same inputs give the same decisions, whoever drives it
 from __future__ import annotations
 
 import logging
-import math
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import replace
@@ -274,7 +273,7 @@ class ControlLoop:
         else:
             lengths = observed
         now_plan = reprice(self.plan, self.model, self.hw, o.gpus_per_node, lengths, self.cal,
-                           RLBatch(o.global_batch, math.ceil(lengths.mean_seq_tokens)),  # as best_plan's
+                           RLBatch.of(o.global_batch, lengths),  # as best_plan's
                            in_flight=o.max_staleness + 1, length_aware=o.length_aware_routing,
                            migration=o.migration, stream_groups=o.stream_groups)
         lent = len(self.pool.training_replicas()) if self.pool is not None else 0

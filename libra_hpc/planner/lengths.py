@@ -19,13 +19,16 @@ class SerialCost(Protocol):
 
 class LengthSample(NamedTuple):
     """One observed trajectory: prompt and generated tokens (all turns), turns, tool seconds,
-    and ``tool_tokens``, the part of ``prompt_len`` that tools returned between turns."""
+    ``tool_tokens``, the part of ``prompt_len`` that tools returned between turns, and
+    ``trained``: whether the training step trains it (False: its GRPO group was left out,
+    every reward equal, ``rl.filter_zero_variance``)."""
 
     prompt_len: float
     gen_len: float
     turns: int
     tool_time_s: float
     tool_tokens: float = 0.0
+    trained: bool = True
 
     @property
     def decode_context(self) -> float:
@@ -60,6 +63,12 @@ class LengthProfile:
     """Per bucket: the mean KV context a generated token sees (:attr:`LengthSample.decode_context`)."""
     turns: tuple[float, ...] = ()
     """Per bucket: the mean turns of a trajectory (each turn costs ``Calibration.turn_latency_s``)."""
+    trained_share: float = 1.0
+    """The share of the samples training trains (:attr:`LengthSample.trained`): rollout
+    generates the whole batch, training works on this share of it."""
+    trained_seq_tokens: float = 0.0
+    """The mean sequence of the trained samples (:attr:`mean_seq_tokens` when all are, or
+    none is): what training packs to."""
 
     @classmethod
     def from_samples(cls, samples: Sequence[LengthSample], batch_size: int, buckets: int = 32) -> LengthProfile:
@@ -71,6 +80,7 @@ class LengthProfile:
         counts = [1] + apportion([len(g) for g in groups[1:]], n_rest)
         keep = [(g, c) for g, c in zip(groups, counts) if c > 0]
         mean = lambda g, f: sum(getattr(x, f) for x in g) / len(g)
+        trained = [x for x in s if x.trained]
         extremes, best_tool = [], -1.0
         for x in s:  # descending gen: keep those with more tool time than every longer one
             if x.tool_time_s > best_tool:
@@ -83,11 +93,19 @@ class LengthProfile:
                    mean_context=sum(x.decode_context for x in s) / len(s),
                    max_seq_tokens=max(x.prompt_len + x.gen_len for x in s),
                    context=tuple(mean(g, "decode_context") for g, _ in keep),
-                   turns=tuple(mean(g, "turns") for g, _ in keep))
+                   turns=tuple(mean(g, "turns") for g, _ in keep),
+                   trained_share=len(trained) / len(s),
+                   trained_seq_tokens=sum(x.prompt_len + x.gen_len for x in trained or s) / len(trained or s))
 
     @property
     def batch_size(self) -> int:
         return sum(self.count)
+
+    @property
+    def train_seq_tokens(self) -> float:
+        """The mean length training packs to (:attr:`trained_seq_tokens`; profiles built
+        without it: :attr:`mean_seq_tokens`)."""
+        return self.trained_seq_tokens or self.mean_seq_tokens
 
     def bucket_turns(self) -> tuple[float, ...]:
         """:attr:`turns`, or no turns per bucket for a profile built without them."""

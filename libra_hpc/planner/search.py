@@ -71,10 +71,33 @@ class RLBatch:
     """Trajectories (sequences) per optimizer step."""
     seq_len: int
     """Tokens per training sequence (prompt + response, padded or packed)."""
+    trained: int | None = None
+    """Sequences the step trains when fewer than ``global_batch`` (GRPO groups left out,
+    ``rl.filter_zero_variance``); None: all. Training shapes are still searched for
+    ``global_batch`` (their DP divides it) and priced on ``trained`` sequences, unevenly
+    shared as the job shares whole groups."""
 
     def __post_init__(self) -> None:
-        if self.global_batch < 1 or self.seq_len < 1:
-            raise ValueError(f"RLBatch needs global_batch >= 1 and seq_len >= 1, got {self}")
+        if self.global_batch < 1 or self.seq_len < 1 or (self.trained is not None and self.trained < 1):
+            raise ValueError(f"RLBatch needs global_batch >= 1, seq_len >= 1 and trained >= 1, got {self}")
+
+    @classmethod
+    def of(cls, global_batch: int, lengths: LengthProfile) -> RLBatch:
+        """The batch of ``global_batch`` sequences ``lengths`` describes: training packs to
+        its trained samples' mean length and trains their share of the batch."""
+        share = lengths.trained_share
+        trained = None if share >= 1.0 else max(1, round(global_batch * share))
+        return cls(global_batch, math.ceil(lengths.train_seq_tokens), trained)
+
+    def shape(self, shape: TrainShape) -> TrainShape:
+        """``shape`` priced on this batch: its sequence length, and the trained sequences."""
+        if self.trained is None:
+            return replace(shape, global_batch=self.global_batch, seq_len=self.seq_len)
+        return replace(shape, global_batch=self.trained, seq_len=self.seq_len, uneven=True)
+
+    def whole(self, shape: TrainShape) -> TrainShape:
+        """A shape priced by :meth:`shape` as a plan keeps it: for the whole batch."""
+        return shape if self.trained is None else replace(shape, global_batch=self.global_batch, uneven=False)
 
 
 @dataclass(frozen=True)
@@ -381,7 +404,7 @@ class _Search:
                         if gpus > cap:
                             break
                         if gpus >= o.min_train_gpus:
-                            yield TrainShape(tp, pp, dp, mb, b.global_batch, b.seq_len)
+                            yield b.shape(TrainShape(tp, pp, dp, mb, b.global_batch, b.seq_len))
 
     def best_training(self) -> tuple[dict[int, TrainingCost], list[Candidate], dict]:
         best: dict[int, TrainingCost] = {}
@@ -448,7 +471,7 @@ class _Search:
         if best_row is None:
             raise PlanError(f"no rollout split fits the free slots of any training size; rollout TP sizes "
                             f"{self.tps}, skipped: {self.roll_reasons}")
-        plan = self.build(*best_row, trains[best_row[0]].shape)
+        plan = self.build(*best_row, self.batch.whole(trains[best_row[0]].shape))
         for o, gpus, why in sorted(results, key=lambda r: r[0]):
             if gpus == plan.train_gpus:
                 continue
@@ -530,7 +553,7 @@ def reprice(p: Plan, model: ModelProfile, hardware: HardwareProfile, gpus_per_no
     observations); give it so that both are priced on the same batch, else ``p``'s own.
     ``in_flight``, ``length_aware``, ``migration``, ``stream_groups``: as :class:`PlannerOptions`'."""
     hw = hardware.model_copy(update={"gpus_per_node": gpus_per_node})
-    shape = p.train if batch is None else replace(p.train, global_batch=batch.global_batch, seq_len=batch.seq_len)
+    shape = p.train if batch is None else batch.shape(p.train)
     tt = fitting_training_cost(model, hw, replace(shape, recompute=False), calibration).step_s
     pools = [(RolloutCost(model, hw, tp, calibration), n) for tp, n in p.rollout_counts.items()]
     tr = rollout_makespan(pools, lengths, in_flight=in_flight, length_aware=length_aware,

@@ -103,7 +103,7 @@ class PlanValuation:
         left unscaled while the running plan was scaled, and a job faster than the cost
         model never replanned.)"""
         o = self.o
-        batch = RLBatch(o.global_batch, math.ceil(lengths.mean_seq_tokens))
+        batch = RLBatch.of(o.global_batch, lengths)
         opts = replace(options or self.search, fit_seq_len=memory_need(lengths, o.seq_len, o.memory_headroom),
                        in_flight=o.max_staleness + 1, stream_groups=o.stream_groups)
         result = plan(self.model, self.hw, o.nodes, o.gpus_per_node, lengths, batch, mode="pipelined",

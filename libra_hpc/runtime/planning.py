@@ -181,13 +181,22 @@ class PlannerDriver:
         """A leader's load report: its running batch is sampled for the decode records."""
         self.running.setdefault(message["instance"], []).append(message["running"])
 
-    @staticmethod
-    def samples(rows: list[dict]) -> list[LengthSample]:
+    def samples(self, rows: list[dict]) -> list[LengthSample]:
         """The lengths of a batch's trajectory reports (rows of a checkpoint before
-        ``prompt_tokens``: tool tokens 0)."""
+        ``prompt_tokens``: tool tokens 0), each marked trained or not (:meth:`kept`)."""
+        kept = self.kept(rows)
         return [LengthSample(r["tokens"] - r["gen_tokens"], r["gen_tokens"], r["turns"], r["tool_s"],
-                             r["tokens"] - r["gen_tokens"] - r.get("prompt_tokens", r["tokens"] - r["gen_tokens"]))
+                             r["tokens"] - r["gen_tokens"] - r.get("prompt_tokens", r["tokens"] - r["gen_tokens"]),
+                             r["tid"] in kept)
                 for r in rows]
+
+    def kept(self, rows: list[dict]) -> set[str]:
+        """The ids of the trajectories a batch's training step trains: all but the GRPO
+        groups the trainer leaves out (``rl.filter_zero_variance``: every reward equal,
+        nothing to learn; the same rule, :func:`~libra_hpc.rl.grpo.compute_advantages`)."""
+        members = [SimpleNamespace(group_id=group_of(r["tid"]), reward=r["reward"], tid=r["tid"]) for r in rows]
+        out = compute_advantages(members, filter_zero_variance=self.s.cfg.rl.filter_zero_variance).trajectories
+        return {m.tid for m in out}
 
     def predict(self, b: int, record: dict, reports: list[dict], step_s: float, ended: float | None = None) -> dict:
         """Step ``b`` ended (at ``ended``, the caller's clock; it took ``step_s`` since the
@@ -264,14 +273,12 @@ class PlannerDriver:
             self.records["chain"].append(TimingRecord("chain", parts, measured, b))
 
     def trained_batch(self, rows: list[dict]) -> RLBatch:
-        """The sequences a batch's training step works on: its trajectories less the GRPO
-        groups the trainer leaves out (``rl.filter_zero_variance``: every reward equal,
-        nothing to learn; the same rule, :func:`~libra_hpc.rl.grpo.compute_advantages`),
-        and their mean length. In a default run a step training 2 of its 12 groups took
-        2.1 s and one training 10 took 9; priced on the whole batch, both cost the same."""
-        members = [SimpleNamespace(group_id=group_of(r["tid"]), reward=r["reward"], tokens=r["tokens"]) for r in rows]
-        kept = compute_advantages(members, filter_zero_variance=self.s.cfg.rl.filter_zero_variance).trajectories
-        return RLBatch(max(1, len(kept)), max(1, math.ceil(statistics.fmean(m.tokens for m in kept or members))))
+        """The sequences a batch's training step works on (:meth:`kept`) and their mean
+        length. In a default run a step training 2 of its 12 groups took 2.1 s and one
+        training 10 took 9; priced on the whole batch, both cost the same."""
+        ids = self.kept(rows)
+        kept = [r for r in rows if r["tid"] in ids]
+        return RLBatch(max(1, len(kept)), max(1, math.ceil(statistics.fmean(r["tokens"] for r in kept or rows))))
 
     def observe(self, b: int, rows: list[dict], reports: list[dict], epochs: int) -> None:
         """Batch ``b`` was trained: its lengths, and the timing records it gives."""

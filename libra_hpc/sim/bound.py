@@ -29,7 +29,9 @@ one the simulator's own mechanics make true; libra_hpc/sim/instance.py, controll
 4. **Training.** A training step on ``n`` GPUs with any shape the planner or the search can
    pick (TP in 1, 2, 4, 8 within a node, PP up to 8 dividing the layers, micro-batch 1, 2
    or 4, DP any, the batch split unevenly as a lent hybrid replica does), at the trained
-   sequences' mean length, with recomputation where nothing fits otherwise: its
+   sequences' mean length (a step trains its batch less the GRPO groups left out,
+   ``rl.filter_zero_variance``: the simulator's trainer does the same; a step that trains
+   none costs nothing), with recomputation where nothing fits otherwise: its
    GPU-seconds ``n × step_s`` are at least the least over every shape on up to
    ``EXACT_TRAIN_GPUS`` GPUs and the FLOP floor beyond (model FLOPs at peak × ``train_mfu``
    plus one step overhead per GPU); its wall time at least the least over shapes on up to
@@ -132,6 +134,7 @@ class TrajectoryFloor:
     prefill_gpu_s: float
     chain_s: float
     total_tokens: int
+    trained: bool = True
 
 
 class Floors:
@@ -167,16 +170,20 @@ class Floors:
                 g, s = self.prefill(out)
                 gpu_s, chain = gpu_s + g, chain + s + t.calls[i].latency_s
                 context += out
-        return TrajectoryFloor(t.gen_tokens, kv, gpu_s, chain, t.total_tokens)
+        return TrajectoryFloor(t.gen_tokens, kv, gpu_s, chain, t.total_tokens, t.trained)
 
     def decode_gpu_s(self, tokens: float, kv: float) -> float:
         """Assumption 1 over a set of trajectories: the best λ's floor."""
         return max(a * tokens + b * kv for a, b in self.coef)
 
-    def train(self, mean_tokens: float) -> tuple[float, float]:
-        """(GPU-seconds, seconds) floors of a training step at ``mean_tokens`` per sequence."""
+    def train(self, mean_tokens: float, sequences: int | None = None) -> tuple[float, float]:
+        """(GPU-seconds, seconds) floors of a training step of ``sequences`` (the batch size
+        by default; 0: nothing trained, free) at ``mean_tokens`` per sequence."""
         c = self.ctx
-        return train_floor(c.model, c.hw, c.cal, c.cfg.batch_size, coarse(mean_tokens), c.gpus)
+        n = c.cfg.batch_size if sequences is None else sequences
+        if n == 0:
+            return 0.0, 0.0
+        return train_floor(c.model, c.hw, c.cal, n, coarse(mean_tokens), c.gpus)
 
 
 def coarse(tokens: float) -> int:
@@ -241,8 +248,11 @@ def run_bound(ctx: Context, steps: int | None = None) -> dict:
                         for a, b in floors.coef]
             rollout_cum = max(sum(a * t.tokens + b * t.kv + t.prefill_gpu_s for t in sel)
                               for (a, b), sel in zip(floors.coef, cheapest))
-            shortest = heapq.nsmallest(B, pool, key=lambda t: t.total_tokens)
-            train_gpu_s, train_s = floors.train(sum(t.total_tokens for t in shortest) / len(shortest))
+            # B of the pool train, at least B less its untrained ones (filtered groups): the shortest
+            trained = [t for t in pool if t.trained]
+            shortest = heapq.nsmallest(max(0, B - (len(pool) - len(trained))), trained, key=lambda t: t.total_tokens)
+            train_gpu_s, train_s = floors.train(sum(t.total_tokens for t in shortest) / max(1, len(shortest)),
+                                                None if len(trained) == len(pool) else len(shortest))
             finish = sorted((done[s - k - 1] if s - k - 1 >= 0 else 0.0) + t.chain_s
                             for s in range(min(len(batches), j + k + 1)) for t in batches[s])[m - 1]
             end = max(done[-1] if done else 0.0, finish) + train_s
@@ -250,7 +260,8 @@ def run_bound(ctx: Context, steps: int | None = None) -> dict:
         else:
             rollout = (floors.decode_gpu_s(sum(t.tokens for t in batch), sum(t.kv for t in batch))
                        + sum(t.prefill_gpu_s for t in batch))
-            train_gpu_s, train_s = floors.train(sum(t.total_tokens for t in batch) / len(batch))
+            kept = [t for t in batch if t.trained]
+            train_gpu_s, train_s = floors.train(sum(t.total_tokens for t in kept) / max(1, len(kept)), len(kept))
             chain = max(t.chain_s for t in batch)
             rolled = (done[j - k - 1] if j - k - 1 >= 0 else 0.0) + chain
             end = max((done[-1] if done else 0.0) + train_s, rolled + (0.0 if stream else train_s))

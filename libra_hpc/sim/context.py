@@ -4,6 +4,8 @@ and the static layouts the baselines are searched over."""
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
+from types import SimpleNamespace
 
 from libra_hpc.cluster.layout import Group, Layout, Slot
 from libra_hpc.envs.synthetic import SyntheticWorkload, Trajectory
@@ -15,6 +17,7 @@ from libra_hpc.planner.costs import (
     TrainShape,
 )
 from libra_hpc.planner.hybrid import HybridPool
+from libra_hpc.rl.grpo import compute_advantages
 from libra_hpc.sim.config import SimConfig
 from libra_hpc.sim.instance import CostStepModel, StepModel
 from libra_hpc.sim.rollout import InstanceSpec
@@ -54,9 +57,10 @@ class Context:
         return self.cfg.cluster.nodes * self.cfg.cluster.gpus_per_node
 
     def batch(self, step: int) -> list[Trajectory]:
-        """Step ``step``'s trajectories (memoised: policies replay the same batches)."""
+        """Step ``step``'s trajectories (memoised: policies replay the same batches), each
+        marked ``trained`` as the job's trainer would (:func:`mark_trained`)."""
         if step not in self._batches:
-            self._batches[step] = self.workload.batch(step)
+            self._batches[step] = mark_trained(self.workload.batch(step), self.cfg.rl.filter_zero_variance)
             if len(self._batches) > 512:
                 self._batches.pop(next(iter(self._batches)))
         return self._batches[step]
@@ -107,13 +111,30 @@ def describe(layout: Layout, train: TrainShape, pool: HybridPool | None = None, 
             f"({t.gpus} GPUs) | rollout {roll} ({sum(counts[tp] * tp for tp in counts)} GPUs){hybrid}")
 
 
+def mark_trained(batch: list[Trajectory], filter_zero_variance: bool) -> list[Trajectory]:
+    """``batch`` with ``trained`` False on the groups the job's trainer leaves out: with
+    ``filter_zero_variance``, those whose rewards are all equal (the trainer's own rule,
+    :func:`~libra_hpc.rl.grpo.compute_advantages`). A batch without rewards is all trained."""
+    if not filter_zero_variance or any(t.reward is None for t in batch):
+        return batch
+    members = [SimpleNamespace(group_id=t.prompt_id, reward=t.reward, tid=t.tid) for t in batch]
+    kept = {m.tid for m in compute_advantages(members).trajectories}
+    return [t if t.tid in kept else replace(t, trained=False) for t in batch]
+
+
+def trained_of(batch: list[Trajectory]) -> list[Trajectory]:
+    """The trajectories of ``batch`` its training step trains (:func:`mark_trained`)."""
+    return [t for t in batch if t.trained]
+
+
 def samples_of(trajectories: list[Trajectory]) -> list[LengthSample]:
     """The planner's view of finished trajectories (prompt, generated, turns, tool seconds,
-    tool-output tokens: prefilled, not decoded, and part of the prompt)."""
+    tool-output tokens: prefilled, not decoded, and part of the prompt; whether it is trained)."""
     out = []
     for t in trajectories:
         returned = sum(c.output_tokens for c in t.calls)
-        out.append(LengthSample(t.prompt_tokens + returned, t.gen_tokens, len(t.turns), t.tool_time_s, returned))
+        out.append(LengthSample(t.prompt_tokens + returned, t.gen_tokens, len(t.turns), t.tool_time_s, returned,
+                                t.trained))
     return out
 
 

@@ -42,13 +42,13 @@ from libra_hpc.planner.costs import TrainShape
 from libra_hpc.planner.search import Plan
 from libra_hpc.planner.search import RolloutInstance as PlanInstance
 from libra_hpc.cluster.layout import Group
-from libra_hpc.sim.context import Context, describe, instances_of, samples_of
+from libra_hpc.sim.context import Context, describe, instances_of, samples_of, trained_of
 from libra_hpc.sim.engine import Event, SimClock
 from libra_hpc.sim.policies import PolicySetup
 from libra_hpc.sim.recorder import Recorder
 from libra_hpc.sim.rollout import RolloutSide
 from libra_hpc.rl.partial import TailDecoupler, p90
-from libra_hpc.sim.training import step_s
+from libra_hpc.sim.training import for_batch, step_s
 
 log = logging.getLogger(__name__)
 
@@ -286,10 +286,13 @@ class PolicyRun:
         if self.group_left[key]:
             return []
         del self.group_left[key]
-        members = [t for t in self.ctx.batch(batch) if t.prompt_id == traj.prompt_id]
+        members = [t for t in self.ctx.batch(batch) if t.prompt_id == traj.prompt_id and t.trained]
+        if not members:  # a group the trainer leaves out (every reward equal): nothing to train
+            return []
+        trained = trained_of(self.ctx.batch(batch))
         try:
-            work = self.train_time(self._shape(), sum(t.total_tokens for t in members) / len(members)) \
-                * len(members) / self.cfg.batch_size
+            work = self.train_time(for_batch(self._shape(), len(trained), self.cfg.batch_size),
+                                   sum(t.total_tokens for t in members) / len(members)) * len(members) / len(trained)
         except ValueError:  # the shape cannot hold these sequences: the step will say so
             return []
         self.stream_ready.setdefault(batch, []).append(work)
@@ -422,10 +425,11 @@ class PolicyRun:
     def _train(self, j: int, batch, now: float) -> list[Event]:
         start = max(now, self.blocked_until) + self.reshard_due_s
         self.reshard_due_s = 0.0
-        mean_tokens = sum(t.total_tokens for t in batch) / len(batch)
-        shape = self._shape()
+        kept = trained_of(batch)  # less the groups the trainer leaves out
+        mean_tokens = sum(t.total_tokens for t in kept or batch) / len(kept or batch)
+        shape = for_batch(self._shape(), len(kept), len(batch))
         try:
-            seconds = self.train_time(shape, mean_tokens)
+            seconds = self.train_time(shape, mean_tokens) if kept else 0.0
         except ValueError as exc:  # the shape cannot hold this batch: out of memory on a real cluster
             self.oom = {"step": j, "t": now, "shape": f"TP{shape.tp} PP{shape.pp} DP{shape.dp} mbs{shape.micro_batch}",
                         "seq_tokens": round(mean_tokens), "why": str(exc)}

@@ -36,13 +36,13 @@ from libra_hpc.planner.costs import TrainShape
 from libra_hpc.planner.costs import rollout_makespan as rollout_cost_makespan
 from libra_hpc.planner.search import Plan, PlanError, plan_to_layout
 from libra_hpc.planner.valuation import PlanValuation
-from libra_hpc.sim.context import Context, instances_of, samples_of
+from libra_hpc.sim.context import Context, instances_of, samples_of, trained_of
 from libra_hpc.sim.controller import PolicyRun
 from libra_hpc.sim.engine import SimClock
 from libra_hpc.sim.policies import PolicySetup, SETUPS, control_loop
 from libra_hpc.sim.recorder import Recorder
 from libra_hpc.sim.rollout import RolloutSide
-from libra_hpc.sim.training import best_shape, step_s
+from libra_hpc.sim.training import best_shape, for_batch, step_s
 
 log = logging.getLogger(__name__)
 KEEP = 4
@@ -77,13 +77,26 @@ def sample_steps(ctx: Context) -> list[int]:
 def _score(ctx: Context, layout: Layout, train_shape: TrainShape, steps: list[int], sync: bool) -> float:
     values = []
     for s in steps:
-        batch = ctx.batch(s)
-        mean_tokens = sum(t.total_tokens for t in batch) / len(batch)
         roll = rollout_makespan(ctx, layout, s)
-        train = step_s(ctx.model, ctx.hw, train_shape, mean_tokens, ctx.cal)
+        train = _train_s(ctx, train_shape, ctx.batch(s))
         values.append(roll + train + ctx.cfg.costs.colocate_switch_s if sync
                       else pipelined_step_s(train, roll + ctx.weight_sync_s, ctx.cfg.rl.max_staleness, ctx.cfg.rl.stream_groups))
     return statistics.fmean(values)
+
+
+def _packed(batch: list) -> float:
+    """The mean length ``batch``'s training step packs to: its trained trajectories' (all
+    of them when none is)."""
+    return statistics.fmean(t.total_tokens for t in trained_of(batch) or batch)
+
+
+def _train_s(ctx: Context, shape: TrainShape, batch: list) -> float:
+    """The training step of ``batch`` on ``shape``: its trained trajectories (``trained_of``)."""
+    kept = trained_of(batch)
+    if not kept:
+        return 0.0
+    return step_s(ctx.model, ctx.hw, for_batch(shape, len(kept), len(batch)),
+                  sum(t.total_tokens for t in kept) / len(kept), ctx.cal)
 
 
 def _screen(ctx: Context, layout: Layout, train_shape: TrainShape, step: int, sync: bool) -> float:
@@ -95,7 +108,7 @@ def _screen(ctx: Context, layout: Layout, train_shape: TrainShape, step: int, sy
         pools[inst.tp] = pools.get(inst.tp, 0) + 1
     roll = rollout_cost_makespan([(ctx.rollout_costs[tp], n) for tp, n in pools.items()],
                                  length_profile(samples_of(batch), len(batch))).makespan_s
-    train = step_s(ctx.model, ctx.hw, train_shape, statistics.fmean(t.total_tokens for t in batch), ctx.cal)
+    train = _train_s(ctx, train_shape, batch)
     return (roll + train + ctx.cfg.costs.colocate_switch_s if sync
             else pipelined_step_s(train, roll, ctx.cfg.rl.max_staleness, ctx.cfg.rl.stream_groups))
 
@@ -120,7 +133,7 @@ def _two_stage(ctx: Context, candidates: list[Candidate], sync: bool) -> tuple[L
 def packed_seq_len(ctx: Context) -> int:
     """Training sequence length the shapes are chosen for: the longest mean (packed)
     trajectory length over the sample steps."""
-    return max(math.ceil(statistics.fmean(t.total_tokens for t in ctx.batch(s))) for s in sample_steps(ctx))
+    return max(math.ceil(_packed(ctx.batch(s))) for s in sample_steps(ctx))
 
 
 def search_colocated(ctx: Context) -> tuple[Layout, TrainShape, list[dict]]:
@@ -191,7 +204,7 @@ def top_plans(ctx: Context, steps: range, top: int) -> list[Plan]:
     Two stages, as the search's own: every count of :func:`train_counts` is screened with
     one rollout TP size at a time, and the best ``2 × top`` counts, with the search's own
     pick, get the full search over mixed rollout instances."""
-    peak = max(statistics.fmean(t.total_tokens for t in ctx.batch(j)) for j in steps)
+    peak = max(_packed(ctx.batch(j)) for j in steps)
     valuation, lengths = _valuation(ctx, steps, min(ctx.cfg.training.seq_len, math.ceil(1.05 * peak)))
     best: dict[int, Plan] = {}
     try:

@@ -52,6 +52,15 @@ def _best(model: ModelProfile, hw: HardwareProfile, gpus: int, global_batch: int
     return best
 
 
+def for_batch(shape: TrainShape, trained: int, batch_size: int) -> TrainShape:
+    """``shape`` on a step that trains ``trained`` of its batch's ``batch_size`` sequences
+    (the others' GRPO groups were left out, ``rl.filter_zero_variance``): the replicas
+    share them unevenly, whole groups each, as the job does; ``shape`` itself when all are."""
+    if trained == batch_size:
+        return shape
+    return replace(shape, global_batch=max(1, round(shape.global_batch * trained / batch_size)), uneven=True)
+
+
 def step_s(model: ModelProfile, hw: HardwareProfile, shape: TrainShape, mean_tokens: float, cal: Calibration) -> float:
     """Seconds of one optimizer step of ``shape`` on sequences of ``mean_tokens`` tokens."""
     seq = max(1, round(mean_tokens))
