@@ -269,7 +269,8 @@ def test_the_gate_weighs_a_replan_against_the_pipelines_drain():
     from libra_hpc.sim.config import load_sim_config
 
     gate = {"planner.hybrid_nodes": 0, "planner.every_steps": 1, "planner.confirm_checks": 1, "planner.margin_s": 0,
-            "planner.min_dwell_steps": 0, "planner.min_gain": 0, "planner.prior": {"gen_tokens_median": 200, "turns": 2}}
+            "planner.min_dwell_steps": 0, "planner.min_gain": 0, "planner.prior": {"gen_tokens_median": 200, "turns": 2},
+            "rl.stream_training": False}  # training whole after the rollout: the drain this test is about
     decided = {}
     for price in (True, False):
         cfg = load_sim_config(Path(__file__).resolve().parent.parent / "configs" / "sim" / "a800-swe.yaml",
