@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from libra_hpc.config import ConfigError
-from libra_hpc.envs.synthetic import DriftSpec, SyntheticWorkload, multipliers, piecewise
+from libra_hpc.envs.synthetic import DriftSpec, SyntheticWorkload, multipliers, piecewise, summary
 from libra_hpc.sim.config import load_sim_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -156,6 +156,7 @@ def test_solve_rates_give_rewards_and_the_trainer_leaves_uniform_groups_out():
         assert all(t.trained != uniform for t in members)
     assert 0 < len(trained_of(b)) < len(b)
     assert [x.trained for x in samples_of(b)] == [t.trained for t in b]  # what the planner is told
+    assert summary(b)["trained_share"] == len(trained_of(b)) / len(b) < 1 == summary(a)["trained_share"]  # the report
     early, late = Context(rewarded).batch(0), Context(rewarded).batch(30)
     assert sum(t.reward for t in early) < 0.5 * sum(t.reward for t in late)
     assert len(trained_of(early)) < len(trained_of(late))

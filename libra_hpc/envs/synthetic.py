@@ -472,7 +472,8 @@ def _lognormal(rng: random.Random, median: float, sigma: float) -> float:
 
 
 def summary(trajectories: list[Trajectory]) -> dict:
-    """Generated-token median, p90, p99 (nearest rank), p99/median, mean turns, tool share."""
+    """Generated-token median, p90, p99 (nearest rank), p99/median, mean turns, tool share,
+    the share trained (:attr:`Trajectory.trained`)."""
     gen = sorted(t.gen_tokens for t in trajectories)
 
     def rank(q: float) -> int:
@@ -482,4 +483,5 @@ def summary(trajectories: list[Trajectory]) -> dict:
             "p99_over_median": rank(0.99) / max(1, rank(0.5)),
             "mean_turns": sum(len(t.turns) for t in trajectories) / len(trajectories),
             "failure_share": sum(c.status == "failure" for c in calls) / max(1, len(calls)),
-            "mean_tool_s": sum(t.tool_time_s for t in trajectories) / len(trajectories)}
+            "mean_tool_s": sum(t.tool_time_s for t in trajectories) / len(trajectories),
+            "trained_share": sum(t.trained for t in trajectories) / len(trajectories)}

@@ -273,14 +273,16 @@ def render(result: ScenarioResult, images: list[str]) -> str:
     w = result.workload
     if w:
         lines += ["## Workload", "", ("| batch | trajectories | gen median | p90 | p99 | p99/median | mean turns | "
-                                      "tool failure share | mean tool s | critical path s |"),
-                  "|---|---|---|---|---|---|---|---|---|---|"]
+                                      "tool failure share | mean tool s | trained share | critical path s |"),
+                  "|---|---|---|---|---|---|---|---|---|---|---|"]
         for k, v in w.items():
             lines.append(f"| {k} | {v['trajectories']} | {v['gen_median']} | {v['gen_p90']} | {v['gen_p99']} | "
                          f"{v['p99_over_median']:.1f} | {v['mean_turns']:.1f} | {v['failure_share']:.2f} | "
-                         f"{v['mean_tool_s']:.1f} | {v['critical_path_s']:.0f} |")
+                         f"{v['mean_tool_s']:.1f} | {v.get('trained_share', 1.0):.2f} | {v['critical_path_s']:.0f} |")
         lines += ["", ("Critical path: the longest trajectory alone on the fastest instance shape (decode at batch 1, "
-                       "tools included), a floor no policy's batch makespan can beat."), ""]
+                       "tools included), a floor no policy's batch makespan can beat. Trained share: the trajectories "
+                       "the step trains (GRPO groups whose rewards are all equal are left out, "
+                       "`rl.filter_zero_variance`; 1 where `workload.solve_rate` models no rewards)."), ""]
     for name, rows in result.searches.items():
         lines += search_section(name, rows)
     if images:
