@@ -181,13 +181,13 @@ class PlannerDriver:
         """A leader's load report: its running batch is sampled for the decode records."""
         self.running.setdefault(message["instance"], []).append(message["running"])
 
-    def samples(self, rows: list[dict]) -> list[LengthSample]:
+    @staticmethod
+    def samples(rows: list[dict]) -> list[LengthSample]:
         """The lengths of a batch's trajectory reports (rows of a checkpoint before
-        ``prompt_tokens``: tool tokens 0), each marked trained or not (:meth:`kept`)."""
-        kept = self.kept(rows)
+        ``prompt_tokens``: tool tokens 0). All marked trained: the job's loop still prices
+        training on the whole batch (its per-step prediction does not, :meth:`trained_batch`)."""
         return [LengthSample(r["tokens"] - r["gen_tokens"], r["gen_tokens"], r["turns"], r["tool_s"],
-                             r["tokens"] - r["gen_tokens"] - r.get("prompt_tokens", r["tokens"] - r["gen_tokens"]),
-                             r["tid"] in kept)
+                             r["tokens"] - r["gen_tokens"] - r.get("prompt_tokens", r["tokens"] - r["gen_tokens"]))
                 for r in rows]
 
     def kept(self, rows: list[dict]) -> set[str]:
