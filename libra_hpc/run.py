@@ -11,9 +11,11 @@ import sys
 import time
 from pathlib import Path
 
-from libra_hpc.cluster.env import ProcessEnv
+from libra_hpc.cluster.env import ProcessEnv, set_rank_defaults
 from libra_hpc.config import ConfigError, ExperimentConfig, dump_config, load_config
 from libra_hpc.metrics.runlog import run_folder
+
+set_rank_defaults()  # before any rank loads torch (nothing above does)
 
 log = logging.getLogger("libra_hpc.run")
 ABORT_GRACE_S = 2.0

@@ -65,6 +65,29 @@ def test_read_edge_values():
 # -------------------------------------------------------------------- emulated nodes
 
 
+def test_a_rank_waits_passively_in_openmp_unless_the_user_chose():
+    from libra_hpc.cluster.env import set_rank_defaults
+
+    env = {"SLURM_JOB_ID": "7"}
+    assert set_rank_defaults(env) == {"OMP_WAIT_POLICY": "PASSIVE"} and env["OMP_WAIT_POLICY"] == "PASSIVE"
+    mine = {"OMP_WAIT_POLICY": "ACTIVE"}
+    assert set_rank_defaults(mine) == {} and mine == {"OMP_WAIT_POLICY": "ACTIVE"}
+
+
+def test_the_rank_entry_sets_the_defaults_before_anything_loads_torch():
+    """libgomp reads its wait policy once, when torch loads it: the rank entry's imports
+    must not load torch before :func:`set_rank_defaults` runs."""
+    import os
+    import subprocess
+    import sys
+
+    probe = ("import os, sys; os.environ.pop('OMP_WAIT_POLICY', None); import libra_hpc.run; "
+             "print('torch' in sys.modules, os.environ['OMP_WAIT_POLICY'])")
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True, env=env).stdout
+    assert out.split() == ["False", "PASSIVE"]
+
+
 def test_emulated_nodes_on_one_host():
     topo = discover(emulated_envs(3, 2), nodes=3, gpus_per_node=2, cuda=False)
     assert topo.emulated
