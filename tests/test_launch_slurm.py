@@ -99,8 +99,8 @@ def cache(job_cache) -> Path:
 
 def test_sbatch_runs_the_rl_job_with_least_load_routing_gather_scatter_dispatch_and_a_tp_reshard(
         slurm_cluster, tmp_path, cache):
-    """The RL job itself under Slurm (the small config, the script's 4 × 2 header, four
-    one-pass steps) with the options the defaults are compared with: the trivial routing
+    """The RL job itself under Slurm (the small config on three nodes of the script's two
+    GPUs: training on two, two TP-1 instances on the third; four one-pass steps) with the options the defaults are compared with: the trivial routing
     policy C-MLFQ beats (the report says which ran), and EARL's gather-then-scatter
     dispatch through the first training rank (every trajectory still trained once). And
     EARL's selector: a context table that says TP 1 re-shards training from TP2 DP2 to
@@ -108,8 +108,9 @@ def test_sbatch_runs_the_rl_job_with_least_load_routing_gather_scatter_dispatch_
     event, and no step lost."""
     (tmp_path / "logs").mkdir()
     job_id = subprocess.run(
-        ["sbatch", "--parsable", f"--chdir={tmp_path}", str(ROOT / "sbatch" / "libra.sh"),
-         str(ROOT / "tests" / "data" / "job_small.yaml"), "scheduler.policy=least_load", "rl.steps=4",
+        ["sbatch", "--parsable", f"--chdir={tmp_path}", "--nodes=3", str(ROOT / "sbatch" / "libra.sh"),
+         str(ROOT / "tests" / "data" / "job_small.yaml"), "rollout.tp_per_node=[[1,1]]", "scheduler.policy=least_load",
+         "rl.steps=4",
          "rl.update_epochs={0: 1}", f"job.cache_dir={cache}", "parallel.dispatch=gather_scatter",
          "parallel.training_tp_by_context={0: 1, 100000: 2}", "parallel.confirm_checks=1", "planner.hybrid_nodes=0"],
         capture_output=True, text=True, check=True, env=_env(slurm_cluster)).stdout.strip()
