@@ -11,7 +11,9 @@ shape: no policy's rollout can beat it), and writes the report folder. The last 
 JSON object: libra_vs_colocated, libra_vs_static_hindsight, libra_vs_static_pilot,
 libra_vs_phase_static (throughput ratios; over the steps both completed when one ran out of
 memory), phase_gain (phase_static over static_hindsight: what a split changed every
-``search.phase_window`` steps can win), static_pilot_failed_steps (steps the pilot's split
+``search.phase_window`` steps can win), libra_vs_phase_static_late and phase_late_share
+(phase_static_late over phase_static: what of it a policy keeps when every change waits
+``search.phase_lag`` steps), static_pilot_failed_steps (steps the pilot's split
 could not run), libra_vs_true_lengths (the better of ``libra_true_lengths`` and
 ``static_true_lengths``, named by true_lengths_used),
 libra_vs_bound (the lower bound's time over Libra's: libra_hpc/sim/bound.py), bound_violations

@@ -1,7 +1,7 @@
 """The fixed-split yardsticks (libra_hpc/sim/baselines.py): ``static_hindsight`` is the best
 of what it simulated, Libra's layouts included; ``static_pilot`` never changes its split;
-``phase_static`` changes only at window boundaries and pays the relayout Libra pays; the
-old policy names still load."""
+``phase_static`` changes only at window boundaries and pays the relayout Libra pays;
+``phase_static_late`` makes the same changes late; the old policy names still load."""
 
 from __future__ import annotations
 
@@ -80,6 +80,33 @@ def test_phase_static_in_a_scenario_changes_on_window_starts_only(small):
     changed = [w["first_step"] for w in windows if w["changed"]]
     assert [e["step"] for e in rec.events if e["kind"] == "phase_change"] == changed
     assert all(any(c["chosen"] for c in w["candidates"]) for w in windows)
+
+
+def test_phase_static_late_makes_the_same_changes_lag_steps_later(small):
+    """``phase_static_late`` runs ``phase_static``'s schedule with each change requested
+    ``search.phase_lag`` steps after its window's first step (the first split from step 0;
+    a change due past the last step is not made), drained and paused the same way."""
+    from libra_hpc.sim.baselines import late
+
+    cfg, ctx, memo, _ = small
+    a, b = (as_candidate(ctx, p, "w") for p in top_plans(ctx, range(cfg.rl.steps), 2))
+    setup = SETUPS["phase_static_late"]
+    for lag, changes in ((1, [4]), (2, [5]), (3, [])):
+        rec = late(ctx, setup, cfg.rl.steps, [(0, a), (3, b)], lag)
+        assert [e["step"] for e in rec.events if e["kind"] == "phase_change"] == changes
+        rows = {r["step"]: r["train_gpus"] for r in rec.rows}
+        first_b = changes[0] if changes else cfg.rl.steps
+        assert {rows[j] for j in range(first_b)} == {a[2].gpus}
+        assert {rows[j] for j in range(first_b, cfg.rl.steps)} <= {b[2].gpus}
+    on_time = PolicyRun(ctx, SETUPS["phase_static"], *a[1:], cfg.rl.steps, phases={3: b[1:]}).run().summary
+    no_lag = late(ctx, setup, cfg.rl.steps, [(0, a), (3, b)], 0).summary
+    same = lambda summary: {k: v for k, v in summary.items() if k not in ("wall_s", "policy")}  # noqa: E731
+    assert same(no_lag) == same(on_time)
+    # in a scenario: phase_static's own schedule, one step late by default
+    rec, _, start = run_policy(ctx, "phase_static_late", memo=memo)
+    assert cfg.search.phase_lag == 1 and "each change 1 step(s) late" in start
+    on_time_steps = [e["step"] for e in run_policy(ctx, "phase_static", memo=memo)[0].events if e["kind"] == "phase_change"]
+    assert [e["step"] for e in rec.events if e["kind"] == "phase_change"] == [k + 1 for k in on_time_steps if k + 1 < cfg.rl.steps]
 
 
 def test_old_policy_names_load_as_the_new_ones():

@@ -12,6 +12,11 @@ candidates and simulates them).
   than ``costs.reconfig_s`` of simulated time over the window (a change costs at least that
   pause, and the drain on top). The whole run then goes through the windows' splits, each
   change drained and paused as Libra's replans are (libra_hpc/sim/controller.py).
+- :func:`late`: ``phase_static_late``: ``phase_static``'s splits, each change requested
+  ``search.phase_lag`` steps after its window's first step: what the phased gain keeps
+  when the change waits to be seen (a policy that reacts to what it measured sees a new
+  regime only once a step of it has run). Not a bound: a measured reference for the bar
+  a reactive policy is held to against ``phase_static``, which changes on time.
 """
 
 from __future__ import annotations
@@ -57,10 +62,38 @@ def pilot(ctx: Context, setup: PolicySetup, steps: int) -> tuple[Candidate, Reco
     return cand, rec
 
 
+Schedule = list[tuple[int, Candidate]]
+"""A phased run's splits: (first step, split) for its first window and every change."""
+
+
 def phased(ctx: Context, setup: PolicySetup, steps: int, window: int,
-           extra: list[Candidate]) -> tuple[Recorder, list[dict]]:
-    """``phase_static`` (see the module docstring): its run and a row per window (first
-    step, the split run there, whether it changed, every candidate's simulated tokens/s)."""
+           extra: list[Candidate]) -> tuple[Recorder, list[dict], Schedule]:
+    """``phase_static`` (see the module docstring): its run, a row per window (first step,
+    the split run there, whether it changed, every candidate's simulated tokens/s) and its
+    schedule (for :func:`late`)."""
+    chosen, rows = phase_schedule(ctx, setup, steps, window, extra)
+    rec = run_schedule(ctx, setup, steps, chosen)
+    log.info("phase_static: %d windows of %d steps, %d changes", len(rows), window, len(chosen) - 1)
+    return rec, rows, chosen
+
+
+def late(ctx: Context, setup: PolicySetup, steps: int, chosen: Schedule, lag: int) -> Recorder:
+    """``phase_static_late``: the schedule ``chosen`` with every change requested ``lag``
+    steps later (one past the run's last step: not made)."""
+    return run_schedule(ctx, setup, steps, [(first + lag if i else first, cand) for i, (first, cand) in enumerate(chosen)])
+
+
+def run_schedule(ctx: Context, setup: PolicySetup, steps: int, chosen: Schedule) -> Recorder:
+    """One run through a schedule's splits, each change drained and paused as Libra's are."""
+    (_, (_, layout, train)), later = chosen[0], chosen[1:]
+    phases = {first: (cand[1], cand[2]) for first, cand in later if first < steps}
+    return PolicyRun(ctx, setup, layout, train, steps, initial_turns=prior_turns(ctx), phases=phases).run()
+
+
+def phase_schedule(ctx: Context, setup: PolicySetup, steps: int, window: int,
+                   extra: list[Candidate]) -> tuple[Schedule, list[dict]]:
+    """The hindsight-best split per window of ``window`` steps (the module docstring's
+    ``phase_static``) and a row per window."""
     turns = prior_turns(ctx)
     chosen: list[tuple[int, Candidate]] = []
     rows: list[dict] = []
@@ -82,8 +115,4 @@ def phased(ctx: Context, setup: PolicySetup, steps: int, window: int,
             chosen.append((first, best))
         rows.append({"first_step": first, "steps": n, "split": best[0], "changed": changed and prev is not None,
                      "candidates": [candidate_row(c, r, split_key(*c[1:]) == split_key(*best[1:])) for c, r in runs]})
-    (_, (_, layout, train)), later = chosen[0], chosen[1:]
-    phases = {first: (cand[1], cand[2]) for first, cand in later}
-    rec = PolicyRun(ctx, setup, layout, train, steps, initial_turns=turns, phases=phases).run()
-    log.info("phase_static: %d windows of %d steps, %d changes", len(rows), window, len(later))
-    return rec, rows
+    return chosen, rows

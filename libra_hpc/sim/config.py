@@ -25,7 +25,7 @@ from libra_hpc.envs.synthetic import WorkloadSpec
 
 log = logging.getLogger(__name__)
 
-POLICIES = ("colocated", "libra", "static_hindsight", "static_pilot", "phase_static", "libra_no_replan",
+POLICIES = ("colocated", "libra", "static_hindsight", "static_pilot", "phase_static", "phase_static_late", "libra_no_replan",
             "libra_no_hybrid", "homogeneous_least_load", "length_aware", "libra_true_lengths", "static_true_lengths")
 """Registered policy names (libra_hpc/sim/policies.py)."""
 
@@ -82,6 +82,10 @@ class SearchSpec(_Section):
     phase_window: int = Field(20, ge=1)
     """``phase_static``: RL steps per window; each window runs its own hindsight-best split,
     paying Libra's relayout cost (drain, then ``costs.reconfig_s``) at every change."""
+    phase_lag: int = Field(1, ge=1)
+    """``phase_static_late``: steps after its window's first step that each of
+    ``phase_static``'s changes is requested (1: as soon as a policy that reacts to what it
+    measured could have seen one step of the new regime)."""
 
 
 class SimConfig(ExperimentConfig):
@@ -100,7 +104,7 @@ class SimConfig(ExperimentConfig):
     search: SearchSpec = SearchSpec()
     policies: list[Literal[POLICIES]] = Field(default_factory=lambda: list(POLICIES), min_length=1)  # type: ignore[valid-type]
     """Policies to compare (``colocated``, ``libra``, ``static_hindsight``, ``static_pilot``,
-    ``phase_static``, ``libra_no_replan``, ``libra_no_hybrid``, ``homogeneous_least_load``,
+    ``phase_static``, ``phase_static_late``, ``libra_no_replan``, ``libra_no_hybrid``, ``homogeneous_least_load``,
     ``length_aware``, ``libra_true_lengths``, ``static_true_lengths``; libra_hpc/sim/policies.py
     says what each is). The old names ``async_static``, ``oracle`` and ``oracle_best`` load as
     ``static_hindsight``, ``libra_true_lengths`` and ``static_true_lengths``."""

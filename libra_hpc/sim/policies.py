@@ -21,6 +21,9 @@ the planner may do, and how its starting layout is found: ``start``):
   ``static_hindsight`` would choose on that window alone; each change pays the relayout
   Libra pays (rollout drains, then ``costs.reconfig_s``). What adaptivity can win at most
   with that window: ``phase_gain`` = phase_static / static_hindsight.
+- ``phase_static_late``: ``phase_static``'s splits, each change requested
+  ``search.phase_lag`` steps late: what a policy that must first see a new regime could
+  keep of the phased gain (``phase_late_share`` = phase_static_late / phase_static).
 - ``libra_no_replan``: the initial plan is kept (hybrid pool still on).
 - ``libra_no_hybrid``: replanning on, no hybrid pool.
 - ``homogeneous_least_load``: the planner restricted to one rollout TP (the best one for
@@ -60,10 +63,10 @@ class PolicySetup:
     clairvoyant: bool = False
     single_tp: bool = False
     """Planner restricted to one rollout TP (chosen as the best for the prior)."""
-    start: Literal["planned", "colocated", "hindsight", "pilot", "phased"] = "planned"
+    start: Literal["planned", "colocated", "hindsight", "pilot", "phased", "phased_late"] = "planned"
     """How the layout is found: the control loop (``planned``), the colocated search, the
     hindsight plan search (``static_hindsight``'s split), the pilot's plan, or one hindsight
-    split per window (libra_hpc/sim/search.py)."""
+    split per window (libra_hpc/sim/search.py), or those splits each changed late."""
 
 
 PILOT_STEPS = 5
@@ -75,6 +78,7 @@ SETUPS: dict[str, PolicySetup] = {s.name: s for s in (
     PolicySetup("static_hindsight", "async", "cmlfq", start="hindsight"),
     PolicySetup("static_pilot", "async", "cmlfq", start="pilot"),
     PolicySetup("phase_static", "async", "cmlfq", start="phased"),
+    PolicySetup("phase_static_late", "async", "cmlfq", start="phased_late"),
     PolicySetup("libra_no_replan", "async", "cmlfq", replan=False, hybrid=True),
     PolicySetup("libra_no_hybrid", "async", "cmlfq", replan=True, hybrid=False),
     PolicySetup("homogeneous_least_load", "async", "least_load", replan=True, hybrid=True, single_tp=True),

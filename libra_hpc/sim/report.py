@@ -59,7 +59,10 @@ ASSUMPTIONS = (
     "hybrid replica counted as training); `static_pilot` the plan on the first 5 batches with training sized for "
     "`training.seq_len`; `phase_static` the same choice per window of `search.phase_window` steps, each change "
     "drained and paused `costs.reconfig_s` as Libra's replans are (kept when it saves no more than that pause "
-    "in the window's simulation). A policy that runs out of memory is compared over the steps both completed."),
+    "in the window's simulation); `phase_static_late` runs those splits with each change requested "
+    "`search.phase_lag` steps after its window begins (a measured reference for a policy that must see a "
+    "regime before it answers it, not a bound). A policy that runs out of memory is compared over the steps both "
+    "completed."),
     ("`libra_true_lengths` routes and plans with true lengths on Libra's plan family; `static_true_lengths` routes "
     "with true lengths on `static_hindsight`'s split; libra_vs_true_lengths uses the better of the two. Neither "
     "is an optimum."),
@@ -97,7 +100,9 @@ def write_outputs(result: ScenarioResult, out: str | Path, plots: bool = True) -
 def ratios(result: ScenarioResult) -> dict:
     """Libra's throughput over each yardstick (:meth:`ScenarioResult.ratio`: over the steps
     both completed when one ran out of memory), ``phase_gain`` (``phase_static`` over
-    ``static_hindsight``: what adaptivity can win with that window), Libra's distance to
+    ``static_hindsight``: what adaptivity can win with that window), ``phase_late_share``
+    (``phase_static_late`` over ``phase_static``: what of it is left when every change
+    waits ``search.phase_lag`` steps), Libra's distance to
     the bound, its predicted over simulated step, and the steps ``static_pilot`` could not
     run, and ``bound_violations`` (steps at which any policy beat the bound: 0 unless the
     bound is wrong). The true-length yardstick is the better (higher tokens/s) of
@@ -109,6 +114,8 @@ def ratios(result: ScenarioResult) -> dict:
             "libra_vs_static_pilot": result.ratio("libra", "static_pilot"),
             "libra_vs_phase_static": result.ratio("libra", "phase_static"),
             "phase_gain": result.ratio("phase_static", "static_hindsight"),
+            "libra_vs_phase_static_late": result.ratio("libra", "phase_static_late"),
+            "phase_late_share": result.ratio("phase_static_late", "phase_static"),
             "libra_vs_true_lengths": result.ratio("libra", best) if best else None, "true_lengths_used": best,
             "libra_vs_bound": result.vs_bound("libra"),
             "libra_predicted_over_simulated": _predicted_ratio(result, "libra"),

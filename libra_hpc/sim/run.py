@@ -19,9 +19,10 @@ from libra_hpc.sim.search import search_colocated
 
 log = logging.getLogger(__name__)
 
-RUN_FIRST = ("libra", "static_hindsight")
+RUN_FIRST = ("libra", "static_hindsight", "phase_static")
 """Policies whose runs others use: ``static_hindsight`` tries every layout Libra applied,
-``phase_static`` and ``static_true_lengths`` take ``static_hindsight``'s split."""
+``phase_static`` and ``static_true_lengths`` take ``static_hindsight``'s split,
+``phase_static_late`` ``phase_static``'s schedule."""
 
 
 @dataclass
@@ -96,12 +97,8 @@ def run_policy(ctx: Context, name: str, steps: int | None = None,
         rec, table, start = _hindsight(ctx, setup, steps, memo)
     elif setup.start == "pilot":
         (start, layout, train), rec = baselines.pilot(ctx, setup, steps)
-    elif setup.start == "phased":
-        extra = baselines.applied_candidates(memo.get("libra_applied", []))
-        if "hindsight" in memo:
-            extra.append(memo["hindsight"])
-        rec, table = baselines.phased(ctx, setup, steps, ctx.cfg.search.phase_window, extra)
-        start = f"windows of {ctx.cfg.search.phase_window} steps, first: {table[0]['split']}"
+    elif setup.start in ("phased", "phased_late"):
+        rec, table, start = _phased(ctx, setup, steps, memo)
     else:
         if colocated:
             layout, train, table = search_colocated(ctx)
@@ -120,6 +117,23 @@ def run_policy(ctx: Context, name: str, steps: int | None = None,
     log.info("%s: %.0f tokens/s, median step %.1f s, %d events in %.1f s", name, s["tokens_per_s"],
              s["step_s_median"], s["events"], s["wall_s"])
     return rec, table, start
+
+
+def _phased(ctx: Context, setup, steps: int, memo: dict) -> tuple[Recorder, list[dict], str]:
+    """``phase_static``, or ``phase_static_late`` on its schedule (found here if it has not run)."""
+    window = ctx.cfg.search.phase_window
+    if "phased" not in memo:
+        extra = baselines.applied_candidates(memo.get("libra_applied", []))
+        if "hindsight" in memo:
+            extra.append(memo["hindsight"])
+        own = SETUPS["phase_static"]
+        memo["phased_run"], memo["phased_table"], memo["phased"] = baselines.phased(ctx, own, steps, window, extra)
+    table = memo["phased_table"]
+    start = f"windows of {window} steps, first: {table[0]['split']}"
+    if setup.start == "phased_late":
+        lag = ctx.cfg.search.phase_lag
+        return baselines.late(ctx, setup, steps, memo["phased"], lag), [], f"{start}; each change {lag} step(s) late"
+    return memo["phased_run"], table, start
 
 
 def _hindsight(ctx: Context, setup, steps: int, memo: dict) -> tuple[Recorder, list[dict], str]:
