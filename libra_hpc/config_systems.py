@@ -62,6 +62,10 @@ class PlannerConfig(_Section):
     100%: no instance change is then trusted)."""
     confirm_checks: int = Field(2, ge=1)
     """Replanning gate: consecutive winning checks, for the same plan, before it is applied."""
+    decisive_gain: float = Field(1.0, gt=0)
+    """Replanning gate: share of the current plan's predicted step a new plan must save per
+    step (and at least twice the cost models' measured error in the job) to be applied at
+    its first winning check, without ``confirm_checks``; 1 or more: every change confirms."""
     memory_headroom: float = Field(1.25, ge=1.0)
     """Every plan's training shape must fit (packed) sequences this many times the observed
     mean length, at most ``training.seq_len``: contexts grow as the policy learns, and a

@@ -197,6 +197,30 @@ def test_the_measured_model_error_raises_the_bar_for_rollout_changes():
     assert off.consider(0, 100.0, other, 0.0, current=current, model_error=0.5).apply
 
 
+def test_a_decisive_gain_is_applied_at_its_first_check_unless_the_models_error_is_as_large():
+    """decisive_gain 0.5: a candidate predicted to halve the step is applied at once (no
+    second check); one predicted 40% faster still waits for its confirmation; a fitted
+    calibration off by 30% (twice: 60% > 55%) keeps even the 55% gain to the confirmation;
+    the dwell still holds; the default (1.0) always confirms."""
+    from dataclasses import replace
+
+    gate = ReplanGate(replace(OPT, decisive_gain=0.5, min_dwell_steps=0))
+    d = gate.consider(0, 100.0, candidate(60.0), 0.0)
+    assert not d.apply and "1/2" in d.reason
+    d = gate.consider(10, 100.0, candidate(45.0), 0.0)  # streak 2 of the same plan anyway: confirmed
+    assert d.apply and "2 consecutive checks" in d.reason
+    gate = ReplanGate(replace(OPT, decisive_gain=0.5, min_dwell_steps=0))
+    d = gate.consider(0, 100.0, candidate(45.0), 0.0)
+    assert d.apply and "decisive: gain 55% of the current step" in d.reason
+    assert not gate.consider(10, 100.0, candidate(45.0, train_gpus=4), 0.0, model_error=0.3).apply
+    dwell = ReplanGate(replace(OPT, decisive_gain=0.5, min_dwell_steps=20))
+    assert dwell.consider(0, 100.0, candidate(45.0), 0.0).apply
+    assert "dwell" in dwell.consider(10, 45.0, candidate(10.0, train_gpus=4), 0.0).reason
+    assert not ReplanGate(OPT).consider(0, 100.0, candidate(10.0), 0.0).apply  # default: confirm
+    with pytest.raises(ValueError, match="decisive_gain > 0"):
+        GateOptions(decisive_gain=0.0)
+
+
 def test_a_fitted_calibration_carries_its_error_per_kind():
     from libra_hpc.planner.costs import TimingRecord, fit_calibration
 

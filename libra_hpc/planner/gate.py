@@ -16,6 +16,10 @@ with hysteresis, so that a workload alternating between two shapes does not flap
   A check without a worthwhile gain, or one pointing the other way, restarts the count;
   under steady drift the candidate changes from check to check but the direction holds,
   so the latest candidate is applied;
+- a decisive change skips the confirmation: one whose predicted gain is at least
+  ``decisive_gain`` of the current plan's predicted step and at least twice the cost
+  models' measured error (a step predicted to shrink by half after a regime change is not
+  noise, and each check it waits runs a step on the plan that no longer fits);
 - no change within ``min_dwell_steps`` steps of the last applied one.
 Every :class:`Decision` says why, for ``events.jsonl``. Units: seconds, steps.
 """
@@ -58,13 +62,18 @@ class GateOptions:
     save per step: a smaller predicted gain is within the rollout model's error and is
     kept out. A change of the training shape alone (same instances) is exempt."""
 
+    decisive_gain: float = 1.0
+    """Share of the current plan's predicted step a candidate must save per step (and at
+    least twice ``model_error`` of :meth:`ReplanGate.consider`) to be applied at its first
+    winning check, without ``confirm_checks``; 1 or more: never (every change confirms)."""
+
     def __post_init__(self) -> None:
         lo, hi = self.ratio_band
         if (self.every_steps < 1 or (self.horizon_steps is not None and self.horizon_steps < 1)
                 or self.confirm_checks < 1 or self.min_dwell_steps < 0 or self.margin_s < 0
-                or not 0 <= self.min_gain < 1):
+                or not 0 <= self.min_gain < 1 or self.decisive_gain <= 0):
             raise ValueError(f"GateOptions: every_steps, confirm_checks >= 1, min_dwell_steps, margin_s >= 0, "
-                             f"0 <= min_gain < 1: {self}")
+                             f"0 <= min_gain < 1, decisive_gain > 0: {self}")
         if not 0 < lo <= 1 <= hi:
             raise ValueError(f"GateOptions.ratio_band must satisfy 0 < low <= 1 <= high, got {self.ratio_band}")
         if self.queue_depth_threshold < 1:
@@ -167,14 +176,17 @@ class ReplanGate:
             return self._say(step, Decision(False, f"{trigger}; keep: {money} > margin, but dwell: last change at step "
                                                    f"{self.last_apply}, none before step "
                                                    f"{self.last_apply + o.min_dwell_steps}", True, trigger, net))
-        if self.streak < o.confirm_checks:
+        decisive = gain >= max(o.decisive_gain, 2 * model_error) * current_objective_s > 0
+        if self.streak < o.confirm_checks and not decisive:
             return self._say(step, Decision(False, f"{trigger}; wait: {money} > margin {o.margin_s:g} s for "
                                                    f"{self.streak}/{o.confirm_checks} consecutive checks "
                                                    f"({new.describe()})", True, trigger, net))
-        self.last_apply, self.pending, self.streak = step, None, 0
+        streak, self.last_apply, self.pending, self.streak = self.streak, step, None, 0
+        why = (f"for {o.confirm_checks} consecutive checks" if streak >= o.confirm_checks else
+               f"decisive: gain {gain / current_objective_s:.0%} of the current step >= decisive_gain "
+               f"{o.decisive_gain:g}")
         return self._say(step, Decision(True, f"{trigger}; apply {new.describe()}: {money} > margin "
-                                              f"{o.margin_s:g} s for {o.confirm_checks} consecutive checks",
-                                        True, trigger, net))
+                                              f"{o.margin_s:g} s {why}", True, trigger, net))
 
     @staticmethod
     def _say(step: int, d: Decision) -> Decision:
