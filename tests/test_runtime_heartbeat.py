@@ -127,13 +127,25 @@ def test_the_watchdog_names_the_worker_that_fell_silent(tmp_path, clock):
 
 
 def test_a_beat_left_by_an_earlier_run_counts_for_nothing(tmp_path, clock):
-    _beat(tmp_path, 1, now=NOW - 3600)
+    """A worker's first beat of a run may take FIRST_BEAT_FACTOR timeouts (a loaded node);
+    past that it is lost, and the beat an earlier run left does not describe it."""
+    _beat(tmp_path, 1, now=NOW - 3600, activity="saving the checkpoint of version 4")
     dog = hb.Watchdog(tmp_path, [1], lambda r: {}, interval_s=1, timeout_s=5, on_lost=lambda lost: None)
     assert dog.check(5) is None  # silent for an hour, but not since this watchdog started
-    clock.now += 5
-    assert dog.check(5) is None
-    clock.now += 0.5  # 5.5 s since the watchdog started: that rank never beat in this run
-    assert dog.check(5)["rank"] == 1
+    clock.now += 5.5
+    assert dog.check(5) is None  # past the timeout, but it has not beaten in this run yet
+    clock.now += 5 * hb.FIRST_BEAT_FACTOR - 5.5 + 0.5  # 15.5 s since the watchdog started
+    lost = dog.check(5)
+    assert lost["rank"] == 1 and lost["how"] == "never beat in this run" and lost["silent_s"] == 15.5
+    assert lost["last_activity"] == "never beat" and "checkpoint" not in hb.describe_lost(lost)
+
+
+def test_once_a_worker_has_beaten_the_plain_timeout_holds(tmp_path, clock):
+    dog = hb.Watchdog(tmp_path, [1, 2], lambda r: {}, interval_s=1, timeout_s=5, on_lost=lambda lost: None)
+    _beat(tmp_path, 1, now=NOW + 1)
+    clock.now += 6.5  # rank 1 silent 5.5 s since its beat; rank 2 never beat (6.5 s, under 15)
+    lost = dog.check(5)
+    assert lost["rank"] == 1 and lost["how"] == "stopped answering"
 
 
 def test_the_watchdog_names_a_worker_that_beats_but_makes_no_progress(tmp_path, clock):

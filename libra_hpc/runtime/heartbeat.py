@@ -155,6 +155,11 @@ class Heartbeat:
                     return
 
 
+FIRST_BEAT_FACTOR = 3
+"""A worker's first beat of a run may come this many heartbeat timeouts after the watchdog
+started (:meth:`Watchdog.check`)."""
+
+
 def _silent_s(folder: Path, rank: int, started: float) -> float:
     """Seconds since ``rank`` last beat (since ``started`` if it never has)."""
     beat = read_beat(folder, rank)
@@ -197,20 +202,30 @@ class Watchdog:
         self._stop.set()
 
     def check(self, timeout_s: float) -> dict | None:
-        """The worker silent longest if that is over ``timeout_s``, described; else None.
-        Also notes the workers on this host (their pids) for :meth:`check_processes`."""
+        """The worker silent longest past its limit, described; else None. The limit is
+        ``timeout_s`` once a worker has beaten in this run, :data:`FIRST_BEAT_FACTOR` times
+        that before its first beat: the world's formation has shown every rank alive, and
+        on a loaded node the first beat came 30 s after rank 0's watchdog started (a resume
+        in CI's job tests, beside the other pytest worker's engines: a lost rank named from
+        the beat the run before had left). Also notes the workers on this host (their pids)
+        for :meth:`check_processes`."""
         silent = []
         for rank in self.workers:
             beat = read_beat(self.folder, rank)
-            if beat is not None and beat.get("host") == self.host and beat["t"] >= self.started:
+            fresh = beat is not None and beat["t"] >= self.started
+            if fresh and beat.get("host") == self.host:
                 self.local[rank] = beat
-            silent.append((_silent_s(self.folder, rank, self.started), rank))
+            limit = timeout_s if fresh else timeout_s * FIRST_BEAT_FACTOR
+            seconds = _silent_s(self.folder, rank, self.started)
+            silent.append((seconds - limit, seconds, rank, fresh))
         silent.sort(reverse=True)
-        if not silent or silent[0][0] <= timeout_s:
+        if not silent or silent[0][0] <= 0:
             return None
-        seconds, rank = silent[0]
+        _, seconds, rank, fresh = silent[0]
+        beat = read_beat(self.folder, rank) if fresh else None
         return {"rank": rank, **self.describe(rank), "silent_s": round(seconds, 1),
-                **_from_beat(read_beat(self.folder, rank) or {}, time.time()), "how": "stopped answering"}
+                **_from_beat(beat or {}, time.time()),
+                "how": "stopped answering" if fresh else "never beat in this run"}
 
     def check_progress(self, timeout_s: float, now: float) -> dict | None:
         """The worker that is not waiting for others and whose main thread made no progress
