@@ -19,19 +19,28 @@ def pytest_addoption(parser):
 JOB_MODULES = ("test_job", "test_launch_local", "test_launch_slurm", "test_slurm_cluster", "test_tools_remote")
 """Modules whose tests start whole jobs (launch.py, sbatch) or use the private Slurm cluster."""
 
+SLOT_MODULES = ("test_tools_sandbox", "test_tools_hardening", "test_tools_orchestrator")
+"""Modules whose tests share fixed sandbox slot uids (their module's ``UID``): each runs whole
+on one worker. Split across two, a test on one worker reaps the slot uid's processes (a
+slot starts empty; a killed call's leftovers are killed by uid) while the other worker's
+sandbox or isolation probe runs as that uid: CI lost ten bwrap tests so ("probe exited
+137", then exit 125)."""
+
 
 def pytest_xdist_make_scheduler(config, log):
     """With two pytest-xdist workers (pyproject's addopts): the tests of ``JOB_MODULES`` are
     one unit of work, run in order by one worker (they share the session's Slurm cluster
-    and warm-start cache, and each job loads both cores); every other test is a unit of its
-    own, run by whichever worker is free. (A conftest cannot give pytest-xdist's
+    and warm-start cache, and each job loads both cores); each module of ``SLOT_MODULES`` is
+    one unit; every other test is a unit of its own, run by whichever worker is free. (A conftest cannot give pytest-xdist's
     ``loadgroup`` its groups under pytest 9: the worker's renamed node ids are not used.)"""
     from xdist.scheduler import LoadScopeScheduling
 
     class JobsTogether(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
             module = Path(nodeid.split("::", 1)[0]).stem
-            return "jobs" if module in JOB_MODULES else nodeid
+            if module in JOB_MODULES:
+                return "jobs"
+            return module if module in SLOT_MODULES else nodeid
 
     return JobsTogether(config, log)
 
