@@ -148,6 +148,22 @@ def test_once_a_worker_has_beaten_the_plain_timeout_holds(tmp_path, clock):
     assert lost["rank"] == 1 and lost["how"] == "stopped answering"
 
 
+def test_a_worker_still_starting_has_the_first_beats_grace(tmp_path, clock):
+    """A starting rank's beating thread may wait on the GIL a native call holds (a shared
+    library loading): until its main thread says what it does, FIRST_BEAT_FACTOR timeouts."""
+    dog = hb.Watchdog(tmp_path, [1, 2], lambda r: {}, interval_s=1, timeout_s=5, on_lost=lambda lost: None)
+    _beat(tmp_path, 1, now=NOW + 1, activity=hb.STARTING)
+    _beat(tmp_path, 2, now=NOW + 1, activity="trainer: training batch 4")
+    clock.now += 7  # both silent 6 s: rank 2 said what it does, rank 1 is still starting
+    assert dog.check(5)["rank"] == 2
+    _beat(tmp_path, 2, now=NOW + 7, activity="trainer: training batch 4")
+    assert dog.check(5) is None  # rank 1: 6 s of its 15
+    clock.now += 9.5  # rank 1 silent 15.5 s since its beat
+    _beat(tmp_path, 2, now=clock.now, activity="trainer: training batch 5")
+    lost = dog.check(5)
+    assert lost["rank"] == 1 and lost["how"] == "stopped answering" and lost["last_activity"] == hb.STARTING
+
+
 def test_the_watchdog_names_a_worker_that_beats_but_makes_no_progress(tmp_path, clock):
     """A rank hung in Python: its heartbeat thread beats on, its loop has not gone round
     for longer than job.progress_timeout_s; a rank waiting for others is not hung."""

@@ -52,7 +52,9 @@ from typing import Callable
 
 log = logging.getLogger(__name__)
 
-_state = {"activity": "starting", "since": time.time(), "role": "rank", "progress": time.time(), "waiting": False}
+STARTING = "starting"
+"""A rank's activity until its main thread first says what it does (:func:`note`)."""
+_state = {"activity": STARTING, "since": time.time(), "role": "rank", "progress": time.time(), "waiting": False}
 peer_failed = threading.Event()
 """Set when the launcher says a process of the world ended (SIGUSR1 from ``mpiexec``)."""
 standing_down = threading.Event()
@@ -157,7 +159,8 @@ class Heartbeat:
 
 FIRST_BEAT_FACTOR = 3
 """A worker's first beat of a run may come this many heartbeat timeouts after the watchdog
-started (:meth:`Watchdog.check`)."""
+started, and while its beat still says ``starting`` the next may come that late too
+(:meth:`Watchdog.check`)."""
 
 
 def _silent_s(folder: Path, rank: int, started: float) -> float:
@@ -203,19 +206,23 @@ class Watchdog:
 
     def check(self, timeout_s: float) -> dict | None:
         """The worker silent longest past its limit, described; else None. The limit is
-        ``timeout_s`` once a worker has beaten in this run, :data:`FIRST_BEAT_FACTOR` times
-        that before its first beat: the world's formation has shown every rank alive, and
-        on a loaded node the first beat came 30 s after rank 0's watchdog started (a resume
-        in CI's job tests, beside the other pytest worker's engines: a lost rank named from
-        the beat the run before had left). Also notes the workers on this host (their pids)
-        for :meth:`check_processes`."""
+        ``timeout_s`` once a worker has beaten in this run and said what it does,
+        :data:`FIRST_BEAT_FACTOR` times that before its first beat and while its beats say
+        it is still ``starting`` (importing torch, vLLM and Megatron: the world's formation
+        has shown every rank alive). A starting rank's beating thread waits for the GIL
+        that a long native call of its main thread holds (a shared library loading), and
+        on a loaded node that took 30 s twice in CI's job tests: a resume's first beats
+        (named from the beat the run before had left), and a check world's rank between
+        its first beat and its second, 56 s into its start. Also notes the workers on this
+        host (their pids) for :meth:`check_processes`."""
         silent = []
         for rank in self.workers:
             beat = read_beat(self.folder, rank)
             fresh = beat is not None and beat["t"] >= self.started
             if fresh and beat.get("host") == self.host:
                 self.local[rank] = beat
-            limit = timeout_s if fresh else timeout_s * FIRST_BEAT_FACTOR
+            started = fresh and beat.get("activity") != STARTING
+            limit = timeout_s if started else timeout_s * FIRST_BEAT_FACTOR
             seconds = _silent_s(self.folder, rank, self.started)
             silent.append((seconds - limit, seconds, rank, fresh))
         silent.sort(reverse=True)

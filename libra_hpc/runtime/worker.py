@@ -25,6 +25,7 @@ from collections.abc import Callable
 from typing import Any
 
 from libra_hpc.cluster.world import GroupHandle, World
+from libra_hpc.runtime.heartbeat import note
 
 log = logging.getLogger(__name__)
 
@@ -48,8 +49,10 @@ class Worker:
     def run(self) -> None:
         """Serve commands until ``stop``."""
         while True:
+            note("check worker: waiting for a command", waiting=True)
             command = self.world.next_command()
             op = command["op"]
+            note(f"check worker: {op} {command.get('step', '')}".rstrip())
             if op == "stop":
                 self.close()
                 return
