@@ -210,16 +210,27 @@ class LocalSlurmCluster:
 
     def wait_job(self, job_id: str, timeout_s: float = 60) -> str:
         """Poll ``scontrol show job`` (quicker than ``sbatch --wait``) until the job leaves
-        the pending/running states; returns its final state."""
+        the pending/running states; returns its final state. A job still running after
+        ``timeout_s`` is cancelled (and waited for, up to 60 s) before the TimeoutError:
+        left running it holds the nodes, and every later test's job times out behind it
+        (CI: a world hung in MPI_Init took five Slurm tests down with it)."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            line = self.run("scontrol", "show", "job", "-o", job_id)
-            state = line.split("JobState=")[1].split()[0]
+            state = self._state(job_id)
             if state not in ("PENDING", "CONFIGURING", "RUNNING", "COMPLETING"):
                 return state
             time.sleep(0.2)
-        raise TimeoutError(f"job {job_id} not finished after {timeout_s} s\n"
-                           f"{self.run('scontrol', 'show', 'job', job_id, check=False)}\n{busiest_processes()}")
+        shown = self.run("scontrol", "show", "job", job_id, check=False)
+        self.run("scancel", job_id, check=False)
+        cancel_deadline = time.monotonic() + 60
+        while time.monotonic() < cancel_deadline and self._state(job_id) in ("PENDING", "CONFIGURING", "RUNNING",
+                                                                              "COMPLETING"):
+            time.sleep(0.5)
+        raise TimeoutError(f"job {job_id} not finished after {timeout_s} s (cancelled)\n{shown}\n{busiest_processes()}")
+
+    def _state(self, job_id: str) -> str:
+        line = self.run("scontrol", "show", "job", "-o", job_id)
+        return line.split("JobState=")[1].split()[0]
 
     def run(self, *argv: str, timeout_s: float = 30, check: bool = True) -> str:
         """Run a Slurm client (sinfo, sbatch, ...) against this cluster; return stdout
