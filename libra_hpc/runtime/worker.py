@@ -25,7 +25,6 @@ from collections.abc import Callable
 from typing import Any
 
 from libra_hpc.cluster.world import GroupHandle, World
-from libra_hpc.runtime.heartbeat import note
 
 log = logging.getLogger(__name__)
 
@@ -49,10 +48,8 @@ class Worker:
     def run(self) -> None:
         """Serve commands until ``stop``."""
         while True:
-            note("check worker: waiting for a command", waiting=True)
-            command = self.world.next_command()
-            op = command["op"]
-            note(f"check worker: {op} {command.get('step', '')}".rstrip())
+            command = self.world.next_command()  # its beats say "starting" throughout: a check's
+            op = command["op"]  # steps build its torch worlds, start-up work (heartbeat.STARTING)
             if op == "stop":
                 self.close()
                 return
