@@ -274,7 +274,8 @@ class JobConfig(_Section):
     newest checkpoint; a worker whose controller is silent this long exits. A worker's
     first beat of a run may come three times this long after rank 0's watchdog started, and
     so may its next ones while it is still starting (imports hold the GIL its heartbeat
-    thread needs; a loaded node). 0: no heartbeats (a dead rank then hangs the world until Slurm's time limit)."""
+    thread needs; a loaded node). 0: no heartbeats (a dead rank then hangs the world until
+    Slurm's time limit)."""
     progress_timeout_s: float = Field(1800.0, ge=0)
     """A worker whose role loop made no progress this long while not waiting for other
     ranks (hung in Python: its heartbeat thread still beats) is lost, as a dead rank is.

@@ -31,8 +31,9 @@ def pytest_xdist_make_scheduler(config, log):
     """With two pytest-xdist workers (pyproject's addopts): the tests of ``JOB_MODULES`` are
     one unit of work, run in order by one worker (they share the session's Slurm cluster
     and warm-start cache, and each job loads both cores); each module of ``SLOT_MODULES`` is
-    one unit; every other test is a unit of its own, run by whichever worker is free. (A conftest cannot give pytest-xdist's
-    ``loadgroup`` its groups under pytest 9: the worker's renamed node ids are not used.)"""
+    one unit; every other test is a unit of its own, run by whichever worker is free. (A
+    conftest cannot give pytest-xdist's ``loadgroup`` its groups under pytest 9: the
+    worker's renamed node ids are not used.)"""
     from xdist.scheduler import LoadScopeScheduling
 
     class JobsTogether(LoadScopeScheduling):

@@ -125,6 +125,10 @@ class _Daemon:
 _READ_ONLY = {"squeue", "sinfo", "sacct", ("scontrol", "show")}
 
 
+_ACTIVE = ("PENDING", "CONFIGURING", "RUNNING", "COMPLETING")
+"""Job states of a job that has not ended."""
+
+
 class LocalSlurmCluster:
     """``nodes`` emulated nodes, each declaring ``gpus_per_node`` GPUs (GRES backed by
     /dev/null links, so Slurm sets CUDA_VISIBLE_DEVICES) and ``cpus_per_node`` CPUs
@@ -217,14 +221,13 @@ class LocalSlurmCluster:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             state = self._state(job_id)
-            if state not in ("PENDING", "CONFIGURING", "RUNNING", "COMPLETING"):
+            if state not in _ACTIVE:
                 return state
             time.sleep(0.2)
         shown = self.run("scontrol", "show", "job", job_id, check=False)
         self.run("scancel", job_id, check=False)
         cancel_deadline = time.monotonic() + 60
-        while time.monotonic() < cancel_deadline and self._state(job_id) in ("PENDING", "CONFIGURING", "RUNNING",
-                                                                              "COMPLETING"):
+        while time.monotonic() < cancel_deadline and self._state(job_id) in _ACTIVE:
             time.sleep(0.5)
         raise TimeoutError(f"job {job_id} not finished after {timeout_s} s (cancelled)\n{shown}\n{busiest_processes()}")
 

@@ -221,8 +221,8 @@ class Watchdog:
             fresh = beat is not None and beat["t"] >= self.started
             if fresh and beat.get("host") == self.host:
                 self.local[rank] = beat
-            started = fresh and beat.get("activity") != STARTING
-            limit = timeout_s if started else timeout_s * FIRST_BEAT_FACTOR
+            settled = fresh and beat.get("activity") != STARTING
+            limit = timeout_s if settled else timeout_s * FIRST_BEAT_FACTOR
             seconds = _silent_s(self.folder, rank, self.started)
             silent.append((seconds - limit, seconds, rank, fresh))
         silent.sort(reverse=True)

@@ -48,8 +48,10 @@ class Worker:
     def run(self) -> None:
         """Serve commands until ``stop``."""
         while True:
-            command = self.world.next_command()  # its beats say "starting" throughout: a check's
-            op = command["op"]  # steps build its torch worlds, start-up work (heartbeat.STARTING)
+            # No heartbeat note here: a check's steps build its torch worlds, start-up work, so
+            # its beats keep saying heartbeat.STARTING and keep the start-up grace.
+            command = self.world.next_command()
+            op = command["op"]
             if op == "stop":
                 self.close()
                 return
