@@ -50,6 +50,11 @@ rm -f "$LOG_DIR/REQUEUE" "$LOG_DIR/STOP"
 # requeue), and no process of the job step is signalled (a vLLM instance's TP workers or a
 # tool's sandbox would die of USR2). The step runs in the background so that the trap runs
 # at once; `wait` returns early when it does, and is called again until srun has ended.
+# MPICH over UCX can publish an address line longer than Slurm's pmi2 plugin reads at once,
+# and the world then dies in MPI_Init; OFI's addresses are short. On a fabric (verbs, efa,
+# cxi) set FI_PROVIDER before sbatch (WORLD_STEP_DEFAULTS in libra_hpc/cluster/slurm.py).
+export MPIR_CVAR_CH4_NETMOD="${MPIR_CVAR_CH4_NETMOD:-ofi}"
+export FI_PROVIDER="${FI_PROVIDER:-tcp}"
 trap 'echo "SIGUSR2 (the time-limit warning, to the batch shell at $(date -Is))" > "$LOG_DIR/STOP"' USR2
 srun --mpi=pmi2 --overcommit --kill-on-bad-exit=1 \
     --nodes="$NODES" --ntasks=$(( NODES * GPUS + 1 )) \

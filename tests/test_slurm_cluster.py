@@ -10,7 +10,10 @@ from collections.abc import Callable
 import pytest
 from slurm_cluster import busiest_processes
 
+from libra_hpc.cluster.slurm import WORLD_STEP_DEFAULTS
+
 pytestmark = pytest.mark.slurm
+ENV = " ".join(f"{k}={v}" for k, v in WORLD_STEP_DEFAULTS.items())  # as launch.py's world step
 
 SLURM_WAIT_S = 120.0
 """How long a test waits for the private cluster to get somewhere: a hang guard, never a
@@ -39,7 +42,7 @@ RANK_REPORT = ("import os; from mpi4py import MPI; w = MPI.COMM_WORLD; "
 
 def test_mpi_step_with_controller_rank(slurm_cluster, tmp_path):
     n, g = slurm_cluster.nodes, slurm_cluster.gpus
-    step = (f"srun --mpi=pmi2 --overcommit --nodes={n} --ntasks={n * g + 1} "
+    step = (f"{ENV} srun --mpi=pmi2 --overcommit --nodes={n} --ntasks={n * g + 1} "
             f"{sys.executable} -c \"{RANK_REPORT}\"")
     job_id = slurm_cluster.run(
         "sbatch", "--parsable", "--job-name=mpi-shape", f"--output={tmp_path}/%j.out",

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from submitit.slurm.slurm import _make_sbatch_string
 
-from libra_hpc.cluster.slurm import SlurmRequest
+from libra_hpc.cluster.slurm import WORLD_STEP_DEFAULTS, SlurmRequest, world_step_env
 from libra_hpc.config import load_config
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -125,6 +125,17 @@ def test_script_srun_line_matches_srun_command():
     assert [a for a in srun if a in WORLD_FLAGS] == [a for a in ours if a in WORLD_FLAGS] == list(WORLD_FLAGS)
     assert '--nodes=$NODES' in srun
     assert srun[srun.index("-m") + 1] == "libra_hpc.run"
+
+
+def test_the_world_step_uses_mpichs_ofi_over_tcp_unless_the_user_names_a_transport():
+    # over UCX, MPICH's address lines can outgrow what Slurm's pmi2 plugin reads at once
+    assert world_step_env({"PATH": "/bin"}) == {"PATH": "/bin", "MPIR_CVAR_CH4_NETMOD": "ofi", "FI_PROVIDER": "tcp"}
+    assert world_step_env({"MPIR_CVAR_CH4_NETMOD": "ucx", "FI_PROVIDER": "verbs"}) == {
+        "MPIR_CVAR_CH4_NETMOD": "ucx", "FI_PROVIDER": "verbs"}
+    lines = _script_lines()
+    srun = next(i for i, line in enumerate(lines) if line.lstrip().startswith("srun "))
+    for name, value in WORLD_STEP_DEFAULTS.items():  # the script's world has the same defaults
+        assert f'export {name}="${{{name}:-{value}}}"' in lines[:srun]
 
 
 def test_script_header_one_task_per_gpu():

@@ -23,6 +23,25 @@ from libra_hpc.config_checks import slurm_time_s
 
 log = logging.getLogger(__name__)
 
+# MPICH's transport for a world started by ``srun --mpi=pmi2``, where the environment
+# names none. MPICH speaks PMI-1 to Slurm's pmi2 plugin, which reads each request with a
+# single read() of at most 1024 bytes. Over UCX (the wheel's default) MPICH publishes each
+# rank's 4 KiB address card in 511-byte segments, hex-encoded with runs of zeros shortened;
+# the card's bytes past the real address are whatever the heap held, and a segment with few
+# zeros makes a `put` line of about 1080 bytes, which the plugin reads in two pieces and
+# refuses ("value not properly terminated"): the world dies or hangs in MPI_Init, now and
+# then. An OFI address card is a few dozen bytes. libfabric's own first choice on a host
+# without a fabric, the deprecated `sockets` provider, hangs in collectives; `tcp` does
+# not. On a fabric (verbs, efa, cxi) set FI_PROVIDER for the job; other MPIs ignore both.
+WORLD_STEP_DEFAULTS = {"MPIR_CVAR_CH4_NETMOD": "ofi", "FI_PROVIDER": "tcp"}
+
+
+def world_step_env(environ: dict[str, str]) -> dict[str, str]:
+    """The environment of the ``srun`` that starts the world: ``environ``, with each of
+    :data:`WORLD_STEP_DEFAULTS` that it does not set."""
+    return {**WORLD_STEP_DEFAULTS, **environ}
+
+
 TERMINAL_STATES = frozenset(
     {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE", "PREEMPTED"}
 )
@@ -191,7 +210,7 @@ def run_world_step(command: list[str], logs_root: str | None = None,
         folder.mkdir(parents=True, exist_ok=True)
         relay = TimeLimitRelay(folder, job, warn_before_s).start()
     log.info("starting the MPI world: %s", " ".join(command))
-    process = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, errors="replace")
+    process = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, errors="replace", env=world_step_env(dict(os.environ)))
     said = []
     for line in process.stderr:  # passed through, and kept for the post-mortem (srun names a dead task)
         sys.stderr.write(line)
