@@ -73,7 +73,24 @@ class PlannerConfig(_Section):
     batch the planner checks the running shape against it and, when it no longer fits,
     replaces the plan at once (no gate: the alternative is an out-of-memory crash)."""
     min_dwell_steps: int = Field(10, ge=0)
-    """Replanning gate: RL steps after an applied change during which no other is applied."""
+    """Replanning gate: RL steps after an applied change during which no other is applied
+    (but see ``dwell_same_way``)."""
+    dwell_same_way: bool = False
+    """Replanning gate: true: a change that moves GPUs the same way as the last applied one
+    (toward rollout, or toward training) is not held back by ``min_dwell_steps``; a move
+    back, or a reshuffle of the same split, still is. Under a steady drift the best split
+    keeps moving one way, and a plan applied halfway through a regime change would otherwise
+    stay for the whole dwell. Off by default: alone it changed no shipped scenario; with
+    ``confirm_next_step`` see that option."""
+    confirm_next_step: bool = False
+    """Replanning gate: true: a candidate that won a check but waits for ``confirm_checks``
+    is checked again at the next step (a pressure check otherwise waits ``every_steps // 5``
+    steps, each check costing a plan search); each step it waits runs on the plan that lost.
+    Off by default: with ``dwell_same_way`` it gave context-drift-tp +4.9% and
+    a800-swe-drift −1.0%, and it lets a change confirmed earlier drain its pipeline on a
+    training shape that the next batch no longer fits (the simulator then runs out of
+    memory, tests/test_control_golden.py's stream at step 6); see
+    benchmarks/results/2026-11-28-python-2core-issue30-transitions.md."""
     replan: bool = True
     """The job re-plans the whole layout (training shape, rollout instances) when the plan
     search, on the observed lengths and the calibration fitted to the job's timings, beats

@@ -93,6 +93,46 @@ def test_dwell_after_a_change():
     assert gate.consider(30, 100.0, candidate(50.0, 4), 0.0).apply
 
 
+@pytest.mark.parametrize("same_way", [True, False])
+def test_the_dwell_holds_a_move_back_but_not_a_further_move_the_same_way(same_way):
+    """Halfway through a regime change the gate may apply a split that is only part of the
+    way there; the dwell then holds back a move back (flapping), but with ``dwell_same_way``
+    not the rest of the way (context-drift-tp: a plan applied at step 64 stayed ten steps)."""
+    gate = ReplanGate(GateOptions(every_steps=1, confirm_checks=1, min_dwell_steps=10, margin_s=0.0,
+                                  dwell_same_way=same_way))
+    start = candidate(100.0, train_gpus=8).plan
+    halfway = candidate(80.0, train_gpus=4)  # 4 GPUs toward rollout
+    assert gate.consider(0, 100.0, halfway, 0.0, current=start).apply
+    back = gate.consider(1, 80.0, candidate(60.0, train_gpus=8), 0.0, current=halfway.plan)
+    assert not back.apply and "dwell" in back.reason
+    further = gate.consider(2, 80.0, candidate(60.0, train_gpus=2), 0.0, current=halfway.plan)
+    assert further.apply is same_way
+    if not same_way:
+        assert "dwell: last change at step 0" in further.reason
+    # a change the caller applied past the gate (memory) has no direction: the dwell holds all
+    gate = ReplanGate(GateOptions(every_steps=1, confirm_checks=1, min_dwell_steps=10, margin_s=0.0))
+    gate.last_apply, gate.moved = 0, None
+    assert not gate.consider(1, 80.0, candidate(60.0, train_gpus=2), 0.0, current=halfway.plan).apply
+
+
+@pytest.mark.parametrize("next_step", [True, False])
+def test_a_winning_candidate_asks_for_its_confirmation_at_the_next_step(next_step):
+    gate = ReplanGate(GateOptions(every_steps=10, confirm_checks=2, min_dwell_steps=10, margin_s=0.0,
+                                  confirm_next_step=next_step))
+    start = candidate(100.0, train_gpus=8).plan
+    assert not gate.confirming(0)
+    first = gate.consider(0, 100.0, candidate(60.0, train_gpus=4), 0.0, current=start)
+    assert not first.apply and "1/2" in first.reason
+    assert gate.confirming(1) is next_step
+    assert gate.consider(1, 100.0, candidate(60.0, train_gpus=4), 0.0, {"rollout_train_ratio": 2.0},
+                         current=start).apply
+    assert not gate.confirming(2)  # nothing waits after the change
+    # a winner the dwell holds back (it moves back) does not ask for a check every step
+    gate.consider(3, 60.0, candidate(40.0, train_gpus=8), 0.0, {"rollout_train_ratio": 2.0},
+                  current=candidate(60.0, train_gpus=4).plan)
+    assert not gate.confirming(4)
+
+
 def test_every_decision_has_a_reason():
     gate = ReplanGate(OPT)
     rng = random.Random(0)

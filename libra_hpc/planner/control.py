@@ -263,8 +263,12 @@ class ControlLoop:
         change = self._reshard(step, observed, short)  # a re-shard moves no GPU between roles
         if change is not None or not self.o.replan:
             return change
-        if short is None and (step - self.last_check < self.min_gap or not self.gate.due(step, pressure)):
-            return None  # pressure checks at most every every_steps // 5 steps (each costs a plan search)
+        # pressure checks at most every every_steps // 5 steps (each costs a plan search); with
+        # planner.confirm_next_step a winning candidate's confirmation comes at the next step
+        # (at most one extra search per winning candidate)
+        gap = 1 if self.gate.confirming(step) else self.min_gap
+        if short is None and (step - self.last_check < gap or not self.gate.due(step, pressure)):
+            return None
         self.last_check = step
         if self.o.clairvoyant:
             lengths = future() if future is not None else None
@@ -284,7 +288,7 @@ class ControlLoop:
             log.warning("replan at step %d found no plan: %s", step, exc)
             return None
         if short is not None:  # no gate: the alternative is running out of memory
-            self.gate.last_apply = step
+            self.gate.last_apply, self.gate.moved = step, None
             self.considered.append({"step": step, "kind": "replan_check", "trigger": "memory", "apply": True,
                                     "reason": short, "candidate": candidate.plan.describe(),
                                     "candidate_objective_s": candidate.plan.objective})

@@ -20,7 +20,10 @@ with hysteresis, so that a workload alternating between two shapes does not flap
   ``decisive_gain`` of the current plan's predicted step and at least twice the cost
   models' measured error (a step predicted to shrink by half after a regime change is not
   noise, and each check it waits runs a step on the plan that no longer fits);
-- no change within ``min_dwell_steps`` steps of the last applied one.
+- no change within ``min_dwell_steps`` steps of the last applied one (with
+  ``dwell_same_way``: none that moves GPUs back; a further move the same way may go);
+- with ``confirm_next_step`` a winner's confirming check may run at the next step (the
+  control loop otherwise spaces pressure checks ``every_steps // 5`` apart).
 Every :class:`Decision` says why, for ``events.jsonl``. Units: seconds, steps.
 """
 
@@ -67,6 +70,13 @@ class GateOptions:
     least twice ``model_error`` of :meth:`ReplanGate.consider`) to be applied at its first
     winning check, without ``confirm_checks``; 1 or more: never (every change confirms)."""
 
+    dwell_same_way: bool = False
+    """A change that moves GPUs the same way as the last applied one is not held back by
+    ``min_dwell_steps`` (a move back, or a reshuffle of the same split, is)."""
+    confirm_next_step: bool = False
+    """A winning candidate's confirming check may run at the next step (else the caller's
+    spacing of pressure checks applies to it too)."""
+
     def __post_init__(self) -> None:
         lo, hi = self.ratio_band
         if (self.every_steps < 1 or (self.horizon_steps is not None and self.horizon_steps < 1)
@@ -102,6 +112,9 @@ def direction(p: Plan, current: Plan) -> tuple:
     return signature(p)
 
 
+_MOVES = {("toward rollout",), ("toward training",)}
+
+
 def signature(p: Plan) -> tuple:
     """What makes two plans the same change: training shape and rollout instance counts."""
     s = p.train
@@ -117,6 +130,9 @@ class ReplanGate:
         self.last_apply: int | None = None
         self.pending: tuple | None = None
         self.streak = 0
+        self.moved: tuple | None = None
+        """Which way the last applied change moved GPUs (:func:`direction`); None when not
+        known (a change the caller applied past the gate, e.g. for memory)."""
 
     def due(self, step: int, pressure: Mapping[str, float]) -> str:
         """The trigger of a check at ``step``, or '' when none is due. ``pressure`` keys:
@@ -132,6 +148,20 @@ class ReplanGate:
         if self.last_check is None or step - self.last_check >= o.every_steps:
             return "periodic"
         return ""
+
+    def confirming(self, step: int) -> bool:
+        """A candidate won the last check and waits for its confirmation, which a check at
+        ``step`` could give (no dwell holds it back)."""
+        return self.opt.confirm_next_step and self.pending is not None and not self._dwelling(step, self.pending)
+
+    def _dwelling(self, step: int, sig: tuple) -> bool:
+        """Whether the dwell after the last applied change holds back a change ``sig``: one
+        that moves GPUs back, or moves none, within ``min_dwell_steps`` (flapping). A further
+        move the same way is not held: under a steady drift the best split keeps moving,
+        and a plan applied halfway through a regime change would otherwise stay a dwell long."""
+        if self.last_apply is None or step - self.last_apply >= self.opt.min_dwell_steps:
+            return False
+        return not (self.opt.dwell_same_way and sig == self.moved and sig in _MOVES)
 
     def consider(self, step: int, current_objective_s: float, candidate: PlanResult, reconfig_cost_s: float,
                  pressure: Mapping[str, float] | None = None, current: Plan | None = None,
@@ -172,7 +202,7 @@ class ReplanGate:
         sig = direction(new, current) if current is not None else signature(new)
         self.streak = self.streak + 1 if sig == self.pending else 1
         self.pending = sig
-        if self.last_apply is not None and step - self.last_apply < o.min_dwell_steps:
+        if self._dwelling(step, sig):
             return self._say(step, Decision(False, f"{trigger}; keep: {money} > margin, but dwell: last change at step "
                                                    f"{self.last_apply}, none before step "
                                                    f"{self.last_apply + o.min_dwell_steps}", True, trigger, net))
@@ -182,6 +212,7 @@ class ReplanGate:
                                                    f"{self.streak}/{o.confirm_checks} consecutive checks "
                                                    f"({new.describe()})", True, trigger, net))
         streak, self.last_apply, self.pending, self.streak = self.streak, step, None, 0
+        self.moved = sig if current is not None else None
         why = (f"for {o.confirm_checks} consecutive checks" if streak >= o.confirm_checks else
                f"decisive: gain {gain / current_objective_s:.0%} of the current step >= decisive_gain "
                f"{o.decisive_gain:g}")

@@ -39,12 +39,13 @@ def tuples(value: Any) -> Any:
 def gate_state(gate: ReplanGate) -> dict:
     """The replanning gate's checks and confirmation count (its options are the config's)."""
     return plain({"last_check": gate.last_check, "last_apply": gate.last_apply, "pending": gate.pending,
-                  "streak": gate.streak})
+                  "streak": gate.streak, "moved": gate.moved})
 
 
 def load_gate(gate: ReplanGate, data: dict) -> None:
     gate.last_check, gate.last_apply = data["last_check"], data["last_apply"]
     gate.pending, gate.streak = tuples(data["pending"]), data["streak"]
+    gate.moved = tuples(data.get("moved"))  # absent from a checkpoint older than it: the dwell holds every change
 
 
 def slots_state(slots: Iterable[Slot]) -> list[list[int]]:
