@@ -14,6 +14,7 @@ import pytest
 from slurm_cluster import busiest_processes
 
 from libra_hpc.cluster.local import remove_stale_shm
+from libra_hpc.cluster.slurm import WORLD_STEP_DEFAULTS, world_step_env
 from libra_hpc.metrics.runlog import read_jsonl
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -54,6 +55,8 @@ def test_dry_run_prints_the_48_gpu_request_and_layout():
     for line in ("#SBATCH --nodes=6", "#SBATCH --gpus-per-node=8", "#SBATCH --ntasks-per-node=8", "#SBATCH --requeue"):
         assert line in out
     assert "srun --mpi=pmi2" in out and "--ntasks=49" in out
+    transport = {k: v for k, v in world_step_env(dict(os.environ)).items() if k in WORLD_STEP_DEFAULTS}
+    assert "job step's MPI transport: " + " ".join(f"{k}={v}" for k, v in transport.items()) in out
     rows = [line.split() for line in out.splitlines() if line[:1].isdigit()]
     assert [int(r[0]) for r in rows] == list(range(6))
     assert all(len(r) == 9 for r in rows)  # node index + 8 GPU cells
