@@ -47,8 +47,7 @@ def describe(cfg: ExperimentConfig, executor: str, why: str) -> str:
         f"{request.world_size} MPI ranks (one per GPU + the controller), time limit {request.time_minutes} min",
         *request.sbatch_directives(),
         "job step: " + " ".join(request.srun_command(Path("<config.yaml>"), python="python")),
-        "job step's MPI transport: " + " ".join(f"{k}={v}" for k, v in slurm.world_step_env(dict(os.environ)).items()
-                                                if k in slurm.WORLD_STEP_DEFAULTS)
+        "job step's MPI transport: " + " ".join(f"{k}={v}" for k, v in slurm.world_step_transport(os.environ).items())
         + " (set either before launching to change it; docs/resilience.md)",
         "",
         f"initial layout (model {cfg.model.name}):",

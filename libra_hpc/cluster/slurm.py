@@ -42,6 +42,11 @@ def world_step_env(environ: dict[str, str]) -> dict[str, str]:
     return {**WORLD_STEP_DEFAULTS, **environ}
 
 
+def world_step_transport(environ: dict[str, str]) -> dict[str, str]:
+    """The variables of :data:`WORLD_STEP_DEFAULTS` as the world step will see them."""
+    return {name: environ.get(name, value) for name, value in WORLD_STEP_DEFAULTS.items()}
+
+
 TERMINAL_STATES = frozenset(
     {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE", "PREEMPTED"}
 )
