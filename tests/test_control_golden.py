@@ -69,6 +69,10 @@ def replay(control: ControlLoop, journal: list[dict], pinned=None) -> list[dict]
             out = control.after_rollout(given["step"], given["now"], given["makespan_s"], given["t_train"])
             if out.change is not None:
                 changes[out.change.step] = out.change
+        elif call == "while_waiting":
+            out = control.while_waiting(given["step"], changes[given["waiting"]])
+            if out is not None:
+                changes[out.step] = out
         elif call == "apply":
             if given["step"] in changes:  # a perturbed stream may not have decided that change
                 control.apply(changes[given["step"]])

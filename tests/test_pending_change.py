@@ -18,7 +18,8 @@ from libra_hpc.sim.controller import PolicyRun
 
 def change(reason="pressure", reshard=False, tag="a"):
     return SimpleNamespace(reason=reason, reshard=reshard, tag=tag, step=0,
-                           layout=SimpleNamespace(training=None), plan=SimpleNamespace(train=tag))
+                           layout=SimpleNamespace(training=None),
+                           plan=SimpleNamespace(train=tag, describe=lambda: f"plan {tag}"))
 
 
 def test_the_rule_waits_for_rollout_the_step_boundary_and_untrained_batches_only_when_training_moves():
@@ -110,3 +111,86 @@ def test_the_job_and_the_simulator_apply_the_same_changes_at_the_same_moments(mo
     # training moves: it waits for the untrained batches (moment 5); rollout only: the first
     # quiet step boundary with rollout drained (moment 3); the second change follows at once
     assert applied_at == ([5, 6] if moves else [3, 5])
+
+
+# ------------------------------------------------------------------ a waiting change and the running shape's memory
+
+MEMORY = "memory: training TP2 PP1 DP4 cannot run sequences of 12091 tokens"
+
+
+def test_a_change_waiting_when_the_running_shape_outgrows_the_batch_is_waited_for_as_for_memory():
+    """The job and the simulator, one trace: a replan waits for rollout to drain; a batch
+    done meanwhile no longer fits the running shape, and the control loop says the waiting
+    change holds it. Both sides then wait for it as for memory: no step trains on the old
+    shape, and the change is applied with the batches that wait untrained (they train on it)."""
+    job, sim = [], []
+    d, run = job_driver(job), sim_run(sim)
+    waiting, instead = change(tag="replan"), change(reason=f"{MEMORY}; the waiting change holds them", tag="replan")
+    asked = []
+    control = SimpleNamespace(while_waiting=lambda step, c: asked.append((step, c.tag)) or instead,
+                              apply=lambda c: sim.append(c.tag))
+    d.control, run.control = control, control
+    d.s.layout, d.s.version = SimpleNamespace(training=None), 6
+    run.layout = SimpleNamespace(training=None)
+    d.s.runlog = SimpleNamespace(event=lambda kind, **f: None)
+    d.pending, run.pending = PendingChange(waiting, 0.0, True, held=[9]), PendingChange(waiting, 0.0, True)
+    assert not d.holds_training() and not run._memory_pending()
+    d._while_waiting(6)
+    run._while_waiting(6, 1.0)
+    assert asked == [(6, "replan"), (6, "replan")]
+    assert d.holds_training() and run._memory_pending() and d.pending.held == [9]  # the held batch is not lost
+    run.oom, run.ready = None, {6}
+    assert run._start_training(2.0) == []  # batch 6 waits for the new shape
+    d.maybe_apply(rolling=True, untrained=True)
+    run.rollout.active = {1}
+    run._apply_pending(2.0)
+    assert job == sim == []  # rollout still drains
+    d.maybe_apply(rolling=False, untrained=True)
+    run.rollout.active = set()
+    run._apply_pending(3.0)
+    assert job == sim == ["replan"]  # applied with batch 6 untrained: it trains on the new shape
+    d.pending = None
+    assert not d.holds_training()
+
+
+def test_the_controller_holds_training_and_asks_for_the_change_while_a_memory_change_waits():
+    from libra_hpc.runtime.controller import JobController
+
+    c = object.__new__(JobController)
+    asked, started = [], []
+    c.state = SimpleNamespace(training=False, version=6)
+    c.cfg = SimpleNamespace(rl=SimpleNamespace(steps=20))
+    c.stop = None
+    c.relayout = SimpleNamespace(advance=lambda: [], busy=lambda: False)
+    c.batches = SimpleNamespace(rolling=lambda: True, untrained=lambda: True, start=lambda b: started.append(b))
+    c._send_all = lambda sends: None
+    holds = [True]
+    c.planner = SimpleNamespace(holds_training=lambda: holds[0],
+                                maybe_apply=lambda rolling, untrained: asked.append((rolling, untrained)) or [])
+    c._maybe_train()
+    assert started == [] and asked == [(True, True)]
+    holds[0] = False
+    c._maybe_train()
+    assert started == [6]
+
+
+def test_the_simulator_no_longer_trains_a_batch_on_a_shape_it_outgrew_while_a_change_waits():
+    """tests/test_control_golden.py's stream with the gate's confirmation at the next step:
+    a replan confirmed at step 5 drains while batch 6 outgrows the running shape (out of
+    memory at step 6 before the waiting change was checked); now it is waited for as for
+    memory and the run completes."""
+    from libra_hpc.sim.config import load_sim_config
+    from libra_hpc.sim.context import Context
+    from libra_hpc.sim.policies import SETUPS, control_loop
+
+    repo = __import__("pathlib").Path(__file__).resolve().parent.parent
+    ctx = Context(load_sim_config(repo / "configs/sim/context-growth.yaml", {
+        "rl.steps": 20, "rl.max_staleness": 3, "planner.prior": {"gen_tokens_median": 200, "turns": 2},
+        "planner.confirm_next_step": True, "planner.dwell_same_way": True}))
+    control = control_loop(ctx, SETUPS["libra"])
+    first = control.initial()
+    run = PolicyRun(ctx, SETUPS["libra"], first.layout, first.plan.train, ctx.cfg.rl.steps, control)
+    run.run()
+    assert run.oom is None and len(run.train_done) == 20
+    held = [c for c in control.considered if "the waiting change holds them" in str(c.get("reason"))]
+    assert held and held[0]["trigger"] == "memory"

@@ -9,6 +9,7 @@ itself (pure: no MPI, no torch, no clock):
 | :meth:`ControlLoop.start` | a pinned plan | the first :class:`LayoutChange` (its hybrid pool formed as for a planned one) |
 | :meth:`ControlLoop.observe` | length samples of finished trajectories | (the window the next plans are made on) |
 | :meth:`ControlLoop.after_rollout` | a batch's rollout makespan and the last training step time | a new layout (plan search → gate → reprice of the current plan → same-plan check), else hybrid-pool transitions |
+| :meth:`ControlLoop.while_waiting` | a batch done while a change waits to be applied | nothing, or the change to wait for instead when the running training shape no longer holds the next batch (made for memory) |
 | :meth:`ControlLoop.apply` | the driver applied a change (rollout drained, groups rebuilt) | (the current layout and pool) |
 | :meth:`ControlLoop.progress` / :meth:`ControlLoop.after_training_step` | a hybrid replica finished a phase / a training step ended | pool transitions |
 
@@ -214,6 +215,25 @@ class ControlLoop:
         self._log("after_rollout", {"step": step, "now": now, "makespan_s": makespan_s, "t_train": t_train}, out)
         return out
 
+    def while_waiting(self, step: int, change: LayoutChange) -> LayoutChange | None:
+        """Batch ``step`` is done while ``change`` waits for its moment (the pending-change
+        rule, ``planner/window.py``): does the running training shape still hold what the
+        window says the next batches may reach? None: it does, wait on. Else the change to
+        wait for instead, one made for memory (the batches that wait are trained on it):
+        ``change`` itself when its shape holds them, else the memory change the loop makes
+        now (a re-shard, or a replan past the gate)."""
+        short = self._short(self.training_shape())
+        out = None
+        if short is not None:
+            if self._short(grown(change.plan.train, 0)) is None:
+                out = replace(change, reason=f"{short}; the waiting change holds them: {change.reason}")
+                self.considered.append({"step": step, "kind": "replan_check", "trigger": "memory", "apply": True,
+                                        "reason": out.reason, "candidate": change.plan.describe()})
+            else:
+                out = self._consider(step, {}, None) or replace(change, reason=f"{short}; {change.reason}")
+        self._log("while_waiting", {"step": step, "waiting": change.step}, out)
+        return out
+
     def apply(self, change: LayoutChange) -> None:
         """The driver runs ``change`` from now on (after draining what it had to)."""
         self.layout, self.plan, self.pool = change.layout, change.plan, change.pool
@@ -258,8 +278,7 @@ class ControlLoop:
             return None
         o = self.o
         observed = length_profile(list(self.window), o.global_batch)
-        short = memory_short(self.model, self.hw, self.training_shape(), observed, o.seq_len, o.memory_headroom,
-                             self.cal)  # checked after every batch: the next may not fit
+        short = self._short(self.training_shape())  # checked after every batch: the next may not fit
         change = self._reshard(step, observed, short)  # a re-shard moves no GPU between roles
         if change is not None or not self.o.replan:
             return change
@@ -310,6 +329,15 @@ class ControlLoop:
         if not decision.apply:
             return None
         return self._change(step, candidate, decision.reason, now_plan.objective - candidate.plan.objective)
+
+    def _short(self, shape: TrainShape) -> str | None:
+        """Why training ``shape`` cannot run the sequences the window says the next batch
+        may reach (:func:`~libra_hpc.planner.reshard.memory_short`), None when it can."""
+        if not self.window:
+            return None
+        o = self.o
+        return memory_short(self.model, self.hw, shape, length_profile(list(self.window), o.global_batch), o.seq_len,
+                            o.memory_headroom, self.cal)
 
     def _reshard(self, step: int, lengths: LengthProfile, short: str | None) -> LayoutChange | None:
         """The re-shard ``TrainingResharder`` proposes, as a change that keeps every rollout

@@ -296,6 +296,9 @@ class JobController:
         b = s.version
         if s.training or self.relayout.busy() or b >= self.cfg.rl.steps or self.stop:
             return
+        if self.planner is not None and self.planner.holds_training():  # the new shape trains what waits
+            self._send_all(self.planner.maybe_apply(self.batches.rolling(), self.batches.untrained()))
+            return
         start = self.batches.start(b)
         if start is None:
             return

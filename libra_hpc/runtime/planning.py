@@ -306,6 +306,7 @@ class PlannerDriver:
                            s.last_step_s)
         self._gains(self.window.realised_gains())
         self._zero_grad_done()
+        self._while_waiting(b)
         pool = self.pool
         moving = self.pending is not None or self.relayout.moving() or (
             pool is not None and bool(pool.joining() or pool.in_state("releasing")))
@@ -425,6 +426,24 @@ class PlannerDriver:
                            calibration=self.control.cal.note)
         s.runlog.event("progress", line=f"{what} decided at step {s.version}: {change.plan.describe()} "
                                         f"({change.reason}); draining the batches in flight")
+
+    def _while_waiting(self, b: int) -> None:
+        """A change waits: if the running training shape no longer holds the next batch, the
+        control loop names the change to wait for instead, made for memory (training waits
+        for it: :meth:`holds_training`), as in the simulator."""
+        p = self.pending
+        if p is None or p.for_memory or self.relayout.moving():
+            return
+        instead = self.control.while_waiting(b, p.change)
+        if instead is not None:
+            self.pending = PendingChange(instead, p.decided_at, moves_training(self.s.layout, instead.layout), p.held)
+            self.s.runlog.event("progress", line=f"the waiting change is now for memory at step {self.s.version}: "
+                                                 f"{instead.plan.describe()} ({instead.reason})")
+
+    def holds_training(self) -> bool:
+        """Training waits: a change made for memory waits for its moment (the running shape
+        cannot hold the batches that wait; they are trained on the new one)."""
+        return self.pending is not None and self.pending.for_memory
 
     def hold_batch(self, b: int) -> bool:
         """Batch ``b`` waits (a change waits for the pipeline to drain): True if held."""

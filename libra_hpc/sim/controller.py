@@ -468,6 +468,7 @@ class PolicyRun:
         """Batch ``step``'s rollout ended: apply a waiting layout once rollout has drained,
         else ask the control loop (a new layout, or hybrid-pool transitions)."""
         if self.pending is not None:
+            self._while_waiting(step, now)
             return self._apply_pending(now)
         nxt = step + 1
         future = ((lambda: length_profile(samples_of(self.ctx.batch(nxt)), self.cfg.batch_size) if nxt < self.cfg.rl.steps else None)
@@ -477,6 +478,17 @@ class PolicyRun:
             self.pending = PendingChange(out.change, now, moves_training(self.layout, out.change.layout))
             return self._apply_pending(now)
         return self._carry_out(now, out.pool_events) if out.pool_decided else []
+
+    def _while_waiting(self, step: int, now: float) -> None:
+        """A change waits: if the running training shape no longer holds the next batch,
+        the control loop names the change to wait for instead, made for memory (training
+        waits for it: :meth:`_start_training`), as the job does."""
+        p = self.pending
+        if p.for_memory:
+            return
+        instead = self.control.while_waiting(step, p.change)
+        if instead is not None:
+            self.pending = PendingChange(instead, now, moves_training(self.layout, instead.layout))
 
     def _apply_pending(self, now: float) -> list[Event]:
         """Apply the waiting change once the pending-change rule says it is due (the job's
