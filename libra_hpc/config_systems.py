@@ -75,22 +75,23 @@ class PlannerConfig(_Section):
     min_dwell_steps: int = Field(10, ge=0)
     """Replanning gate: RL steps after an applied change during which no other is applied
     (but see ``dwell_same_way``)."""
-    dwell_same_way: bool = False
+    dwell_same_way: bool = True
     """Replanning gate: true: a change that moves GPUs the same way as the last applied one
     (toward rollout, or toward training) is not held back by ``min_dwell_steps``; a move
     back, or a reshuffle of the same split, still is. Under a steady drift the best split
     keeps moving one way, and a plan applied halfway through a regime change would otherwise
-    stay for the whole dwell. Off by default: alone it changed no shipped scenario; with
-    ``confirm_next_step`` see that option."""
-    confirm_next_step: bool = False
+    stay for the whole dwell (a800-swe-drift: with ``confirm_next_step`` alone −6.1%, with
+    both −1.0%); false: every change waits out the dwell."""
+    confirm_next_step: bool = True
     """Replanning gate: true: a candidate that won a check but waits for ``confirm_checks``
-    is checked again at the next step (a pressure check otherwise waits ``every_steps // 5``
-    steps, each check costing a plan search); each step it waits runs on the plan that lost.
-    Off by default: with ``dwell_same_way`` it gave context-drift-tp +4.9% and
-    a800-swe-drift −1.0%, and it lets a change confirmed earlier drain its pipeline on a
-    training shape that the next batch no longer fits (the simulator then runs out of
-    memory, tests/test_control_golden.py's stream at step 6); see
-    benchmarks/results/2026-11-28-python-2core-issue30-transitions.md."""
+    is checked again at the next step; false: at the spacing of pressure checks
+    (``every_steps // 5`` steps, each check costing a plan search), so a regime change is
+    followed 2 steps later. Each step a winner waits runs on the plan that lost: on
+    context-drift-tp the two together gave +4.9% (benchmarks/results/
+    2026-11-28-python-2core-issue30-transitions.md). A change confirmed earlier drains its
+    pipeline while the contexts still grow; after every batch the running shape is checked
+    against ``memory_headroom`` all the same, and a change that waits is then waited for as
+    for memory (``ControlLoop.while_waiting``)."""
     replan: bool = True
     """The job re-plans the whole layout (training shape, rollout instances) when the plan
     search, on the observed lengths and the calibration fitted to the job's timings, beats

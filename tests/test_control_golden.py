@@ -5,8 +5,10 @@ simulator driving it on the same scenario, give the recorded decisions, call for
 Two streams:
 - recorded: the context-growth scenario (configs/sim/context-growth.yaml), 20 steps,
   staleness 3 and a prior far shorter than the workload, so that the stream holds plan
-  changes applied and refused, and the hybrid pool's refusals while rollout binds (the
-  paper scenario stopped lending once the plan search minimised the pipelined step);
+  changes applied and refused, a change that waits for its moment while the next batch
+  outgrows the running training shape (``while_waiting``: it is then waited for as for
+  memory), and the hybrid pool's refusals while rollout binds (the paper scenario stopped
+  lending once the plan search minimised the pipelined step);
 - live: a pinned layout whose training binds (tests/sim_cases.py), so that the hybrid
   pool lends a replica through every phase; the simulator's stream replayed into a fresh
   loop gives the same decisions.
@@ -70,9 +72,10 @@ def replay(control: ControlLoop, journal: list[dict], pinned=None) -> list[dict]
             if out.change is not None:
                 changes[out.change.step] = out.change
         elif call == "while_waiting":
-            out = control.while_waiting(given["step"], changes[given["waiting"]])
-            if out is not None:
-                changes[out.step] = out
+            if given["waiting"] in changes:  # as for apply
+                out = control.while_waiting(given["step"], changes[given["waiting"]])
+                if out is not None:
+                    changes[out.step] = out
         elif call == "apply":
             if given["step"] in changes:  # a perturbed stream may not have decided that change
                 control.apply(changes[given["step"]])
@@ -116,7 +119,8 @@ def test_the_streams_exercise_every_kind_of_decision(tmp_path):
     recorded = _load()["journal"]
     live = _hybrid_stream(tmp_path)[2]
     calls = {e["call"] for e in recorded + live}
-    assert {"initial", "start", "observe", "after_rollout", "apply", "progress", "after_training_step"} <= calls
+    assert {"initial", "start", "observe", "after_rollout", "while_waiting", "apply", "progress",
+            "after_training_step"} <= calls
     outs = [e["out"] for e in recorded if e["call"] == "after_rollout"]
     assert any(o["change"] for o in outs), "no layout change in the recorded stream"
     assert any(ev["refused"] for o in outs for ev in o["pool_events"])

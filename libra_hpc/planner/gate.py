@@ -70,10 +70,10 @@ class GateOptions:
     least twice ``model_error`` of :meth:`ReplanGate.consider`) to be applied at its first
     winning check, without ``confirm_checks``; 1 or more: never (every change confirms)."""
 
-    dwell_same_way: bool = False
+    dwell_same_way: bool = True
     """A change that moves GPUs the same way as the last applied one is not held back by
     ``min_dwell_steps`` (a move back, or a reshuffle of the same split, is)."""
-    confirm_next_step: bool = False
+    confirm_next_step: bool = True
     """A winning candidate's confirming check may run at the next step (else the caller's
     spacing of pressure checks applies to it too)."""
 
