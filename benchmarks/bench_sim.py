@@ -15,7 +15,9 @@ memory), phase_gain (phase_static over static_hindsight: what a split changed ev
 (phase_static_late over phase_static: what of it a policy keeps when every change waits
 ``search.phase_lag`` steps), static_pilot_failed_steps (steps the pilot's split
 could not run), libra_vs_true_lengths (the better of ``libra_true_lengths`` and
-``static_true_lengths``, named by true_lengths_used),
+``static_true_lengths``, named by true_lengths_used), known_start_vs_static_hindsight
+(``libra_known_start``, Libra planned first on the first batch's true lengths, over the
+hindsight split; None unless it ran),
 libra_vs_bound (the lower bound's time over Libra's: libra_hpc/sim/bound.py), bound_violations
 (steps k at which any policy finished steps 0..k before the bound's cumulative time: 0
 unless the bound is wrong),

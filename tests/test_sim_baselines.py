@@ -138,3 +138,22 @@ def test_a_lent_hybrid_replica_is_a_fixed_candidate_with_it_in_training(tmp_path
     assert len(layout.training.slots) == train.gpus == 16 and [g.tp for g in layout.rollout_instances] == [8]
     fixed = PolicyRun(ctx, SETUPS["static_hindsight"], layout, train, 14, train_time=lambda s, tokens: 3.0 / s.dp).run()
     assert {r["train_gpus"] for r in fixed.rows} == {16}
+
+
+def test_libra_known_start_plans_its_first_layout_on_the_first_batchs_true_lengths():
+    """``libra_known_start`` differs from ``libra`` only in its first layout: the plan on
+    batch 0's true lengths, not on ``planner.prior`` (what starting on the prior costs)."""
+    from libra_hpc.planner.valuation import length_profile
+    from libra_hpc.sim.context import describe, samples_of
+    from libra_hpc.sim.policies import control_loop
+
+    cfg = load_sim_config(ROOT / "configs" / "sim" / "train-bound.yaml", {"rl.steps": 2})
+    ctx = Context(cfg)
+    starts = {}
+    for name in ("libra", "libra_known_start"):
+        control = control_loop(ctx, SETUPS[name])
+        known = length_profile(samples_of(ctx.batch(0)), cfg.batch_size) if name == "libra_known_start" else None
+        first = control.initial(known)
+        starts[name] = describe(first.layout, first.plan.train, control.pool, False)
+        assert run_policy(ctx, name, steps=2)[2] == starts[name]
+    assert starts["libra"] != starts["libra_known_start"]  # train-bound's prior is far from its lengths

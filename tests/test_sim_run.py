@@ -57,7 +57,7 @@ def test_outputs(small, tmp_path):
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert set(summary["ratios"]) == {"libra_vs_colocated", "libra_vs_static_hindsight", "libra_vs_static_pilot",
                                       "libra_vs_phase_static", "phase_gain", "libra_vs_phase_static_late",
-                                      "phase_late_share", "libra_vs_true_lengths",
+                                      "phase_late_share", "libra_vs_true_lengths", "known_start_vs_static_hindsight",
                                       "true_lengths_used", "libra_vs_bound", "libra_predicted_over_simulated",
                                       "static_pilot_failed_steps", "bound_violations"}
     assert "## Lower bound" in text and "| *bound* |" in text and summary["bound_violations"]

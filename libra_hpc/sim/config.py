@@ -26,7 +26,8 @@ from libra_hpc.envs.synthetic import WorkloadSpec
 log = logging.getLogger(__name__)
 
 POLICIES = ("colocated", "libra", "static_hindsight", "static_pilot", "phase_static", "phase_static_late", "libra_no_replan",
-            "libra_no_hybrid", "homogeneous_least_load", "length_aware", "libra_true_lengths", "static_true_lengths")
+            "libra_no_hybrid", "homogeneous_least_load", "length_aware", "libra_true_lengths", "static_true_lengths",
+            "libra_known_start")
 """Registered policy names (libra_hpc/sim/policies.py)."""
 
 ALIASES = {"async_static": "static_hindsight", "oracle": "libra_true_lengths", "oracle_best": "static_true_lengths"}

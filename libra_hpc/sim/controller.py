@@ -197,10 +197,10 @@ class PolicyRun:
 
     def _initial_turns(self) -> list[tuple[int, ...]] | None:
         """Per-turn generated tokens the first bucket limits are placed on: the prior's
-        (clairvoyant: batch 0's true ones); None for unplanned policies."""
+        (clairvoyant or ``known_start``: batch 0's true ones); None for unplanned policies."""
         if self.control is None:
             return self.initial_turns
-        if self.setup.clairvoyant:
+        if self.setup.clairvoyant or self.setup.known_start:
             return [t.turns for t in self.ctx.batch(0)]
         return self.control.prior_turns()
 

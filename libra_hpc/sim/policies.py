@@ -34,6 +34,10 @@ the planner may do, and how its starting layout is found: ``start``):
   family, so it is no bound).
 - ``static_true_lengths``: true-length routing on ``static_hindsight``'s split (once
   ``oracle_best``).
+- ``libra_known_start``: ``libra`` whose first layout is planned on the first batch's
+  true lengths instead of ``planner.prior``; everything after as ``libra``. Set against
+  ``libra`` it measures what starting on the prior costs (a user who ran a pilot could set
+  the prior so).
 
 The old names ``async_static``, ``oracle`` and ``oracle_best`` load as ``static_hindsight``,
 ``libra_true_lengths`` and ``static_true_lengths`` (libra_hpc/sim/config.py ``ALIASES``).
@@ -63,6 +67,8 @@ class PolicySetup:
     clairvoyant: bool = False
     single_tp: bool = False
     """Planner restricted to one rollout TP (chosen as the best for the prior)."""
+    known_start: bool = False
+    """The first layout is planned on the first batch's true lengths, not the prior."""
     start: Literal["planned", "colocated", "hindsight", "pilot", "phased", "phased_late"] = "planned"
     """How the layout is found: the control loop (``planned``), the colocated search, the
     hindsight plan search (``static_hindsight``'s split), the pilot's plan, or one hindsight
@@ -85,6 +91,7 @@ SETUPS: dict[str, PolicySetup] = {s.name: s for s in (
     PolicySetup("length_aware", "async", "length_aware", replan=True, hybrid=True),
     PolicySetup("libra_true_lengths", "async", "oracle", replan=True, hybrid=True, clairvoyant=True),
     PolicySetup("static_true_lengths", "async", "oracle", clairvoyant=True, start="hindsight"),
+    PolicySetup("libra_known_start", "async", "cmlfq", replan=True, hybrid=True, known_start=True),
 )}
 
 

@@ -105,7 +105,7 @@ def run_policy(ctx: Context, name: str, steps: int | None = None,
         else:
             control = control_loop(ctx, setup)
             first = control.initial(length_profile(samples_of(ctx.batch(0)), ctx.cfg.batch_size)
-                                    if setup.clairvoyant else None)
+                                    if setup.clairvoyant or setup.known_start else None)
             layout, train = first.layout, first.plan.train
         start = describe(layout, train, control.pool if control else None, colocated)
         run = PolicyRun(ctx, setup, layout, train, steps, control, colocated=colocated)
