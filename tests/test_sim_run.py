@@ -29,7 +29,7 @@ def small():
 
 def test_every_policy_completes_every_step(small):
     cfg, result = small
-    assert list(result.runs) == list(POLICIES)
+    assert list(result.runs) == [p for p in POLICIES if p != "libra_known_start"]  # run only when named
     for name, rec in result.runs.items():
         assert [r["step"] for r in rec.rows] == list(range(cfg.rl.steps)), name
         assert all(r["gen_tokens"] > 0 and r["step_s"] > 0 for r in rec.rows)

@@ -29,6 +29,8 @@ POLICIES = ("colocated", "libra", "static_hindsight", "static_pilot", "phase_sta
             "libra_no_hybrid", "homogeneous_least_load", "length_aware", "libra_true_lengths", "static_true_lengths",
             "libra_known_start")
 """Registered policy names (libra_hpc/sim/policies.py)."""
+DIAGNOSTIC = ("libra_known_start",)
+"""Policies run only when named (``policies``): measurements of one of Libra's inputs."""
 
 ALIASES = {"async_static": "static_hindsight", "oracle": "libra_true_lengths", "oracle_best": "static_true_lengths"}
 """Old policy names and the policies they now load as: ``async_static`` (the best fixed split,
@@ -103,11 +105,12 @@ class SimConfig(ExperimentConfig):
     relative paths are taken from the scenario file's folder."""
     costs: CostSpec = CostSpec()
     search: SearchSpec = SearchSpec()
-    policies: list[Literal[POLICIES]] = Field(default_factory=lambda: list(POLICIES), min_length=1)  # type: ignore[valid-type]
+    policies: list[Literal[POLICIES]] = Field(  # type: ignore[valid-type]
+        default_factory=lambda: [p for p in POLICIES if p not in DIAGNOSTIC], min_length=1)
     """Policies to compare (``colocated``, ``libra``, ``static_hindsight``, ``static_pilot``,
     ``phase_static``, ``phase_static_late``, ``libra_no_replan``, ``libra_no_hybrid``, ``homogeneous_least_load``,
-    ``length_aware``, ``libra_true_lengths``, ``static_true_lengths``; libra_hpc/sim/policies.py
-    says what each is). The old names ``async_static``, ``oracle`` and ``oracle_best`` load as
+    ``length_aware``, ``libra_true_lengths``, ``static_true_lengths``, and, only when named,
+    ``libra_known_start``; libra_hpc/sim/policies.py says what each is). The old names ``async_static``, ``oracle`` and ``oracle_best`` load as
     ``static_hindsight``, ``libra_true_lengths`` and ``static_true_lengths``."""
 
     @field_validator("policies", mode="before")
