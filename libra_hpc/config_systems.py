@@ -66,6 +66,15 @@ class PlannerConfig(_Section):
     """Replanning gate: share of the current plan's predicted step a new plan must save per
     step (and at least twice the cost models' measured error in the job) to be applied at
     its first winning check, without ``confirm_checks``; 1 or more: every change confirms."""
+    scale_shift: float | None = Field(0.2, gt=0)
+    """At each check the control loop sets the running plan's measured times against its
+    prediction (measured / predicted, training and rollout) and values every candidate at
+    that scale. It measures the scale again only when the observed mean sequence length
+    moved by at most this share since the last check; across a larger shift it keeps the
+    last one: the times measured then are of batches of the old lengths while the
+    prediction is made on the new ones, and the ratio mistook the shift for an error of the
+    cost models (context-drift-tp: a training scale of 2.8 at a regime change held the old
+    split 3 steps longer). null: measured at every check."""
     memory_headroom: float = Field(1.25, ge=1.0)
     """Every plan's training shape must fit (packed) sequences this many times the observed
     mean length, at most ``training.seq_len``: contexts grow as the policy learns, and a

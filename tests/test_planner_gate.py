@@ -369,3 +369,28 @@ def test_the_running_plans_scale_is_measured_while_a_replica_is_lent():
     assert measured_scale((t_roll, t_train), now, lent=1, replica_size=2) == pytest.approx((1.0, 1.0))
     assert measured_scale((t_roll * 0.5, t_train), now, lent=1, replica_size=2) == pytest.approx((1.0, 0.5))
     assert measured_scale((50.0, 50.0), now, lent=4, replica_size=2) == (1.0, 1.0)  # no rollout left to measure
+
+
+def test_the_scale_is_not_measured_again_across_a_shift_of_the_lengths():
+    """The running plan's measured / predicted scale is taken again only while the mean
+    length moved by at most ``scale_shift`` since the last check: across a regime change
+    the times measured belong to the old lengths and the last steady scale stays."""
+    from types import SimpleNamespace
+
+    from libra_hpc.planner.control import ControlLoop
+
+    loop = object.__new__(ControlLoop)
+    loop.o, loop.pool, loop.scale, loop.scale_mean = SimpleNamespace(scale_shift=0.2), None, (1.0, 1.0), None
+    now = SimpleNamespace(t_train=100.0, t_rollout=200.0)
+
+    def check(mean, makespan, t_train):
+        loop.measured = (makespan, t_train)
+        loop._rescale(SimpleNamespace(mean_seq_tokens=mean), now, 0)
+        return loop.scale
+
+    assert check(1000, 300.0, 150.0) == pytest.approx((1.5, 1.5))  # the first check measures
+    assert check(1500, 600.0, 400.0) == pytest.approx((1.5, 1.5))  # +50 %: the steady scale stays
+    assert check(1600, 600.0, 400.0) == pytest.approx((4.0, 3.0))  # +6.7 % since the last check: measured
+    assert check(1000, 300.0, 150.0) == pytest.approx((4.0, 3.0))  # −37.5 %: kept again
+    loop.o.scale_shift = None
+    assert check(2000, 200.0, 100.0) == pytest.approx((1.0, 1.0))  # null: measured at every check

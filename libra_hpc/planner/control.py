@@ -89,6 +89,8 @@ class ControlLoop:
         self.scale = (1.0, 1.0)
         """Measured over predicted training and rollout time of the running plan at the
         last check (``PlanValuation.pooled_objective`` weighs a hybrid replica's move with it)."""
+        self.scale_mean: float | None = None
+        """The observed mean sequence tokens at the last check (:meth:`_rescale`)."""
         self.search: PlannerOptions | None = None
         tps = (self.valuation().best_single_tp(self.prior()),) if options.single_tp else options.rollout_tps
         self.search = PlannerOptions(rollout_tps=tps, min_rollout_gpus=options.min_rollout_gpus,
@@ -300,7 +302,7 @@ class ControlLoop:
                            in_flight=o.max_staleness + 1, length_aware=o.length_aware_routing,
                            migration=o.migration, stream_groups=o.stream_groups)
         lent = len(self.pool.training_replicas()) if self.pool is not None else 0
-        self.scale = measured_scale(self.measured, now_plan, lent, self.pool.replica_size if lent else 0)
+        self._rescale(lengths, now_plan, lent)
         try:
             candidate = self.best_plan(lengths)
         except PlanError as exc:
@@ -329,6 +331,19 @@ class ControlLoop:
         if not decision.apply:
             return None
         return self._change(step, candidate, decision.reason, now_plan.objective - candidate.plan.objective)
+
+    def _rescale(self, lengths: LengthProfile, now_plan: Plan, lent: int) -> None:
+        """Measure :attr:`scale` again, unless the lengths shifted since the last check by
+        more than ``scale_shift`` (mean sequence tokens): the times measured then belong
+        to batches of the old lengths while the prediction they are set against is made on
+        the new ones, so the ratio says more about the shift than about the cost models
+        (context-drift-tp: a training scale of 2.8 at a regime change that kept the old
+        split 3 steps longer). Across a shift the last steady scale stays."""
+        mean, last = lengths.mean_seq_tokens, self.scale_mean
+        self.scale_mean = mean
+        if self.o.scale_shift is not None and last and abs(mean / last - 1) > self.o.scale_shift:
+            return
+        self.scale = measured_scale(self.measured, now_plan, lent, self.pool.replica_size if lent else 0)
 
     def _short(self, shape: TrainShape) -> str | None:
         """Why training ``shape`` cannot run the sequences the window says the next batch
@@ -403,6 +418,7 @@ class ControlLoop:
             "last_check": self.last_check,
             "measured": S.plain(self.measured),
             "scale": list(self.scale),
+            "scale_mean": self.scale_mean,
             "training_tp": self.resharder.state_dict(),
             "lending": self.lending.state_dict(),
             "considered": S.plain(self.considered),
@@ -426,6 +442,7 @@ class ControlLoop:
         self.last_check = state["last_check"]
         self.measured = None if state["measured"] is None else tuple(state["measured"])
         self.scale = tuple(state["scale"])
+        self.scale_mean = state.get("scale_mean")  # absent from a checkpoint older than it
         self.resharder.load_state_dict(state["training_tp"])
         self.lending.load_state_dict(state["lending"])
         self.considered = S.plain(state["considered"])

@@ -53,6 +53,9 @@ class ControlOptions:
     memory_headroom: float = 1.25
     """Training shapes must fit sequences this many times the observed mean (packed)
     length, up to ``seq_len``; a running shape that no longer does is replaced at once."""
+    scale_shift: float | None = 0.2
+    """The measured scale is measured again only while the mean length moved by at most
+    this share since the last check (None: always)."""
     reconfig_s: float = 30.0
     """Seconds a layout change pauses the job (the gate weighs the gain against it)."""
     price_drain: bool = True
@@ -112,6 +115,7 @@ class ControlOptions:
                              min_dwell_steps=p.min_dwell_steps, min_gain=p.min_gain,
                              decisive_gain=p.decisive_gain, dwell_same_way=p.dwell_same_way,
                              confirm_next_step=p.confirm_next_step),
+            scale_shift=p.scale_shift,
             hybrid_margin=p.hybrid_margin, memory_headroom=p.memory_headroom, price_drain=p.price_drain,
             on_memory=cfg.parallel.on_memory, tp_hysteresis=cfg.parallel.hysteresis,
             tp_confirm=cfg.parallel.confirm_checks,
