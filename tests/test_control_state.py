@@ -22,7 +22,11 @@ CONFIG = Path(__file__).resolve().parent.parent / "configs" / "default.yaml"
 
 @pytest.fixture(scope="module")
 def cfg():
-    return load_config(CONFIG)
+    """The default config with the gate's confirmation at its usual spacing: the scripted
+    steps drive a lend through its trial, and with ``planner.confirm_next_step`` (on by
+    default) the replan that step 2's check wins is confirmed at step 3 and replaces the
+    pool before the trial's verdict (that path: the last test here)."""
+    return load_config(CONFIG, overrides=["planner.confirm_next_step=false"])
 
 
 def _started(cfg) -> ControlLoop:
@@ -110,3 +114,19 @@ def test_a_state_for_another_cluster_is_refused(cfg):
     state["cluster"] = [state["cluster"][0] + 1, state["cluster"][1]]
     with pytest.raises(ValueError, match="saved for 7 nodes"):
         ControlLoop.from_config(cfg).load_state_dict(state)
+
+
+def test_a_restored_loop_confirms_the_winner_it_saved_at_the_next_step():
+    """The default config (``planner.confirm_next_step`` on): step 2's check wins and the
+    state is taken; the restored loop confirms and applies that plan at step 3, as the
+    saved one does, and a fresh loop on the same layout does not."""
+    cfg = load_config(CONFIG)
+    saved = _started(cfg)
+    _drive(saved, cfg, BEFORE)
+    assert saved.gate.pending is not None  # a winner waits for its confirmation
+    restored = ControlLoop.from_config(cfg)
+    restored.load_state_dict(json.loads(json.dumps(saved.state_dict())))
+    expected = _drive(saved, cfg, AFTER)
+    assert _drive(restored, cfg, AFTER) == expected
+    assert expected[0]["change"] is not None and expected[0]["change"]["step"] == 3
+    assert _drive(_started(cfg), cfg, AFTER)[0]["change"] is None
