@@ -480,21 +480,15 @@ class PolicyRun:
         return self._carry_out(now, out.pool_events) if out.pool_decided else []
 
     def _while_waiting(self, step: int, now: float) -> None:
-        """A change waits: if the running training shape no longer holds the next batch,
-        the control loop names the change to wait for instead, made for memory (training
-        waits for it: :meth:`_start_training`), as the job does."""
-        p = self.pending
-        if p.for_memory:
-            return
-        instead = self.control.while_waiting(step, p.change)
+        """A change waits: the control loop may name one to wait for instead, made for
+        memory (:meth:`_start_training` holds for it), as in the job."""
+        instead = None if self.pending.for_memory else self.control.while_waiting(step, self.pending.change)
         if instead is not None:
             self.pending = PendingChange(instead, now, moves_training(self.layout, instead.layout))
 
     def _apply_pending(self, now: float) -> list[Event]:
-        """Apply the waiting change once the pending-change rule says it is due (the job's
-        rule: :class:`~libra_hpc.planner.window.PendingChange`). No other layout change is
-        under way here in the job's sense: a replan replaces the pool, a join in progress
-        with it."""
+        """Apply the waiting change once :class:`~libra_hpc.planner.window.PendingChange` says it
+        is due (no other change is under way here: a replan replaces the pool, joins and all)."""
         p = self.pending
         if p is None or not p.due(rolling=bool(self.rollout.active), untrained=bool(self.ready or self.finished_traj),
                                   training=self.training, moving=False):
