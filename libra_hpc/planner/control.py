@@ -224,10 +224,11 @@ class ControlLoop:
         wait for instead, one made for memory (the batches that wait are trained on it):
         ``change`` itself when its shape holds them, else the memory change the loop makes
         now (a re-shard, or a replan past the gate)."""
-        short = self._short(self.training_shape())
+        observed = length_profile(list(self.window), self.o.global_batch) if self.window else None
+        short = self._short(self.training_shape(), observed)
         out = None
         if short is not None:
-            if self._short(grown(change.plan.train, 0)) is None:
+            if self._short(change.plan.train, observed) is None:
                 out = replace(change, reason=f"{short}; the waiting change holds them: {change.reason}")
                 self.considered.append({"step": step, "kind": "replan_check", "trigger": "memory", "apply": True,
                                         "reason": out.reason, "candidate": change.plan.describe()})
@@ -280,7 +281,7 @@ class ControlLoop:
             return None
         o = self.o
         observed = length_profile(list(self.window), o.global_batch)
-        short = self._short(self.training_shape())  # checked after every batch: the next may not fit
+        short = self._short(self.training_shape(), observed)  # checked after every batch: the next may not fit
         change = self._reshard(step, observed, short)  # a re-shard moves no GPU between roles
         if change is not None or not self.o.replan:
             return change
@@ -345,14 +346,14 @@ class ControlLoop:
             return
         self.scale = measured_scale(self.measured, now_plan, lent, self.pool.replica_size if lent else 0)
 
-    def _short(self, shape: TrainShape) -> str | None:
-        """Why training ``shape`` cannot run the sequences the window says the next batch
-        may reach (:func:`~libra_hpc.planner.reshard.memory_short`), None when it can."""
-        if not self.window:
+    def _short(self, shape: TrainShape, observed: LengthProfile | None) -> str | None:
+        """Why training ``shape`` cannot run the sequences the window's profile ``observed``
+        says the next batch may reach (:func:`~libra_hpc.planner.reshard.memory_short`), None
+        when it can (or nothing was observed)."""
+        if observed is None:
             return None
         o = self.o
-        return memory_short(self.model, self.hw, shape, length_profile(list(self.window), o.global_batch), o.seq_len,
-                            o.memory_headroom, self.cal)
+        return memory_short(self.model, self.hw, shape, observed, o.seq_len, o.memory_headroom, self.cal)
 
     def _reshard(self, step: int, lengths: LengthProfile, short: str | None) -> LayoutChange | None:
         """The re-shard ``TrainingResharder`` proposes, as a change that keeps every rollout
