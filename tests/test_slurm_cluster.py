@@ -89,3 +89,25 @@ def test_a_query_killed_by_sigpipe_is_asked_again_and_a_submission_is_not(tmp_pa
     with pytest.raises(RuntimeError, match=r"sbatch .*failed \(-13\)"):
         cluster.run("sbatch", "--wrap", "true")
     assert calls.read_text().split() == ["scontrol", "scontrol", "sbatch"]
+
+
+def test_a_query_the_busy_controller_timed_out_is_asked_again_and_a_submission_is_not(tmp_path, monkeypatch):
+    """A full test run saw ``scontrol show job`` give up with "Socket timed out on
+    send/recv operation" (rc 1) while slurmctld was busy: a query is asked again; a
+    submission that timed out so is reported, never sent twice."""
+    from slurm_cluster import LocalSlurmCluster
+
+    calls = tmp_path / "calls"
+    busy = "slurm_load_jobs error: Socket timed out on send/recv operation"
+    for name in ("scontrol", "sbatch"):  # time out on the first call, answer after
+        script = tmp_path / name
+        script.write_text(f"#!/bin/sh\necho {name} >> {calls}\n"
+                          f"[ $(grep -c {name} {calls}) -gt 1 ] && {{ echo JobState=COMPLETED; exit 0; }}\n"
+                          f"echo '{busy}' >&2; exit 1\n")
+        script.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{__import__('os').environ['PATH']}")
+    cluster = LocalSlurmCluster(tmp_path / "root")
+    assert cluster.wait_job("1", timeout_s=SLURM_WAIT_S) == "COMPLETED"
+    with pytest.raises(RuntimeError, match=r"sbatch .*failed \(1\): .*Socket timed out"):
+        cluster.run("sbatch", "--wrap", "true")
+    assert calls.read_text().split() == ["scontrol", "scontrol", "sbatch"]
