@@ -71,43 +71,29 @@ def test_accounting_reports_final_states(slurm_cluster, tmp_path):
                        until=lambda state: state == want)
 
 
-def test_a_query_killed_by_sigpipe_is_asked_again_and_a_submission_is_not(tmp_path, monkeypatch):
-    """CI saw ``scontrol show job`` die of SIGPIPE (rc -13) while the job it polled ran on;
-    a query is asked again, a submission (not idempotent) is never sent twice."""
+@pytest.mark.parametrize("failure, reported", [
+    ("kill -PIPE $$", r"sbatch .*failed \(-13\)"),
+    ("echo 'slurm_load_jobs error: Socket timed out on send/recv operation' >&2; exit 1",
+     r"sbatch .*failed \(1\): .*Socket timed out"),
+], ids=["sigpipe", "busy-controller"])
+def test_a_query_that_failed_in_transit_is_asked_again_and_a_submission_is_not(tmp_path, monkeypatch, failure,
+                                                                                reported):
+    """CI saw ``scontrol show job`` die of SIGPIPE (rc -13) while the job it polled ran on,
+    and a full test run saw it give up with "Socket timed out on send/recv operation" (rc
+    1) while slurmctld was busy: a query is asked again, a submission (not idempotent) that
+    failed so is reported, never sent twice."""
     from slurm_cluster import LocalSlurmCluster
 
     calls = tmp_path / "calls"
-    for name in ("scontrol", "sbatch"):  # die of SIGPIPE on the first call, answer after
+    for name in ("scontrol", "sbatch"):  # fail on the first call, answer after
         script = tmp_path / name
         script.write_text(f"#!/bin/sh\necho {name} >> {calls}\n"
                           f"[ $(grep -c {name} {calls}) -gt 1 ] && {{ echo JobState=COMPLETED; exit 0; }}\n"
-                          "kill -PIPE $$\n")
+                          f"{failure}\n")
         script.chmod(0o755)
     monkeypatch.setenv("PATH", f"{tmp_path}:{__import__('os').environ['PATH']}")
     cluster = LocalSlurmCluster(tmp_path / "root")
     assert cluster.wait_job("1", timeout_s=SLURM_WAIT_S) == "COMPLETED"
-    with pytest.raises(RuntimeError, match=r"sbatch .*failed \(-13\)"):
-        cluster.run("sbatch", "--wrap", "true")
-    assert calls.read_text().split() == ["scontrol", "scontrol", "sbatch"]
-
-
-def test_a_query_the_busy_controller_timed_out_is_asked_again_and_a_submission_is_not(tmp_path, monkeypatch):
-    """A full test run saw ``scontrol show job`` give up with "Socket timed out on
-    send/recv operation" (rc 1) while slurmctld was busy: a query is asked again; a
-    submission that timed out so is reported, never sent twice."""
-    from slurm_cluster import LocalSlurmCluster
-
-    calls = tmp_path / "calls"
-    busy = "slurm_load_jobs error: Socket timed out on send/recv operation"
-    for name in ("scontrol", "sbatch"):  # time out on the first call, answer after
-        script = tmp_path / name
-        script.write_text(f"#!/bin/sh\necho {name} >> {calls}\n"
-                          f"[ $(grep -c {name} {calls}) -gt 1 ] && {{ echo JobState=COMPLETED; exit 0; }}\n"
-                          f"echo '{busy}' >&2; exit 1\n")
-        script.chmod(0o755)
-    monkeypatch.setenv("PATH", f"{tmp_path}:{__import__('os').environ['PATH']}")
-    cluster = LocalSlurmCluster(tmp_path / "root")
-    assert cluster.wait_job("1", timeout_s=SLURM_WAIT_S) == "COMPLETED"
-    with pytest.raises(RuntimeError, match=r"sbatch .*failed \(1\): .*Socket timed out"):
+    with pytest.raises(RuntimeError, match=reported):
         cluster.run("sbatch", "--wrap", "true")
     assert calls.read_text().split() == ["scontrol", "scontrol", "sbatch"]
