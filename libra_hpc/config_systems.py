@@ -77,8 +77,10 @@ class PlannerConfig(_Section):
     split 3 steps longer). null: measured at every check."""
     memory_headroom: float = Field(1.25, ge=1.0)
     """Every plan's training shape must fit (packed) sequences this many times the observed
-    mean length, at most ``training.seq_len``: contexts grow as the policy learns, and a
-    shape sized for today's lengths would run out of memory on tomorrow's. After every
+    mean length (over ``window`` trajectories, and at least the last batch's mean: a window
+    of several batches lags growing contexts), at most ``training.seq_len``: contexts grow
+    as the policy learns, and a shape sized for today's lengths would run out of memory on
+    tomorrow's. After every
     batch the planner checks the running shape against it and, when it no longer fits,
     replaces the plan at once (no gate: the alternative is an out-of-memory crash)."""
     min_dwell_steps: int = Field(10, ge=0)

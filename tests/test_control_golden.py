@@ -5,10 +5,12 @@ simulator driving it on the same scenario, give the recorded decisions, call for
 Two streams:
 - recorded: the context-growth scenario (configs/sim/context-growth.yaml), 20 steps,
   staleness 3 and a prior far shorter than the workload, so that the stream holds plan
-  changes applied and refused, a change that waits for its moment while the next batch
-  outgrows the running training shape (``while_waiting``: it is then waited for as for
-  memory), and the hybrid pool's refusals while rollout binds (the paper scenario stopped
-  lending once the plan search minimised the pipelined step);
+  changes applied and refused, a change that waits for its moment (``while_waiting`` asked
+  after the batch done meanwhile; tests/test_sim_memory.py drives its memory branch), and
+  the hybrid pool's refusals while rollout binds (the paper scenario stopped lending once
+  the plan search minimised the pipelined step). (With a prior of 200 generated tokens the
+  memory check, holding the last batch's mean since, moves training at step 4 by a
+  re-shard, and no change waits);
 - live: a pinned layout whose training binds (tests/sim_cases.py), so that the hybrid
   pool lends a replica through every phase; the simulator's stream replayed into a fresh
   loop gives the same decisions.
@@ -166,7 +168,7 @@ def test_a_different_observation_changes_the_decisions():
 
 
 SCENARIO = "configs/sim/context-growth.yaml"
-OVERRIDES: dict = {"rl.steps": 20, "rl.max_staleness": 3, "planner.prior": {"gen_tokens_median": 200, "turns": 2}}
+OVERRIDES: dict = {"rl.steps": 20, "rl.max_staleness": 3, "planner.prior": {"gen_tokens_median": 400, "turns": 2}}
 POLICY = "libra"
 
 if __name__ == "__main__" and "--record" in sys.argv:

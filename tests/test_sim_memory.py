@@ -141,3 +141,45 @@ def test_a_measured_table_re_shards_down_as_contexts_shrink_and_up_as_they_grow(
     assert up is not None and up.reshard and up.plan.train.tp == start.tp
     loop.apply(up)
     assert _after(loop, 8, 5500) is None and _after(loop, 9, 5500) is None  # within 10% of 6000: stays
+
+
+def _held(loop, shape=None) -> int:
+    """The longest packed sequence training ``shape`` (the running one by default) holds
+    without recomputation."""
+    shape = shape or loop.training_shape()
+    lo, hi = 1, loop.o.seq_len
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if fitting_training_cost(loop.model, loop.hw, replace(shape, seq_len=mid, recompute=False), loop.cal).infeasible:
+            hi = mid - 1
+        else:
+            lo = mid
+    return lo
+
+
+def test_a_change_waiting_while_the_batch_outgrows_the_running_shape_is_waited_for_as_for_memory():
+    """``ControlLoop.while_waiting`` on the real loop: a change waits for its moment
+    (rollout draining) and the next batch no longer fits the running shape at
+    ``memory_headroom`` × its mean. A waiting change whose shape holds it is named again, as
+    made for memory (the job and the simulator then hold training for it); one whose shape
+    does not is replaced by the memory change the loop makes then; while the running shape
+    holds the batch, nothing."""
+    loop = _loop(None)
+    loop.o = replace(loop.o, replan=True)
+    held = _held(loop)
+
+    def batch(context: int):
+        return [LengthSample(context // 2, context - context // 2, 4, 10.0)] * 64
+
+    roomy = loop._change(1, loop.best_plan(LengthProfile.from_samples(batch(held), 64)), "a replan for speed", None)
+    assert _held(loop, roomy.plan.train) >= 1.25 * held
+    stay = replace(roomy, plan=loop.plan)  # a change that keeps the running training shape
+    loop.observe(batch(held // 2))
+    assert loop.while_waiting(1, roomy) is None
+    loop.observe(batch(int(held / 1.1)))  # 1.25 × its mean is over what the running shape holds
+    named = loop.while_waiting(2, roomy)
+    assert named is not None and named.plan is roomy.plan
+    assert named.reason.startswith("memory") and "the waiting change holds them" in named.reason
+    instead = loop.while_waiting(2, stay)
+    assert instead is not None and instead.reason.startswith("memory")
+    assert _held(loop, instead.plan.train) >= 1.25 * int(held / 1.1)

@@ -91,6 +91,10 @@ class ControlLoop:
         last check (``PlanValuation.pooled_objective`` weighs a hybrid replica's move with it)."""
         self.scale_mean: float | None = None
         """The observed mean sequence tokens at the last check (:meth:`_rescale`)."""
+        self.latest_mean: float | None = None
+        """Mean sequence tokens of the last batch observed: what the memory check and new
+        plans hold ``memory_headroom`` × at least, while the window (``planner.window``
+        trajectories) still holds shorter batches before it (:meth:`observe`)."""
         self.search: PlannerOptions | None = None
         tps = (self.valuation().best_single_tp(self.prior()),) if options.single_tp else options.rollout_tps
         self.search = PlannerOptions(rollout_tps=tps, min_rollout_gpus=options.min_rollout_gpus,
@@ -126,7 +130,8 @@ class ControlLoop:
     # ------------------------------------------------------------------ valuation
     def valuation(self) -> PlanValuation:
         """How plans are valued now (the current calibration, scale and lend trial)."""
-        return PlanValuation(self.model, self.hw, self.o, self.cal, self.search, self.scale, self.lending.held)
+        return PlanValuation(self.model, self.hw, self.o, self.cal, self.search, self.scale, self.lending.held,
+                             self.latest_mean)
 
     def prior(self) -> LengthProfile:
         """The lengths assumed before any is observed (``ControlOptions.prior_profile``)."""
@@ -198,8 +203,11 @@ class ControlLoop:
         return change
 
     def observe(self, samples: Sequence[LengthSample]) -> None:
-        """Finished trajectories (prompt + tool-output tokens, generated tokens, turns, tool s)."""
+        """Finished trajectories (prompt + tool-output tokens, generated tokens, turns, tool s):
+        a batch's (the simulator and the job give one batch per call)."""
         self.window.extend(samples)
+        if samples:
+            self.latest_mean = length_profile(list(samples), self.o.global_batch).mean_seq_tokens
         self._log("observe", {"samples": [tuple(s) for s in samples]}, None)
 
     def after_rollout(self, step: int, now: float, makespan_s: float, t_train: float | None,
@@ -353,14 +361,15 @@ class ControlLoop:
         if observed is None:
             return None
         o = self.o
-        return memory_short(self.model, self.hw, shape, observed, o.seq_len, o.memory_headroom, self.cal)
+        return memory_short(self.model, self.hw, shape, observed, o.seq_len, o.memory_headroom, self.cal,
+                            self.latest_mean)
 
     def _reshard(self, step: int, lengths: LengthProfile, short: str | None) -> LayoutChange | None:
         """The re-shard ``TrainingResharder`` proposes, as a change that keeps every rollout
         instance. None while hybrid replicas are lent or in transit (theirs is the running shape)."""
         if self.pool is not None and len(self.pool.in_state("rollout")) != len(self.pool.all_replicas()):
             return None
-        need = memory_need(lengths, self.o.seq_len, self.o.memory_headroom)
+        need = memory_need(lengths, self.o.seq_len, self.o.memory_headroom, self.latest_mean)
         proposal, note = self.resharder.propose(step, self.plan.train, lengths, need, short, self.window, self.cal)
         if note is not None:
             self.considered.append(note)
@@ -420,6 +429,7 @@ class ControlLoop:
             "measured": S.plain(self.measured),
             "scale": list(self.scale),
             "scale_mean": self.scale_mean,
+            "latest_mean": self.latest_mean,
             "training_tp": self.resharder.state_dict(),
             "lending": self.lending.state_dict(),
             "considered": S.plain(self.considered),
@@ -444,6 +454,7 @@ class ControlLoop:
         self.measured = None if state["measured"] is None else tuple(state["measured"])
         self.scale = tuple(state["scale"])
         self.scale_mean = state.get("scale_mean")  # absent from a checkpoint older than it
+        self.latest_mean = state.get("latest_mean")  # as scale_mean
         self.resharder.load_state_dict(state["training_tp"])
         self.lending.load_state_dict(state["lending"])
         self.considered = S.plain(state["considered"])

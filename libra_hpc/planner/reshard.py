@@ -48,22 +48,25 @@ def resharded(p: Plan, train: TrainShape, t_train: float) -> Plan:
     return replace(p, train=train, t_train=t_train, objective=objective(t_train, p.t_rollout, p.mode))
 
 
-def memory_need(lengths: LengthProfile, seq_len: int, headroom: float) -> int:
+def memory_need(lengths: LengthProfile, seq_len: int, headroom: float, floor: float | None = None) -> int:
     """Tokens per (packed) training sequence a plan must fit: ``headroom`` × the observed
-    mean, at most ``seq_len`` (what the batch can still reach)."""
-    return min(seq_len, math.ceil(headroom * lengths.mean_seq_tokens))
+    mean (at least ``floor``: the last batch's mean, when the window spans batches that
+    were shorter), at most ``seq_len`` (what the batch can still reach)."""
+    return min(seq_len, math.ceil(headroom * max(lengths.mean_seq_tokens, floor or 0.0)))
 
 
 def memory_short(model: ModelProfile, hw: HardwareProfile, shape: TrainShape, lengths: LengthProfile, seq_len: int,
-                 headroom: float, cal: Calibration) -> str | None:
+                 headroom: float, cal: Calibration, floor: float | None = None) -> str | None:
     """Why the running training ``shape`` (hybrid replicas included) cannot run the
-    sequences ``lengths`` may reach next (:func:`memory_need`), or None when it can."""
-    shape = replace(shape, seq_len=memory_need(lengths, seq_len, headroom))
+    sequences ``lengths`` may reach next (:func:`memory_need`, ``floor`` as there), or None
+    when it can."""
+    shape = replace(shape, seq_len=memory_need(lengths, seq_len, headroom, floor))
     cost = fitting_training_cost(model, hw, replace(shape, recompute=False), cal)
     if not cost.infeasible:
         return None
     return (f"memory: training TP{shape.tp} PP{shape.pp} DP{shape.dp} cannot run sequences of {shape.seq_len} "
-            f"tokens ({headroom:g} × the observed mean {lengths.mean_seq_tokens:.0f}): "
+            f"tokens ({headroom:g} × the observed mean {lengths.mean_seq_tokens:.0f}"
+            + (f", the last batch's {floor:.0f}" if floor and floor > lengths.mean_seq_tokens else "") + "): "
             f"{cost.infeasible.split(': ', 1)[-1]}")
 
 

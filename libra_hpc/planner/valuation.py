@@ -84,6 +84,9 @@ class PlanValuation:
     check (:func:`measured_scale`)."""
     held: Callable[[float, float], bool] = lambda t_train, t_roll: False
     """``held(t_train, t_rollout_side)``: a lend at this balance made the step slower."""
+    latest_mean: float | None = None
+    """Mean sequence tokens of the last batch observed: new plans fit ``memory_headroom`` ×
+    at least that (:func:`~libra_hpc.planner.reshard.memory_need`'s floor)."""
 
     def step_objective(self, t_train: float, t_rollout: float) -> float:
         """:func:`~libra_hpc.planner.pipeline.pipelined_step_s` at this run's staleness."""
@@ -104,7 +107,7 @@ class PlanValuation:
         model never replanned.)"""
         o = self.o
         batch = RLBatch.of(o.global_batch, lengths)
-        opts = replace(options or self.search, fit_seq_len=memory_need(lengths, o.seq_len, o.memory_headroom),
+        opts = replace(options or self.search, fit_seq_len=memory_need(lengths, o.seq_len, o.memory_headroom, self.latest_mean),
                        in_flight=o.max_staleness + 1, stream_groups=o.stream_groups)
         result = plan(self.model, self.hw, o.nodes, o.gpus_per_node, lengths, batch, mode="pipelined",
                       options=opts, calibration=self.cal)

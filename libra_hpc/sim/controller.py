@@ -1,9 +1,8 @@
 """The controller of one simulated run: RL steps, the rollout/training pipeline, replanning
 and the hybrid pool, all as events on one simulated clock (sim/engine.py ``SimClock``).
 
-Synchronous (``colocated``): batch ``i`` is rolled out on all GPUs, the engines switch
-(half of ``colocate_switch_s``), training step ``i`` runs, they switch back, and batch
-``i + 1`` starts. Step time = rollout + training + switch.
+Synchronous (``colocated``): batch ``i`` is rolled out on all GPUs, the engines switch (half
+of ``colocate_switch_s``), training step ``i`` runs, they switch back, batch ``i + 1`` starts.
 
 Asynchronous (every other policy), bounded staleness ``k = rl.max_staleness``: batch ``i``
 starts (after pulling the newest weights, ``weight_sync_s``, when a new version exists) as
@@ -24,8 +23,7 @@ Planned policies, after each batch completes:
   serves rollout again at once.
 
 A phased policy (``phase_static``) has no control loop but a schedule of layouts by step:
-before its first batch of a window is submitted, the window's layout becomes a pending
-change under the same rule as a replan (rollout drains, then ``reconfig_s``).
+each window's layout becomes a pending change under the same rule as a replan.
 """
 
 from __future__ import annotations
@@ -35,13 +33,11 @@ import time as wallclock
 from collections import deque
 from collections.abc import Callable
 
-from libra_hpc.cluster.layout import Layout
+from libra_hpc.cluster.layout import Group, Layout
 from libra_hpc.planner.control import ControlLoop, LayoutChange, PoolEvent, length_profile
 from libra_hpc.planner.window import PendingChange, moves_training
 from libra_hpc.planner.costs import TrainShape
-from libra_hpc.planner.search import Plan
-from libra_hpc.planner.search import RolloutInstance as PlanInstance
-from libra_hpc.cluster.layout import Group
+from libra_hpc.planner.search import Plan, RolloutInstance as PlanInstance
 from libra_hpc.sim.context import Context, describe, instances_of, samples_of, trained_of
 from libra_hpc.sim.engine import Event, SimClock
 from libra_hpc.sim.policies import PolicySetup
@@ -99,22 +95,18 @@ class PolicyRun:
                  colocated: bool = False, partial: bool | None = None, stream: bool | None = None,
                  initial_turns: list[tuple[int, ...]] | None = None,
                  phases: dict[int, tuple[Layout, TrainShape]] | None = None):
-        """``train_time(shape, mean_tokens)``: seconds of a training step (default: the
-        planner's training cost model; tests inject fixed times). ``partial``: tail-decoupled
-        rollout on or off (default: ``rl.partial_rollout``; never for a synchronous policy).
-        ``stream``: groups trained as they finish (default: ``rl.stream_training``; never
-        synchronous or with partial rollout). ``initial_turns``: per-turn tokens the first
-        bucket limits are placed on when there is no control loop (a planned policy's come
-        from its prior). ``phases``: step → (layout, training shape) from that step on (a
-        fixed policy only): batch ``step`` is submitted on it, after the change's drain and
-        ``costs.reconfig_s``."""
+        """``train_time(shape, mean_tokens)``: a training step's seconds (default: the planner's
+        cost model; tests inject fixed times). ``partial``, ``stream``: tail-decoupled rollout,
+        groups trained as they finish (default: ``rl.partial_rollout``, ``rl.stream_training``;
+        never synchronous, and no streaming with partial rollout). ``initial_turns``: per-turn
+        tokens the first bucket limits are placed on without a control loop. ``phases``: step →
+        (layout, training shape) from that step on (a fixed policy only), applied as a replan is."""
         if phases and control is not None:
             raise ValueError("a phased run has no control loop: its layouts are fixed per window")
         self.ctx, self.setup, self.steps, self.control = ctx, setup, steps, control
         self.initial_turns, self.phases = initial_turns, dict(phases or {})
         self.applied: list[tuple[Layout, TrainShape]] = []
-        """Every layout this run ran on, as a fixed split (hybrid replicas lent to training
-        counted as training): what ``static_hindsight`` tries beside the plan search's."""
+        """Every layout this run ran on (lent replicas as training): ``static_hindsight`` tries them."""
         self.layout, self.train, self.colocated = layout, train, colocated
         self.train_time = train_time or (lambda shape, tokens: step_s(ctx.model, ctx.hw, shape, tokens, ctx.cal))
         self.cfg = ctx.cfg
@@ -146,6 +138,7 @@ class PolicyRun:
         self.synced = 0  # weight version the rollout instances hold
         self.blocked_until = 0.0  # after a plan change nothing restarts before this
         self.pending: PendingChange | None = None  # a layout change waiting for its moment (planner/window.py)
+        self.held: tuple | None = None  # partial rollout: (step, batch) taken while a memory change waits
         self.reshard_due_s = 0.0  # a re-shard's pause, paid by the next training step
         self.last = {"rollout_s": None, "train_s": None}
         self.fetching: set[int] = set()
@@ -396,6 +389,9 @@ class PolicyRun:
         finished trajectories the staleness bound allows; expiring ones regenerated within
         the waste budget, else waited for)."""
         j = self.train_next
+        if self.held is not None:  # taken while a change for memory waited: it trains on the new shape
+            (j, batch), self.held = self.held, None
+            return self._train(j, batch, now)
         if self.training or j >= self.steps or j in self.train_done:
             return []
         self.tail.stats.generated_tokens = self.rollout.gen_tokens
@@ -420,6 +416,9 @@ class PolicyRun:
         if self.control is not None:
             self.control.observe(samples_of(batch))
             events += self._adapt(j, now)
+            if self._memory_pending():
+                self.held = (j, batch)
+                return events
         return events + self._train(j, batch, now)
 
     def _train(self, j: int, batch, now: float) -> list[Event]:
