@@ -80,9 +80,9 @@ class PlannerConfig(_Section):
     mean length (over ``window`` trajectories, and at least the last batch's mean: a window
     of several batches lags growing contexts), at most ``training.seq_len``: contexts grow
     as the policy learns, and a shape sized for today's lengths would run out of memory on
-    tomorrow's. After every
-    batch the planner checks the running shape against it and, when it no longer fits,
-    replaces the plan at once (no gate: the alternative is an out-of-memory crash)."""
+    tomorrow's. After every batch the planner checks the running shape against it and,
+    when it no longer fits, replaces the plan at once (no gate: the alternative is an
+    out-of-memory crash)."""
     min_dwell_steps: int = Field(10, ge=0)
     """Replanning gate: RL steps after an applied change during which no other is applied
     (but see ``dwell_same_way``)."""

@@ -107,7 +107,8 @@ class PlanValuation:
         model never replanned.)"""
         o = self.o
         batch = RLBatch.of(o.global_batch, lengths)
-        opts = replace(options or self.search, fit_seq_len=memory_need(lengths, o.seq_len, o.memory_headroom, self.latest_mean),
+        fit = memory_need(lengths, o.seq_len, o.memory_headroom, self.latest_mean)
+        opts = replace(options or self.search, fit_seq_len=fit,
                        in_flight=o.max_staleness + 1, stream_groups=o.stream_groups)
         result = plan(self.model, self.hw, o.nodes, o.gpus_per_node, lengths, batch, mode="pipelined",
                       options=opts, calibration=self.cal)
