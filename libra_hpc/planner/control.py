@@ -31,6 +31,7 @@ a fresh loop: the same inputs give the same decisions, whoever drives it
 from __future__ import annotations
 
 import logging
+import statistics
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import replace
@@ -206,8 +207,8 @@ class ControlLoop:
         """Finished trajectories (prompt + tool-output tokens, generated tokens, turns, tool s):
         a batch's (the simulator and the job give one batch per call)."""
         self.window.extend(samples)
-        if samples:
-            self.latest_mean = length_profile(list(samples), self.o.global_batch).mean_seq_tokens
+        if samples:  # LengthProfile.mean_seq_tokens of the batch, without building its profile
+            self.latest_mean = statistics.fmean(s.prompt_len + s.gen_len for s in samples)
         self._log("observe", {"samples": [tuple(s) for s in samples]}, None)
 
     def after_rollout(self, step: int, now: float, makespan_s: float, t_train: float | None,
