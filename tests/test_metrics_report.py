@@ -11,11 +11,14 @@ from pathlib import Path
 
 import pytest
 
+from libra_hpc.metrics.prediction import by_term
 from libra_hpc.metrics.report import eval_points, fmt, gpus_of, step_ranges, write_report
 from libra_hpc.metrics.tensorboard import TensorBoardWriter, crc32c, masked_crc32c
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
-PLOTS = ["gpu_allocation.png", "throughput.png", "reward.png", "queues.png"]
+PLOTS = ["gpu_allocation.png", "throughput.png", "reward.png", "queues.png", "prediction.png"]
+PREDICTED_OVER_MEASURED = {1: 1.0, 2: 2.0, 3: 1.0, 4: 0.4, 5: 1.25}
+"""The step time the planner predicted over the measured one at steps 1-5 (step 0: none)."""
 
 
 def write_jsonl(path: Path, records: list[dict], torn_tail: str = "") -> None:
@@ -33,7 +36,9 @@ def full_step(step: int) -> dict:
         rollout_s=6.25, train_s=2.5, step_s=9.0, gpus={"training": 4, "rollout": 3, **hybrid},
         queue_depth={"short": 12 - step, "long": 3}, migrations=step % 2, staleness_max=2,
         staleness_mean=0.75, logprob_gap_kl=0.002, tool_calls=40 + step, tool_s=1.2, idle_s={"training": 0.5},
-        trajectories=64, scheduler_policy="cmlfq")
+        trajectories=64, scheduler_policy="cmlfq",
+        **({"planner_terms": {"step_s": [9.0 * PREDICTED_OVER_MEASURED[step], 9.0], "rollout_s": [6.25, 6.25],
+                              "train_s": [2.0, 2.5]}} if step in PREDICTED_OVER_MEASURED else {}))
 
 
 def event(elapsed_s: float, kind: str, **fields) -> dict:
@@ -100,6 +105,29 @@ def test_report_md_says_what_happened(finished_run: Path):
     assert "### layout\n\n| key | value |\n|---|---|\n| rollout | 3 |\n| training | 4 |" in report  # not raw JSON
 
 
+def test_report_md_says_which_term_of_the_planners_prediction_missed(finished_run: Path):
+    terms = {"step_s": {"mean": 1.13}}  # what summary.json holds is shown once: the section reads the rows
+    write_report(finished_run, {**SUMMARY, "planner_terms_over_measured": terms})
+    report = (finished_run / "report.md").read_text()
+    section = report[report.index("## Planner prediction"):report.index("## Failures")]
+    assert "| term | mean | geometric mean | steps in 0.8–1.25 | worst step (ratio) |" in section
+    assert "| `step_s` | 1.13 | 1 | 3 of 5 | 4 (0.4) |" in section
+    assert "| `rollout_s` | 1 | 1 | 5 of 5 |" in section and "| `train_s` | 0.8 | 0.8 | 5 of 5 |" in section
+    assert "train_tail_s" not in section and "planner_terms_over_measured" not in report
+
+
+def test_the_planners_prediction_per_term_over_the_last_steps():
+    rows = [{"step": 0}, {"step": 1, "planner_terms": {"step_s": [5.0, 0.0]}},  # nothing measured: left out
+            {"step": 2, "planner_terms": {"step_s": [None, 4.0], "rollout_s": [3.0, 1.0]}}]
+    rows += [{"step": k, "planner_terms": {"step_s": [10.0, 5.0 if k == 3 else 10.0]}} for k in range(3, 15)]
+    out = by_term(rows, last=10)
+    assert out["step_s"] == {"mean": 1.0, "geometric": 1.0, "in_band": 10, "steps": 10, "worst": [5, 1.0]}
+    assert by_term(rows, last=12)["step_s"]["worst"] == [3, 2.0]  # step 3 inside the window
+    assert by_term(rows, last=12)["step_s"]["mean"] == pytest.approx((2.0 + 11) / 12, abs=1e-3)
+    assert out["rollout_s"] == {"mean": 3.0, "geometric": 3.0, "in_band": 0, "steps": 1, "worst": [2, 3.0]}
+    assert set(out) == {"step_s", "rollout_s"} and by_term([{"step": 0}]) == {}
+
+
 def test_a_list_of_records_in_the_summary_gets_a_table_of_its_own(finished_run: Path):
     pauses = [{"direction": "join", "pause_s": 1.25, "all_ranks_back_s": 3.5},
               {"direction": "leave", "pause_s": 0.5, "all_ranks_back_s": 2.0}]
@@ -130,6 +158,7 @@ def test_an_early_stopped_old_run_still_gets_a_report(tmp_path: Path):
     assert "- gpu_allocation.png: not drawn (no `gpus` recorded)" in report
     assert "- queues.png: not drawn" in report
     assert "No layout, plan or hybrid-pool events." in report and "## Failures" not in report
+    assert "## Planner prediction" not in report and "- prediction.png: not drawn (no `planner_terms` recorded)" in report
     assert json.loads((folder / "summary.json").read_text()) == {}
 
 

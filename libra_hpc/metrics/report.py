@@ -4,9 +4,10 @@
 writes, next to them:
 
 - ``summary.json``: the run's summary dict, pretty-printed with sorted keys;
-- ``plots/gpu_allocation.png``, ``throughput.png``, ``reward.png``, ``queues.png``;
+- ``plots/gpu_allocation.png``, ``throughput.png``, ``reward.png``, ``queues.png``,
+  ``prediction.png``;
 - ``report.md``: summary table, held-out success, a per-step table, the planner's and the
-  hybrid pool's events, failures, and links to the plots.
+  hybrid pool's events, the planner's predictions per term, failures, and links to the plots.
 
 Every field of a step row is optional: a run that stopped early, or one written by an
 older version, lacks some. A plot draws the series it has (and is not drawn when it has
@@ -21,6 +22,7 @@ import math
 from pathlib import Path
 from typing import Any
 
+from libra_hpc.metrics import prediction
 from libra_hpc.metrics.runlog import read_jsonl
 
 log = logging.getLogger(__name__)
@@ -39,8 +41,11 @@ PLOT_NEEDS = {  # plot -> the step fields (or events) it is drawn from
     "throughput.png": "`tokens_per_s`, `rollout_s`, `train_s` or `step_s`",
     "reward.png": "`reward` or eval events",
     "queues.png": "`queue_depth` or `migrations`",
+    "prediction.png": "`planner_terms`",
 }
 
+OWN_SECTION = {"planner_terms_over_measured"}
+"""Summary keys report.md shows in a section of their own (from the step rows), not in the summary's tables."""
 PLANNER_KINDS = ("layout_applied", "plan_considered", "replan", "hybrid")
 DASH = "–"
 
@@ -136,7 +141,7 @@ def draw_plots(plots_dir: Path, steps: list[dict], events: list[dict]) -> dict[s
         log.warning("matplotlib is not installed: report.md without plots (pip install matplotlib)")
         return {}
     drawers = {"gpu_allocation.png": _plot_gpus, "throughput.png": _plot_throughput,
-               "reward.png": _plot_reward, "queues.png": _plot_queues}
+               "reward.png": _plot_reward, "queues.png": _plot_queues, "prediction.png": _plot_prediction}
     paths: dict[str, Path | None] = {}
     for name, draw in drawers.items():
         fig = Figure(figsize=(9, 5), layout="constrained")
@@ -249,6 +254,36 @@ def _plot_queues(fig, steps: list[dict], events: list[dict]) -> bool:
     return True
 
 
+def _plot_prediction(fig, steps: list[dict], events: list[dict]) -> bool:
+    """The planner's predicted step against the measured one above; below, each term's
+    predicted/measured per step on a log scale, the band of :data:`prediction.BAND` shaded."""
+    if not prediction.term_ratios(steps, "step_s"):
+        return False
+    top, bottom = fig.subplots(2, 1, sharex=True)
+    pairs = [(r["step"], r["planner_terms"]["step_s"]) for r in steps
+             if prediction.term_ratios([r], "step_s")]
+    _lines(top, {"predicted": ([k for k, _ in pairs], [p for _, (p, _) in pairs]),
+                 "measured": ([k for k, _ in pairs], [m for _, (_, m) in pairs])}, "step times")
+    top.set(title="The planner's step time: predicted (fitted on the steps before) and measured",
+            ylabel="seconds")
+    series = {term.removesuffix("_s").replace("_", " "): prediction.term_ratios(steps, term)
+              for term in ("step_s", "rollout_s", "train_s")}
+    _lines(bottom, {label: ([k for k, _ in xs], [x for _, x in xs]) for label, xs in series.items()}, "ratios")
+    bottom.axhspan(*prediction.BAND, color="tab:green", alpha=0.12)
+    bottom.axhline(1.0, color="grey", linewidth=0.8)
+    window = [k for k, _ in series["step"]][-prediction.LAST:]
+    for ax in (top, bottom):  # the steps summary.json's means are taken over
+        ax.axvline(window[0] - 0.5, color="grey", linestyle=":", linewidth=1)
+    top.text(window[0] - 0.4, 0.97, f"last {len(window)} steps", transform=top.get_xaxis_transform(),
+             va="top", fontsize="small", color="grey")
+    bottom.set(yscale="log", xlabel="step", ylabel="predicted / measured")
+    ticks = [t for t in (0.1, 0.25, 0.5, *prediction.BAND, 1.0, 2.0, 4.0, 10.0)
+             if bottom.get_ylim()[0] <= t <= bottom.get_ylim()[1]]
+    bottom.set_yticks(ticks, [f"{t:g}" for t in ticks])
+    bottom.minorticks_off()
+    return True
+
+
 # ---------------------------------------------------------------- report.md
 
 
@@ -261,6 +296,7 @@ def render_markdown(name: str, summary: dict, steps: list[dict], events: list[di
         _heldout_section(events),
         _steps_section(steps),
         _planner_section(events),
+        _prediction_section(steps),
         _failures_section(events),
         _plots_section(plots),
     ]
@@ -303,7 +339,7 @@ def _summary_section(summary: dict) -> list[str]:
     ``layout_gains``, ...) and each mapping (``partial_rollout``, ...) in a table of its own."""
     if not summary:
         return ["## Summary", "", "No summary values."]
-    keys = sorted(summary, key=str)
+    keys = sorted((k for k in summary if k not in OWN_SECTION), key=str)
     nested = [k for k in keys if isinstance(summary[k], dict) or _records(summary[k])]
     lines = ["## Summary", ""] + _table(["key", "value"], [[fmt(k), fmt(summary[k])] for k in keys if k not in nested])
     for key in nested:
@@ -407,6 +443,22 @@ def _planner_section(events: list[dict]) -> list[str]:
             for e in chosen]
     header = ["elapsed s", "what", "predicted gain s", "measured pause s"]
     return ["## Planner and hybrid pool", ""] + _table(header, rows)
+
+
+def _prediction_section(steps: list[dict]) -> list[str]:
+    """Each term's predicted/measured over the last priced steps (none without a planner)."""
+    terms = prediction.by_term(steps)
+    if not terms:
+        return []
+    low, high = prediction.BAND
+    rows = [[f"`{term}`", fmt(t["mean"]), fmt(t["geometric"]), f"{t['in_band']} of {t['steps']}",
+             f"{t['worst'][0]} ({fmt(t['worst'][1])})"] for term, t in terms.items()]
+    head = (f"What the planner predicted for the layout that ran each step (fitted on the steps before it) "
+            f"over what the step measured, the last {prediction.LAST} priced steps; `step_s` is "
+            f"`planner_predicted_over_measured`. A mean of ratios reads high when the measured times are noisy: "
+            f"the geometric mean less so.")
+    header = ["term", "mean", "geometric mean", f"steps in {low}–{high}", "worst step (ratio)"]
+    return ["## Planner prediction", "", head, ""] + _table(header, rows)
 
 
 def _failures_section(events: list[dict]) -> list[str]:

@@ -10,6 +10,8 @@ import statistics
 from pathlib import Path
 from typing import Any
 
+from libra_hpc.metrics import prediction
+
 log = logging.getLogger(__name__)
 
 
@@ -105,7 +107,8 @@ def finish_summary(summary: dict, metrics: list[dict], trained: list[str], *, st
              dispatch=dispatch, hybrid_switches=p.hybrid_applied if p else 0,
              hybrid_pauses_s=p.pauses if p else [], checkpoint=exported, completed=completed, **tracker)
     if p is not None:
-        s.update(planner_predicted_over_measured=predicted_over_measured(metrics), layout_gains=p.finish())
+        s.update(planner_predicted_over_measured=predicted_over_measured(metrics), layout_gains=p.finish(),
+                 planner_terms_over_measured=prediction.by_term(metrics))
     chaos = [r.injected for r in getattr(orchestrator, "runners", {}).values() if hasattr(r, "injected")]
     if chaos:
         s["tool_faults_injected"] = {k: sum(c[k] for c in chaos) for k in ("fail", "hang")}
@@ -116,8 +119,9 @@ def finish_summary(summary: dict, metrics: list[dict], trained: list[str], *, st
     return s
 
 
-PREDICTION_STEPS = 10
-"""Steps (the last ones) over which ``planner_predicted_over_measured`` is averaged."""
+PREDICTION_STEPS = prediction.LAST
+"""Steps (the last ones) over which ``planner_predicted_over_measured`` is averaged (and
+``planner_terms_over_measured``: each term's, :mod:`libra_hpc.metrics.prediction`)."""
 
 
 def predicted_over_measured(metrics: list[dict], last: int = PREDICTION_STEPS) -> float | None:
