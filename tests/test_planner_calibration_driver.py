@@ -119,6 +119,24 @@ def test_the_step_is_priced_as_the_pipeline_runs_it():
     assert late["planner_steady_s"] == early["planner_steady_s"]
 
 
+def test_a_streamed_steps_tail_is_fitted_on_the_tails_it_measured():
+    """Every step streamed over the default config's 12 groups, a pass of 6 s, the trainers
+    reporting 5 s after the last group arrived: the fit takes 5 - 6/12 s as the tail's
+    fixed part, and a rollout-bound step is priced with a 5-s tail (its last group's share
+    alone, 0.5 s, is what the search and the old per-step price both missed). A step of
+    several passes does not stream and gives no tail record."""
+    d, rng = _driver(), random.Random(3)
+    _warm(d, rng, 4)
+    assert d.control.cal.stream_tail_s == pytest.approx(4.5, rel=0.05)
+    assert [r.step for r in d.records["tail"]] == [0, 1, 2, 3]
+    record, reports = _step(d, 4, rng)
+    got = d.predict(4, record, reports, 12.0, ended=record["submitted"] + 12.0)
+    assert got["planner_terms"]["train_tail_s"] == pytest.approx([5.0, 5.0], rel=0.05)
+    assert got["planner_predicted_s"] == pytest.approx(got["planner_terms"]["rollout_s"][0] + 5.0, rel=0.02)
+    d.observe(4, record["rows"], [{"train_s": 24.0}], 4)  # four passes: trained whole
+    assert [r.step for r in d.records["tail"]] == [0, 1, 2, 3]
+
+
 def test_a_step_run_with_the_hybrid_pool_lent_is_predicted_too():
     """The default layout with the hybrid node lent to training (one TP-2 instance left
     beside four TP-1 ones): the blind router's share of a small batch used to leave the

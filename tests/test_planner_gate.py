@@ -318,6 +318,25 @@ def test_the_drain_of_a_change_is_a_rollout_and_a_training_step_in_series(t_trai
     from libra_hpc.planner.pipeline import switch_drain_s
 
     assert switch_drain_s(t_train, t_rollout, k, groups) == pytest.approx(drain)
+    if groups:  # a fitted fixed tail of 0.25 s: the step (M + T/G + 0.25) / 2, the series M + T/G + 0.25
+        assert switch_drain_s(t_train, t_rollout, k, groups, 0.25) == pytest.approx((t_rollout + t_train / groups + 0.25) / 2)
+
+
+@pytest.mark.parametrize("makespan, k, groups, tail_s", [(10.0, 1, 0, 0.0), (10.0, 1, 12, 0.0), (10.0, 1, 12, 3.0),
+                                                         (10.0, 2, 4, 1.5), (1.0, 1, 12, 50.0)])
+def test_the_rollout_side_is_the_training_time_at_which_training_starts_to_bind(makespan, k, groups, tail_s):
+    """The balance the hybrid pool and the gate weigh: at T = rollout_side_s(M) the step is
+    T, a little below it the rollout sets the step. A streamed step's fixed tail
+    (``Calibration.stream_tail_s``) weighs on the rollout side; one longer than the pass is
+    capped at the pass (the last case)."""
+    from libra_hpc.planner.pipeline import pipelined_step_s, rollout_side_s, streamed_tail_s
+
+    t = rollout_side_s(makespan, k, groups, tail_s)
+    assert pipelined_step_s(t, makespan, k, groups, tail_s) == pytest.approx(t)
+    assert pipelined_step_s(0.95 * t, makespan, k, groups, tail_s) > 0.95 * t
+    assert streamed_tail_s(t, groups, tail_s) == (pytest.approx(min(t, t / groups + tail_s)) if groups else t)
+    if groups and tail_s:  # the fitted tail makes the rollout side heavier than the share alone
+        assert t > rollout_side_s(makespan, k, groups)
 
 
 def test_the_gate_weighs_a_replan_against_the_pipelines_drain():

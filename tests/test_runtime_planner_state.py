@@ -60,6 +60,20 @@ def test_the_restored_driver_equals_the_saved_one_and_decides_the_same_after():
     assert _without_clock(r.state_dict()) == _without_clock(d.state_dict())
 
 
+def test_a_checkpoint_from_before_the_tail_records_loads():
+    d, rng = _driver(), random.Random(4)
+    _warm(d, rng, 3)
+    saved = json.loads(json.dumps(d.state_dict()))
+    del saved["records"]["tail"]
+    del saved["control"]["calibration"]["stream_tail_s"]
+    r = _resumed(saved, version=3)
+    assert r.records["tail"] == [] and r.control.cal.stream_tail_s == 0.0
+    record, reports = _step(r, 3, rng)
+    r.predict(3, record, reports, 12.0)
+    r.observe(3, record["rows"], reports, 1)
+    assert [x.step for x in r.records["tail"]] == [3] and r.control.cal.stream_tail_s > 0
+
+
 def test_a_resumed_job_starts_in_the_layout_it_was_saved_in_with_its_lent_replica():
     d = _driver()
     s = d.s

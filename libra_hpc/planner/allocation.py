@@ -51,7 +51,8 @@ def pool_of(plan_: Plan, o: ControlOptions) -> HybridPool | None:
         return None
 
 
-def allocate(plan_: Plan, o: ControlOptions, reason: str, resplit: bool = True) -> tuple[Plan, Layout, HybridPool | None]:
+def allocate(plan_: Plan, o: ControlOptions, reason: str, resplit: bool = True,
+             tail_s: float = 0.0) -> tuple[Plan, Layout, HybridPool | None]:
     """The plan's layout; with the hybrid pool on, its last ``hybrid_nodes`` nodes form
     the pool when they hold rollout instances only and split into whole replicas.
 
@@ -62,13 +63,15 @@ def allocate(plan_: Plan, o: ControlOptions, reason: str, resplit: bool = True) 
     decode slower, a price worth paying only for a pool that may be used. Otherwise, or
     when no split forms it, the plan runs without a pool (logged). ``resplit`` False: the
     plan comes from :meth:`~libra_hpc.planner.valuation.PlanValuation.best_plan`, which
-    weighed the re-split already. Returns the plan (re-split or not), its layout and pool."""
+    weighed the re-split already. ``tail_s``: the calibration's ``stream_tail_s`` (the rollout
+    side's weight, :func:`~libra_hpc.planner.pipeline.rollout_side_s`). Returns the plan
+    (re-split or not), its layout and pool."""
     layout = plan_to_layout(plan_, o.nodes, o.gpus_per_node, 0, reason=reason)
     pool = None
     if o.hybrid and o.hybrid_nodes:
         first = None
         useful = resplit and plan_.t_train * (1 + o.hybrid_margin) >= rollout_side_s(
-            plan_.t_rollout, o.max_staleness, o.stream_groups)
+            plan_.t_rollout, o.max_staleness, o.stream_groups, tail_s)
         splits = resplit_sizes(o) if useful else []
         for tp in [None, *splits]:
             candidate = plan_ if tp is None else resplit_hybrid(plan_, tp, o.nodes - o.hybrid_nodes)

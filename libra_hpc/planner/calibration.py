@@ -8,8 +8,9 @@ at 100% efficiency, counts: what :class:`~libra_hpc.planner.costs.RolloutCost` a
 RL step that measured it; :meth:`Calibration.time` turns components into predicted seconds.
 Units: seconds, GB.
 
-Kinds of record: ``decode`` (one engine step), ``prefill``, ``train`` (one optimizer pass)
-and ``chain``: one trajectory, from its batch's submission to its report, as the sum of its
+Kinds of record: ``decode`` (one engine step), ``prefill``, ``train`` (one optimizer pass),
+``tail`` (what a streamed step trains after its last group arrived, as its share of the pass
+and the fixed seconds that follow it: :attr:`Calibration.stream_tail_s`) and ``chain``: one trajectory, from its batch's submission to its report, as the sum of its
 parts (its decode steps, its prefill, its tool seconds and its turns). The chain kind is
 what a rollout makespan is made of, and it is measured in wall seconds as the job lives
 them, so its per-term coefficients (wall seconds per decode step, seconds waited per
@@ -28,7 +29,7 @@ from dataclasses import dataclass, replace
 from typing import Literal, NamedTuple
 
 log = logging.getLogger(__name__)
-Kind = Literal["decode", "prefill", "train", "chain"]
+Kind = Literal["decode", "prefill", "train", "tail", "chain"]
 
 
 @dataclass(frozen=True)
@@ -76,6 +77,13 @@ class Calibration:
     tool_latency_scale: float = 1.0
     """Wall seconds a trajectory waits per second of its measured tool time (1: tools cost
     what they measure)."""
+    stream_tail_s: float = 0.0
+    """Seconds a streamed step (``rl.stream_training``) takes after its last group arrived
+    besides that group's share of the pass (the pass over the groups): the optimizer step, the
+    gradients' all-reduce, the wait for the DP replica whose groups ended last. 0 by default
+    (the simulator's streamed step ends with its last group's share); the job fits it from
+    its steps' measured tails (``tail`` records). Measured in three default runs: tails of
+    0.2-15 s against shares of 0.2-2.4 s."""
     note: str = "defaults"
     """Where these values come from (logged with every plan)."""
     fit_errors: tuple[tuple[str, float], ...] = ()
@@ -91,7 +99,7 @@ class Calibration:
             if not 0 < value <= 1:
                 raise ValueError(f"Calibration.{name} must lie in (0, 1], got {value}")
         for name in ("decode_step_overhead_s", "collective_latency_s", "train_step_overhead_s",
-                     "rollout_reserve_gb", "train_reserve_gb", "turn_latency_s", "tool_latency_scale",
+                     "rollout_reserve_gb", "train_reserve_gb", "turn_latency_s", "tool_latency_scale", "stream_tail_s",
                 "train_microbatch_overhead_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"Calibration.{name} must be >= 0, got {getattr(self, name)}")
@@ -112,12 +120,15 @@ class Calibration:
             return (g("compute_s", 0.0) / self.train_mfu + g("comm_s", 0.0) / self.train_comm_eff + fixed
                     + g("steps", 1.0) * self.train_step_overhead_s
                     + g("microbatches", 0.0) * self.train_microbatch_overhead_s)
+        if kind == "tail":  # a streamed step's last group: its share of the pass, then the fixed part
+            return self.time("train", {k: v for k, v in c.items() if k != "tail_steps"}) + g(
+                "tail_steps", 0.0) * self.stream_tail_s
         if kind == "chain":  # a trajectory: its decode steps (summed), prefill, tools and turns
             return (g("steps", 0.0) * self.decode_step_overhead_s + g("comm_s", 0.0) / self.rollout_comm_eff + fixed
                     + max(g("mem_s", 0.0) / self.bandwidth_eff, g("compute_s", 0.0) / self.prefill_mfu)
                     + g("prefill_compute_s", 0.0) / self.prefill_mfu + g("tool_s", 0.0) * self.tool_latency_scale
                     + g("turns", 0.0) * self.turn_latency_s)
-        raise ValueError(f"unknown timing kind {kind!r}; valid: decode, prefill, train, chain")
+        raise ValueError(f"unknown timing kind {kind!r}; valid: decode, prefill, train, tail, chain")
 
 
 DEFAULT = Calibration()
@@ -151,24 +162,27 @@ _TERMS: dict[str, dict[str, tuple[str, bool]]] = {
     "prefill": {"compute_s": ("prefill_mfu", True)},
     "train": {"compute_s": ("train_mfu", True), "comm_s": ("train_comm_eff", True),
               "steps": ("train_step_overhead_s", False), "microbatches": ("train_microbatch_overhead_s", False)},
+    "tail": {"tail_steps": ("stream_tail_s", False)},
     "chain": {"steps": ("decode_step_overhead_s", False), "turns": ("turn_latency_s", False),
               "tool_s": ("tool_latency_scale", False)},
 }
-_OFF_ROOFLINE = {"decode": "compute_s", "prefill": "mem_s", "train": "", "chain": ""}
+_OFF_ROOFLINE = {"decode": "compute_s", "prefill": "mem_s", "train": "", "tail": "", "chain": ""}
 _MIN_EFFICIENCY = 0.01
 """An efficiency fitted below this is not believed: the term is held at its current value
 and the rest refitted. Such a value is the fit putting a fixed cost the records cannot
 tell apart from it into an efficiency's column (seen in the job on CPU: with two training
 records, train_comm_eff 0.7 -> 0.003; engine decode steps, whose time is their fixed cost,
 bandwidth_eff -> 0.004), which then prices every other layout wrong."""
-_DEFAULT_COLUMN = {"decode": {"steps": 1.0}, "prefill": {}, "train": {"steps": 1.0}, "chain": {}}
+_DEFAULT_COLUMN = {"decode": {"steps": 1.0}, "prefill": {}, "train": {"steps": 1.0}, "tail": {"tail_steps": 1.0},
+                   "chain": {}}
 _EFFICIENCIES = {field for terms in _TERMS.values() for field, eff in terms.values() if eff}
 
 
 def fit_calibration(history: Sequence[TimingRecord], base: Calibration = DEFAULT,
                     before: int | None = None, half_life: float | None = None) -> Calibration:
     """Least-squares fit of the calibration from measured timings: decode first, then
-    prefill, training and trajectory chains, each with the other kinds' fields held. A term
+    prefill, training, streamed steps' tails (on the training just fitted) and trajectory
+    chains, each with the other kinds' fields held. A term
     whose column is all zero or dependent, or whose coefficient comes out non-positive,
     keeps its current value (and the rest is refitted without it); efficiencies are clipped
     to (0, 1]. ``before``: only records of steps before it (what predicts step ``before``
@@ -179,7 +193,7 @@ def fit_calibration(history: Sequence[TimingRecord], base: Calibration = DEFAULT
     apart. The result's ``note`` says what was fitted from how many records with which
     relative RMS error; it is also logged."""
     cal, lines, errors = base, [], []
-    for kind in ("decode", "prefill", "train", "chain"):
+    for kind in ("decode", "prefill", "train", "tail", "chain"):
         records = [r for r in history if r.kind == kind and r.measured_s > 0 and (before is None or r.step < before)]
         if records:
             newest = max(r.step for r in records)

@@ -155,7 +155,7 @@ class ControlLoop:
 
     def rollout_side_s(self, makespan_s: float) -> float:
         """:func:`~libra_hpc.planner.pipeline.rollout_side_s` at this run's staleness."""
-        return rollout_side_s(makespan_s, self.o.max_staleness, self.o.stream_groups)
+        return rollout_side_s(makespan_s, self.o.max_staleness, self.o.stream_groups, self.cal.stream_tail_s)
 
     # ------------------------------------------------------------------ the hybrid pool's gate
     def hybrid_direction(self, t_train: float, t_roll: float) -> str | None:
@@ -281,7 +281,7 @@ class ControlLoop:
         if not self.o.price_drain or self.measured is None or self.measured[1] is None:
             return 0.0
         makespan, t_train = self.measured
-        return switch_drain_s(t_train, makespan, self.o.max_staleness, self.o.stream_groups)
+        return switch_drain_s(t_train, makespan, self.o.max_staleness, self.o.stream_groups, self.cal.stream_tail_s)
 
     # ------------------------------------------------------------------ internals
     def _consider(self, step: int, pressure: dict,
@@ -404,7 +404,7 @@ class ControlLoop:
 
     def _allocation(self, plan_: Plan, reason: str, resplit: bool = True) -> tuple[Plan, Layout, HybridPool | None]:
         """The plan's layout and hybrid pool (:func:`~libra_hpc.planner.allocation.allocate`)."""
-        return allocate(plan_, self.o, reason, resplit)
+        return allocate(plan_, self.o, reason, resplit, self.cal.stream_tail_s)
 
     def _log(self, call: str, given: dict, out: Any) -> None:
         if self.journal is not None:

@@ -226,15 +226,17 @@ class PlanError(ValueError):
     """No plan fits; the message lists why each kind of candidate failed."""
 
 
-def objective(t_train: float, t_rollout: float, mode: Mode, in_flight: int = 1, stream_groups: int = 0) -> float:
+def objective(t_train: float, t_rollout: float, mode: Mode, in_flight: int = 1, stream_groups: int = 0,
+              tail_s: float = 0.0) -> float:
     """A plan's step, s, under ``mode`` (the module docstring); ``in_flight`` and
-    ``stream_groups`` as :class:`PlannerOptions`' (``pipelined`` only)."""
+    ``stream_groups`` as :class:`PlannerOptions`', ``tail_s`` the calibration's
+    ``stream_tail_s`` (``pipelined`` only)."""
     if mode == "async":
         return max(t_train, t_rollout)
     if mode == "sync":
         return t_train + t_rollout
     if mode == "pipelined":
-        return pipelined_step_s(t_train, t_rollout, in_flight - 1, stream_groups)
+        return pipelined_step_s(t_train, t_rollout, in_flight - 1, stream_groups, tail_s)
     raise ValueError(f"mode must be 'async', 'sync' or 'pipelined', got {mode!r}")
 
 
@@ -503,7 +505,8 @@ class _Search:
         return Plan(shape, tuple(slots[:gpus]), tuple(inst), tt, tr, self.objective(tt, tr), self.mode)
 
     def objective(self, t_train: float, t_rollout: float) -> float:
-        return objective(t_train, t_rollout, self.mode, self.opt.in_flight, self.opt.stream_groups)
+        return objective(t_train, t_rollout, self.mode, self.opt.in_flight, self.opt.stream_groups,
+                         self.cal.stream_tail_s)
 
 
 def _lost(o: float, best: Plan) -> str:
@@ -558,7 +561,8 @@ def reprice(p: Plan, model: ModelProfile, hardware: HardwareProfile, gpus_per_no
     pools = [(RolloutCost(model, hw, tp, calibration), n) for tp, n in p.rollout_counts.items()]
     tr = rollout_makespan(pools, lengths, in_flight=in_flight, length_aware=length_aware,
                           migration=migration).makespan_s
-    return replace(p, t_train=tt, t_rollout=tr, objective=objective(tt, tr, p.mode, in_flight, stream_groups))
+    return replace(p, t_train=tt, t_rollout=tr,
+                   objective=objective(tt, tr, p.mode, in_flight, stream_groups, calibration.stream_tail_s))
 
 
 # ------------------------------------------------------------------------- layout

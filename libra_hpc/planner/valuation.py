@@ -90,7 +90,7 @@ class PlanValuation:
 
     def step_objective(self, t_train: float, t_rollout: float) -> float:
         """:func:`~libra_hpc.planner.pipeline.pipelined_step_s` at this run's staleness."""
-        return pipelined_step_s(t_train, t_rollout, self.o.max_staleness, self.o.stream_groups)
+        return pipelined_step_s(t_train, t_rollout, self.o.max_staleness, self.o.stream_groups, self.cal.stream_tail_s)
 
     def best_plan(self, lengths: LengthProfile, options: PlannerOptions | None = None) -> PlanResult:
         """plan()'s ``pipelined`` search on ``lengths``: the plan whose :meth:`step_objective`
@@ -153,7 +153,8 @@ class PlanValuation:
         now = self.step_objective(plan_.t_train, plan_.t_rollout)
         if pool is None:
             return now
-        if self.held(plan_.t_train, rollout_side_s(plan_.t_rollout, self.o.max_staleness, self.o.stream_groups)):
+        if self.held(plan_.t_train, rollout_side_s(plan_.t_rollout, self.o.max_staleness, self.o.stream_groups,
+                                                  self.cal.stream_tail_s)):
             return now  # lending at this balance was tried and made the step slower (the lend trial)
         dp, gpus, size = plan_.train.dp, plan_.rollout_gpus, pool.replica_size
         if gpus - size < max(1, self.o.min_rollout_gpus) or \

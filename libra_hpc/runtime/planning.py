@@ -60,7 +60,7 @@ from libra_hpc.planner.costs import (LengthProfile, LengthSample, RolloutCost, T
                                      fit_calibration)
 from libra_hpc.planner.hybrid import PhaseTimeouts
 from libra_hpc.planner.options import migration_pricing
-from libra_hpc.planner.pipeline import pipelined_step_s
+from libra_hpc.planner.pipeline import pipelined_step_s, streamed_tail_s
 from libra_hpc.planner.search import Plan, RLBatch, reprice
 from libra_hpc.planner.search import RolloutInstance as PlanInstance
 from libra_hpc.planner.window import PendingChange, StepWindow, layout_gain, moves_training
@@ -70,7 +70,7 @@ from libra_hpc.runtime.relayout import Applied, Relayouts
 from libra_hpc.runtime.state import JobState, Sends
 
 log = logging.getLogger(__name__)
-RECORDS = {"train": 64, "chain": 1024}
+RECORDS = {"train": 64, "tail": 64, "chain": 1024}
 """Timing records of each kind the calibration is fitted on (the most recent)."""
 FIT_HALF_LIFE = 1.0
 """Steps over which a timing record's weight in the calibration fit halves. What a step
@@ -169,8 +169,8 @@ class PlannerDriver:
         steps from ``version`` on, trained again, are dropped from the window."""
         self.control.load_state_dict(S.settled(state["control"], state["layout"]))
         self.t0 = time.monotonic() - state["now"]
-        self.records = {kind: [TimingRecord(k, c, m, step) for k, c, m, step in rows]
-                        for kind, rows in state["records"].items()}
+        self.records = {kind: [] for kind in RECORDS} | {  # a checkpoint from before the tail records has none
+            kind: [TimingRecord(k, c, m, step) for k, c, m, step in rows] for kind, rows in state["records"].items()}
         self.window.load_state_dict(state["window"], before=version)
         self.replans, self.reshards, self.hybrid_applied = state["counts"]
         self._map_pool()
@@ -209,9 +209,10 @@ class PlannerDriver:
         The step is priced as the pipeline runs it: training ``b`` ends at the later of
         the previous step's end plus its whole training (``T``: every pass, streamed
         groups included) and the batch's completion (its submission plus the predicted
-        rollout makespan) plus training's tail (the last group's share of the compute,
-        the gradients' all-reduce and the optimizer step; all of ``T`` when the step
-        trains several passes, which do not stream). ``planner_steady_s`` is the
+        rollout makespan) plus training's tail (the last group's share of the pass and the
+        fixed seconds fitted on the steps' measured tails, ``Calibration.stream_tail_s``:
+        the optimizer step, the all-reduce, the wait for the last replica; all of ``T``
+        when the step trains several passes, which do not stream). ``planner_steady_s`` is the
         steady-state step the gate weighs (:func:`~libra_hpc.planner.pipeline.pipelined_step_s`).
         A layout change's pause is not predicted (it is the change's, not the layout's)."""
         s, cfg = self.s, self.s.cfg
@@ -228,12 +229,8 @@ class PlannerDriver:
                          migration=o.migration)
         t_train, rollout = priced.t_train * epochs, priced.t_rollout
         groups = o.stream_groups if epochs == 1 else 0  # steps of several passes train whole (runtime/batches.py)
-        tail = t_train
-        if groups and math.isfinite(t_train):
-            shape = replace(plan.train, global_batch=batch.global_batch, seq_len=batch.seq_len)
-            parts = TrainingCost(self.model, self.hw, shape, cal).components()
-            tail = min(t_train, cal.time("train", {**parts, "compute_s": parts["compute_s"] / groups}))
-        steady = pipelined_step_s(t_train, rollout, o.max_staleness, groups)
+        tail = streamed_tail_s(t_train, groups, cal.stream_tail_s)
+        steady = pipelined_step_s(t_train, rollout, o.max_staleness, groups, cal.stream_tail_s)
         predicted = steady
         if ended is not None:
             previous_end = ended - step_s
@@ -288,8 +285,13 @@ class PlannerDriver:
                            uneven=True)
         cal = self.control.cal
         per_pass = max(r["train_s"] + r.get("stream_s", 0.0) for r in reports) / max(1, epochs)  # streamed parts too
-        self.records["train"].append(
-            TimingRecord("train", TrainingCost(self.model, self.hw, shape, cal).components(), per_pass, b))
+        parts = TrainingCost(self.model, self.hw, shape, cal).components()
+        self.records["train"].append(TimingRecord("train", parts, per_pass, b))
+        groups = self.control.o.stream_groups if epochs == 1 else 0
+        if groups:  # what the step trained after its last group arrived (the slowest replica's)
+            share = {k: v / groups for k, v in parts.items()}
+            self.records["tail"].append(TimingRecord("tail", {**share, "tail_steps": 1.0},
+                                                     max(r["train_s"] for r in reports), b))
         self.running.clear()  # the running batches the chain records of the next batch are taken at
         for kind, most in RECORDS.items():
             del self.records[kind][:-most]
