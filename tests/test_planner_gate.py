@@ -306,6 +306,7 @@ def test_the_gate_reads_the_error_of_every_kind_the_run_fitted():
     assert model_error(Calibration()) == 0.0
     assert model_error(Calibration(fit_errors=(("train", 0.2), ("chain", 0.6)))) == 0.6
     assert model_error(Calibration(fit_errors=(("decode", 0.1),))) == 0.1
+    assert model_error(Calibration(fit_errors=(("train", 0.2), ("tail", 0.9)))) == 0.2  # seconds of the step
 
 
 @pytest.mark.parametrize("t_train, t_rollout, k, groups, drain", [

@@ -10,7 +10,8 @@ Units: seconds, GB.
 
 Kinds of record: ``decode`` (one engine step), ``prefill``, ``train`` (one optimizer pass),
 ``tail`` (what a streamed step trains after its last group arrived, as its share of the pass
-and the fixed seconds that follow it: :attr:`Calibration.stream_tail_s`) and ``chain``: one trajectory, from its batch's submission to its report, as the sum of its
+and the fixed seconds that follow it: :attr:`Calibration.stream_tail_s`) and ``chain``: one
+trajectory, from its batch's submission to its report, as the sum of its
 parts (its decode steps, its prefill, its tool seconds and its turns). The chain kind is
 what a rollout makespan is made of, and it is measured in wall seconds as the job lives
 them, so its per-term coefficients (wall seconds per decode step, seconds waited per
@@ -182,8 +183,8 @@ def fit_calibration(history: Sequence[TimingRecord], base: Calibration = DEFAULT
                     before: int | None = None, half_life: float | None = None) -> Calibration:
     """Least-squares fit of the calibration from measured timings: decode first, then
     prefill, training, streamed steps' tails (on the training just fitted) and trajectory
-    chains, each with the other kinds' fields held. A term
-    whose column is all zero or dependent, or whose coefficient comes out non-positive,
+    chains, each with the other kinds' fields held. A term whose column is all zero or
+    dependent, or whose coefficient comes out non-positive,
     keeps its current value (and the rest is refitted without it); efficiencies are clipped
     to (0, 1]. ``before``: only records of steps before it (what predicts step ``before``
     without looking at it). ``half_life``: a record's weight halves every ``half_life``
