@@ -228,7 +228,7 @@ class PlannerDriver:
                          in_flight=o.max_staleness + 1, length_aware=o.length_aware_routing,
                          migration=o.migration)
         t_train, rollout = priced.t_train * epochs, priced.t_rollout
-        groups = o.stream_groups if epochs == 1 else 0  # steps of several passes train whole (runtime/batches.py)
+        groups = self.streamed_groups(epochs)
         tail = streamed_tail_s(t_train, groups, cal.stream_tail_s)
         steady = pipelined_step_s(t_train, rollout, o.max_staleness, groups, cal.stream_tail_s)
         predicted = steady
@@ -269,6 +269,11 @@ class PlannerDriver:
             measured = r["finished_at"] - submitted if ran is None else min(ran, r["finished_at"] - submitted)
             self.records["chain"].append(TimingRecord("chain", parts, measured, b))
 
+    def streamed_groups(self, epochs: int) -> int:
+        """GRPO groups a step of ``epochs`` passes streams (``rl.stream_training``), 0 when it
+        trains whole: steps of several passes do not stream (runtime/batches.py)."""
+        return self.control.o.stream_groups if epochs == 1 else 0
+
     def trained_batch(self, rows: list[dict]) -> RLBatch:
         """The sequences a batch's training step works on (:meth:`kept`) and their mean
         length. In a default run a step training 2 of its 12 groups took 2.1 s and one
@@ -287,7 +292,7 @@ class PlannerDriver:
         per_pass = max(r["train_s"] + r.get("stream_s", 0.0) for r in reports) / max(1, epochs)  # streamed parts too
         parts = TrainingCost(self.model, self.hw, shape, cal).components()
         self.records["train"].append(TimingRecord("train", parts, per_pass, b))
-        groups = self.control.o.stream_groups if epochs == 1 else 0
+        groups = self.streamed_groups(epochs)
         if groups:  # what the step trained after its last group arrived (the slowest replica's)
             share = {k: v / groups for k, v in parts.items()}
             self.records["tail"].append(TimingRecord("tail", {**share, "tail_steps": 1.0},
