@@ -14,6 +14,13 @@ Each client ends with a ``done`` report carrying what it measured; the loop stop
 ``control-when-idle``: the same clients against a loop that reads other messages only
 when the queue is idle (what the event loop must not do: the control client starves).
 
+``busy-worker`` (2 ranks): rank 1 reports, then takes no command until rank 0 tells it to
+go (tag TOOL_RESULT): a worker busy in a long step. Rank 0, in the report's handler, sends
+it :data:`BURST` small commands and one of :data:`BIG` bytes through its
+:class:`~libra_hpc.cluster.messages.Outbox`, then the go; rank 1 then takes the commands
+and reports what came. A blocking send would wait in the handler for a receiver that waits
+for the go: the world would hang.
+
 ``idle`` (2 ranks): rank 0 runs the loop (the same handlers and a timer); rank 1 sleeps
 :data:`IDLE_S`, then sends one report; rank 0 measures its own CPU time over the idle
 stretch and how late it saw the report.
@@ -38,7 +45,7 @@ from pathlib import Path
 
 from mpi4py import MPI
 
-from libra_hpc.cluster.messages import COMMAND, QUEUE_REPLY, QUEUE_REQUEST, REPORT, TOOL_DONE
+from libra_hpc.cluster.messages import COMMAND, QUEUE_REPLY, QUEUE_REQUEST, REPORT, TOOL_DONE, TOOL_RESULT, Outbox
 from libra_hpc.runtime.loop import EventLoop
 from libra_hpc.scheduler.mpi_service import QueueClient, QueueError, QueueHandler
 
@@ -54,6 +61,10 @@ IDLE_S = 0.5
 IDLE_MARK_S = 0.3
 """When rank 0 starts measuring its idle CPU time, after the loop starts."""
 WINDOW_S = 0.5
+BURST = 200
+"""Small commands of the busy-worker world: more than MPICH queues for one receiver (~64)."""
+BIG = 100_000
+"""Bytes of its large command: beyond MPICH's eager limit (16 KB here)."""
 QUEUE_CLIENTS = (1, 2, 3)
 CONTROL_CLIENT, ERROR_CLIENT = 4, 5
 
@@ -99,8 +110,20 @@ def server(comm, scenario: str, out: Path) -> None:
     tools: list[int] = []
     idle: dict[str, float] = {}
 
+    outbox, busy = Outbox(comm), {}
+
     def control(report, source):
         order.append(["control", source])
+        if scenario == "busy-worker":
+            if report.get("busy"):
+                for n in range(BURST + 1):
+                    outbox.send({"n": n, "blob": bytes(BIG) if n == BURST else b""}, source, COMMAND)
+                busy["untaken_at_go"] = outbox.waiting().get(source, 0)
+                outbox.send({"go": True}, source, TOOL_RESULT)
+            else:
+                busy.update(report)
+                loop.stop("the worker took its commands")
+            return
         comm.send({"ack": report.get("seq")}, dest=source, tag=COMMAND)
         if scenario == "idle":
             idle.update(seen_late_s=time.monotonic() - report["sent"], wall=time.monotonic(), cpu=time.process_time())
@@ -128,7 +151,8 @@ def server(comm, scenario: str, out: Path) -> None:
     out.write_text(json.dumps({"counters": counters, "stopped": loop.stopped, "ticks": [t - started for t in ticks],
                                "ticks_after": ticks_after, "order": order, "started": started,
                                "clients": {str(k): v for k, v in done.items()}, "tools": tools,
-                               "log": records.lines, "idle": idle, "queue_handled": service.handled}))
+                               "log": records.lines, "idle": idle, "queue_handled": service.handled,
+                               "busy": busy, "outbox": {"sent": outbox.sent, "left": outbox.flush(timeout_s=10.0)}}))
 
 
 def run_control_when_idle(comm, loop, service, control, tool_done) -> dict:
@@ -223,6 +247,12 @@ def client(comm, scenario: str, seconds: float | None) -> None:
     # With the loop and the others (CI saw a control client that started, or went on, alone
     # while the queue clients were still starting: 2885 round trips against their 94).
     comm.Barrier()
+    if scenario == "busy-worker":
+        comm.send({"busy": True}, dest=0, tag=REPORT)
+        wait_reply(comm, TOOL_RESULT)
+        got = [comm.recv(source=0, tag=COMMAND) for _ in range(BURST + 1)]
+        comm.send({"received": [m["n"] for m in got], "big": len(got[-1]["blob"])}, dest=0, tag=REPORT)
+        return
     if scenario == "idle":
         time.sleep(IDLE_S if seconds is None else seconds)
         comm.send({"seq": 0, "sent": time.monotonic()}, dest=0, tag=REPORT)
@@ -236,7 +266,7 @@ def client(comm, scenario: str, seconds: float | None) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description="an MPI world of tests/test_runtime_loop.py")
-    parser.add_argument("scenario", choices=["mixed", "control-when-idle", "idle"])
+    parser.add_argument("scenario", choices=["mixed", "control-when-idle", "idle", "busy-worker"])
     parser.add_argument("out", type=Path)
     parser.add_argument("--seconds", type=float, default=None,
                         help="timed mode (benchmarks/bench_runtime.py): the clients go on this long, "

@@ -259,6 +259,7 @@ def controller(tracker, s):
     c = object.__new__(JobController)  # the report path needs no world
     c.state, c.batches, c.cfg, c.runlog, c.comm = s, tracker, SimpleNamespace(
         parallel=SimpleNamespace(dispatch="direct"), rl=tracker.cfg.rl), s.runlog, Comm()
+    c.outbox = c.comm  # the same send(message, dest, tag)
     s.roles = SimpleNamespace(leaders={1: 10, 2: 11}, replicas=[[20], [21]], trainers=(20, 21))
     c.relayout = SimpleNamespace(open_replicas=lambda: OPEN)
     c.duplicate_reports, c.trains = 0, []

@@ -104,6 +104,17 @@ class Comm:
     def send(self, obj, dest, tag):
         self.sent.append((dest, tag, obj))
 
+    def isend(self, obj, dest, tag):
+        self.send(obj, dest, tag)
+        return Taken()
+
+
+class Taken:
+    """A send its receiver took."""
+
+    def Test(self):
+        return True
+
 
 class Service:
     def handle(self, request, now):
@@ -371,3 +382,19 @@ def test_an_idle_loop_sleeps_runs_its_timers_and_still_answers(tmp_path):
     assert summary["stopped"] == "the report came" and summary["order"] == [["control", 1]]
     assert summary["counters"]["sleeps"] > 0 and summary["counters"]["messages"] == 1
     assert summary["ticks_after"] and all(n == 0 for n in summary["ticks_after"])
+
+
+@pytest.mark.mpi
+def test_rank_0_never_waits_for_a_worker_that_takes_no_message(tmp_path):
+    """A trainer inside a four-pass step takes no command for tens of seconds; rank 0 sent
+    it commands with blocking sends and stopped routing turns until the step ended (every
+    default run: one 12-28 s stall). Through the outbox the handler returns at once, though
+    the big command (and the small ones past MPICH's queue) are still untaken when the go
+    leaves; everything arrives, in order, once the worker takes it."""
+    summary = run_loop_world("busy-worker", 2, tmp_path)
+    busy, burst = summary["busy"], loop_world.BURST
+    assert summary["stopped"] == "the worker took its commands"
+    assert busy["untaken_at_go"] >= 1  # the sends returned before their receiver took them
+    assert busy["received"] == list(range(burst + 1)) and busy["big"] == loop_world.BIG
+    assert summary["outbox"] == {"sent": burst + 2, "left": {}}
+

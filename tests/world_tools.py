@@ -13,7 +13,7 @@ import time
 
 from mpi4py import MPI
 
-from libra_hpc.cluster.messages import TOOL_REQUEST
+from libra_hpc.cluster.messages import TOOL_REQUEST, Outbox
 from libra_hpc.config import ToolsConfig
 from libra_hpc.runtime.loop import EventLoop
 from libra_hpc.runtime.tools import RemoteFuture, ToolProxy, ToolService
@@ -23,7 +23,7 @@ comm = MPI.COMM_WORLD
 wall = float(sys.argv[1])
 if comm.rank == 0:
     orchestrator = orchestrator_from_config(ToolsConfig(wall_time_s=wall, max_workers=2))
-    service = ToolService(comm, orchestrator)
+    service = ToolService(Outbox(comm), orchestrator)
     loop = EventLoop(comm)
     service.attach(loop)
     done = []

@@ -99,6 +99,51 @@ def wait_sent(requests: list[Any], *, backoff: Backoff | None = None, timeout_s:
           lambda: f"{len(requests)} message(s) not taken by their receivers")
 
 
+class Outbox:
+    """Rank 0's sends, none of which waits for its receiver: each message is posted
+    (``comm.isend``) and the posted sends are tested, and forgotten once taken, at each
+    later :meth:`send` and whenever the event loop idles (:meth:`progress`). A blocking
+    send waits, polling a core, until the receiver takes the message once it is larger
+    than MPICH's eager limit (16 KB on this host) or once about 64 smaller ones are
+    queued for it, and a trainer inside a step of several passes takes nothing for tens
+    of seconds. Rank 0 blocked in a send routes no turn and answers no tool call: every
+    default run stalled 12-37 s beside its last four-pass step (py-spy: rank 0 in a queue
+    reply's send, two leaders in the sends of their requests to it), and the batch rolling
+    out took 2.5-4× its usual time. Messages to one rank with one tag still arrive in the
+    order they were sent (MPI's non-overtaking rule)."""
+
+    def __init__(self, comm: Any):
+        self.comm = comm
+        self.posted: list[tuple[Any, int, int]] = []  # (request, dest, tag), not yet taken
+        self.sent = 0
+
+    def send(self, message: Any, dest: int, tag: int) -> None:
+        self.posted.append((self.comm.isend(message, dest=dest, tag=tag), dest, tag))
+        self.sent += 1
+        self.progress()
+
+    def progress(self) -> bool:
+        """Forget the sends their receivers took; whether any are still waiting."""
+        self.posted = [p for p in self.posted if not p[0].Test()]
+        return bool(self.posted)
+
+    def waiting(self) -> dict[int, int]:
+        """Rank → messages posted to it and not taken yet."""
+        out: dict[int, int] = {}
+        for _, dest, _ in self.posted:
+            out[dest] = out.get(dest, 0) + 1
+        return out
+
+    def flush(self, timeout_s: float, backoff: Backoff | None = None) -> dict[int, int]:
+        """Wait up to ``timeout_s`` for every posted send to be taken (sleeping between
+        tests); what is still waiting after it (:meth:`waiting`; empty when all left)."""
+        try:
+            _poll(lambda: not self.progress(), backoff, timeout_s, lambda: "")
+        except TimeoutError:
+            pass
+        return self.waiting()
+
+
 def _poll(ready: Callable[[], bool], backoff: Backoff | None, timeout_s: float | None, what: Callable[[], str]) -> None:
     """Call ``ready()`` until it is true, sleeping with ``backoff`` in between; TimeoutError
     saying ``what()`` after ``timeout_s``."""

@@ -10,11 +10,12 @@ the only object that sends: its helpers answer with the commands to send."""
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any
 
 from libra_hpc.cluster.layout import layout_from_config
-from libra_hpc.cluster.messages import COMMAND, QUEUE_REQUEST, REPORT
+from libra_hpc.cluster.messages import COMMAND, QUEUE_REQUEST, REPORT, Outbox
 from libra_hpc.config_learning import epochs_at
 from libra_hpc.parallel.dispatch import make_dispatcher
 from libra_hpc.runtime import records
@@ -28,6 +29,7 @@ from libra_hpc.runtime.roles import roles_from_layout
 from libra_hpc.runtime.startup import queue_service, warm_start
 from libra_hpc.runtime.state import JobFailed, JobState, Sends
 
+log = logging.getLogger(__name__)
 __all__ = ["JobController", "JobFailed"]
 
 
@@ -35,6 +37,7 @@ class JobController:
     def __init__(self, world: Any, cfg: Any, runlog: Any, stop: Any):
         self.world, self.cfg, self.runlog, self.stop = world, cfg, runlog, stop
         self.comm = world.comm
+        self.outbox = Outbox(self.comm)  # every command and tool result: rank 0 never waits for a busy rank
         self.state = JobState(cfg, runlog, world.topology.rank_of, stop=stop)
         self.phase = "starting"
         self.started = time.perf_counter()
@@ -83,10 +86,11 @@ class JobController:
             if loaded is not None:
                 self._restore(loaded)
             loop = EventLoop(self.comm)
-            self.queue = QueueHandler(self.comm, s.service)
+            self.queue = QueueHandler(self.comm, s.service, outbox=self.outbox)
             loop.on(QUEUE_REQUEST, self.queue.handle, malformed=self.queue.malformed, fatal=True, name="queue request")
             loop.when_idle(lambda now: s.service.maintain(now))  # the service in use (a replan builds another)
-            self.tools = ToolService(self.comm, self.orchestrator)
+            loop.when_idle(lambda now: self.outbox.progress() and False)  # forget the sends taken
+            self.tools = ToolService(self.outbox, self.orchestrator)
             self.tools.attach(loop)
             loop.on(REPORT, self._report, malformed=self._malformed_report, fatal=True, name="report")
             loop.every(5.0, self._progress, name="progress")
@@ -96,6 +100,8 @@ class JobController:
         finally:
             stand_down()  # ranks that exit from here on are not lost; leaders take the last policy
             self.world.command({"op": "stop", "version": s.version})
+            if left := self.outbox.flush(timeout_s=10.0):
+                log.warning("messages never taken at the stop (rank: count): %s", left)
             self.orchestrator.close()
         return self._finish()
 
@@ -117,11 +123,11 @@ class JobController:
                         "the job stops rather than wait for what it said")
 
     def _send(self, rank: int, message: dict) -> None:
-        self.comm.send(message, dest=rank, tag=COMMAND)
+        self.outbox.send(message, rank, COMMAND)
 
     def _send_all(self, sends: Sends) -> None:
         for rank, message in sends:
-            self.comm.send(message, dest=rank, tag=COMMAND)
+            self.outbox.send(message, rank, COMMAND)
 
     # ------------------------------------------------------------------ reports
 

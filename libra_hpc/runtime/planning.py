@@ -240,7 +240,7 @@ class PlannerDriver:
                  "train_tail_s": [_r(tail), _r(max(r["train_s"] for r in reports))],
                  "step_s": [_r(predicted), _r(step_s)], "steady_step_s": [_r(steady), _r(step_s)]}
         s.runlog.event("planner_prediction", step=b, layout_version=s.layout.version, epochs=epochs, **terms,
-                       calibration=cal.note)
+                       calibration=cal.note, work={r["replica"]: r["work"] for r in reports if "work" in r})
         log.info("planner prediction, step %d: %s", b,
                  ", ".join(f"{k} predicted {p} measured {m}" for k, (p, m) in terms.items()))
         if not math.isfinite(predicted) or step_s <= 0:

@@ -100,10 +100,12 @@ class ToolProxy:
 
 
 class ToolService:
-    """Rank 0's side: actions from the leaders on the orchestrator, results back."""
+    """Rank 0's side: actions from the leaders on the orchestrator, results back through
+    ``outbox`` (rank 0's :class:`~libra_hpc.cluster.messages.Outbox`: a leader inside an
+    engine step takes a large result only after it)."""
 
-    def __init__(self, comm: Any, orchestrator: Any):
-        self.comm, self.orchestrator = comm, orchestrator
+    def __init__(self, outbox: Any, orchestrator: Any):
+        self.outbox, self.orchestrator = outbox, orchestrator
         self._done: deque[tuple[int, dict]] = deque()
         self.calls = 0
         self.failures = 0
@@ -155,7 +157,7 @@ class ToolService:
         return sent
 
     def _send(self, dest: int, reply: dict) -> None:
-        self.comm.send(reply, dest=dest, tag=TOOL_RESULT)
+        self.outbox.send(reply, dest, TOOL_RESULT)
 
     def _malformed(self, source: int, exc: Exception) -> None:
         log.error("rank %d sent a tool request that does not unpickle: %r", source, exc)

@@ -276,7 +276,8 @@ class Trainer:
                "gap_kl": first.gap_kl, "gap_max": first.gap_max, "is_capped": first.is_capped,
                "dropped_stale": dict(report.dropped_stale), "max_lag": report.max_lag,
                "groups": report.groups, "filtered_groups": report.filtered_groups, "forwarded": self.forwarded,
-               "streamed_groups": len(streamed), "stream_s": round(self.stream_s, 4)}
+               "streamed_groups": len(streamed), "stream_s": round(self.stream_s, 4),
+               "work": self.engine.take_work()}  # the streamed groups' too
         if self.first_of_replica:
             out["tids"] = [tid for tid, _ in received]
         self.wait_s, self.forwarded, self.stream_s = 0.0, 0, 0.0

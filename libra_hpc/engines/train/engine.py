@@ -87,6 +87,7 @@ class MegatronTrainEngine:
         self.steps = 0
         self.accumulated = 0  # accumulate() calls since the last optimizer step
         self._earlier: list = []  # their micro-batch reports (on the last pipeline stage; none elsewhere)
+        self.work = dict.fromkeys(("microbatches", "tokens", "forward_tokens"), 0)  # since the last take_work()
         cuda = torch.cuda.is_available()
         self.device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
         with megatron_on_cpu():
@@ -201,6 +202,15 @@ class MegatronTrainEngine:
                          clipped_fraction=clipped / per, seconds=time.perf_counter() - start, kl=kl / per,
                          gap_kl=gap_kl / per, gap_max=float(largest.item()), is_capped=capped / per)
 
+    def take_work(self) -> dict[str, int]:
+        """What this rank computed since the last call, and reset: the micro-batches its
+        forward-and-backward schedules ran, their tokens (rows × width as computed, the
+        padding each micro-batch keeps included) and the tokens of forward-only passes
+        (:meth:`logprobs`). The planner prices a step on the DP replica with the most
+        (runtime/planning.py): the job routes whole GRPO groups, so shares differ."""
+        work, self.work = self.work, dict.fromkeys(self.work, 0)
+        return work
+
     def export_hf(self) -> dict[str, torch.Tensor] | None:
         """Full Hugging Face weights of this rank's pipeline stage, gathered over TP, on
         the stage's holder (TP rank 0 of DP replica 0, see ``placement.holds_export``);
@@ -297,6 +307,12 @@ class MegatronTrainEngine:
             micro = [self._micro(batch.slice(i, i + mbs)) for i in range(0, rows, mbs)]
         else:
             micro = self._trimmed_micro_batches(batch, mbs)
+        tokens = sum(int(m["input"].numel()) for m in micro)
+        if forward_only:
+            self.work["forward_tokens"] += tokens
+        else:
+            self.work["microbatches"] += len(micro)
+            self.work["tokens"] += tokens
         return get_forward_backward_func()(
             forward_step_func=self._forward_step, data_iterator=iter(micro), model=[self.model],
             num_microbatches=len(micro), seq_length=batch.tokens.shape[1] - 1, micro_batch_size=mbs,
