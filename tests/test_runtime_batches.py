@@ -260,6 +260,7 @@ def controller(tracker, s):
     c.state, c.batches, c.cfg, c.runlog, c.comm = s, tracker, SimpleNamespace(
         parallel=SimpleNamespace(dispatch="direct"), rl=tracker.cfg.rl), s.runlog, Comm()
     c.outbox = c.comm  # the same send(message, dest, tag)
+    c.held_routes = []
     s.roles = SimpleNamespace(leaders={1: 10, 2: 11}, replicas=[[20], [21]], trainers=(20, 21))
     c.relayout = SimpleNamespace(open_replicas=lambda: OPEN)
     c.duplicate_reports, c.trains = 0, []
@@ -291,3 +292,21 @@ def test_a_trajectory_finished_twice_counts_once_and_its_copy_is_routed_nowhere(
     d.step_record(0)  # step 0 trained: its books are gone
     c._on_traj(*report("b0/p0/1", leader=12, instance=3))  # a copy after its batch trained: dropped
     assert routes(c)[-1] == (12, "b0/p0/1", []) and c.duplicate_reports == 2
+
+
+def test_a_trajectory_that_finishes_while_a_step_trains_is_routed_when_the_step_ends():
+    """Trainers inside a step take no message: a route then would leave the trajectory in
+    MPICH's shared-memory cells of its leader, which run out after about 64 and block every
+    send the leader makes (its queue requests included). It waits at its leader instead."""
+    d, s, sampler = whole()
+    c = controller(d, s)
+    submit(d, sampler, 0, "p0")
+    s.training = True  # step -1's pass, say: the trainers are busy
+    c._on_traj(*report("b0/p0/0", leader=10))
+    c._on_traj(*report("b0/p0/1", leader=11, instance=2))
+    assert routes(c) == [] and c.trains == [0]  # counted (the batch is complete), not routed
+    s.training = False
+    c._release_routes()
+    assert routes(c) == [(10, "b0/p0/0", [20]), (11, "b0/p0/1", [20])]
+    c._release_routes()
+    assert len(routes(c)) == 2  # each once

@@ -51,6 +51,7 @@ class JobController:
         self.exported: str | None = None
         self.rss: dict[str, float] = {}
         self.migrations_seen = self.migrations_before = 0
+        self.held_routes: list[tuple[int, str, int]] = []  # (leader, tid, replica) finished while a step trains
         self.resumed = False
         self.steplog = records.StepLog(cfg, runlog)
 
@@ -211,6 +212,7 @@ class JobController:
         if len(reports) < len(s.roles.trainers):
             return
         s.training, s.version = False, b + 1
+        self._release_routes()  # before anything that may change the replicas
         rows = self._record_step(b, reports)
         if self.planner is not None:
             self.planner.observe(b, rows, reports, epochs_at(cfg.rl.update_epochs, b))
@@ -282,11 +284,26 @@ class JobController:
 
     def _route(self, source: int, tid: str, replica: int) -> None:
         """Tell leader ``source`` where trajectory ``tid`` goes: every rank of DP ``replica``, by
-        ``parallel.dispatch``'s path (direct, or through the first training rank: ``forward``)."""
+        ``parallel.dispatch``'s path (direct, or through the first training rank: ``forward``).
+        While a step trains, the route waits for its end (:meth:`_release_routes`): trainers
+        inside a step take no message, and a leader's sends to them held MPICH's shared-memory
+        cells, about 64 per sender for every receiver, until the leader could send nothing,
+        not even its queue requests to rank 0 (every default run: a batch's last turns stuck
+        12-37 s beside the last four-pass step). The trajectory waits at its leader instead,
+        which a trainer could not have taken sooner."""
+        if self.state.training:
+            self.held_routes.append((source, tid, replica))
+            return
         replicas = self.state.roles.replicas
         hops = make_dispatcher(self.cfg.parallel.dispatch, replicas[0][0]).path(source, replicas[replica])
         self._send(source, {"op": "route", "tid": tid, "dest": list(hops[0].dests), "replica": replica,
                             "forward": [[h.source, list(h.dests)] for h in hops[1:]]})
+
+    def _release_routes(self) -> None:
+        """The routes held while the step trained (:meth:`_route`), in the order they came."""
+        held, self.held_routes = self.held_routes, []
+        for source, tid, replica in held:
+            self._route(source, tid, replica)
 
     def _stream(self) -> None:
         """``rl.stream_training``: the next step's complete groups are trained ahead."""
