@@ -62,7 +62,7 @@ IDLE_MARK_S = 0.3
 """When rank 0 starts measuring its idle CPU time, after the loop starts."""
 WINDOW_S = 0.5
 BURST = 200
-"""Small commands of the busy-worker world: more than MPICH queues for one receiver (~64)."""
+"""Small commands of the busy-worker world: more than MPICH queues for one receiver (64 fit, 100 did not)."""
 BIG = 100_000
 """Bytes of its large command: beyond MPICH's eager limit (16 KB here)."""
 QUEUE_CLIENTS = (1, 2, 3)

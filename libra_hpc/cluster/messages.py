@@ -104,13 +104,14 @@ class Outbox:
     (``comm.isend``) and the posted sends are tested, and forgotten once taken, at each
     later :meth:`send` and whenever the event loop idles (:meth:`progress`). A blocking
     send waits, polling a core, until the receiver takes the message once it is larger
-    than MPICH's eager limit (16 KB on this host) or once about 64 smaller ones are
+    than MPICH's eager limit (16 KB on this host) or once about 100 smaller ones are
     queued for it, and a trainer inside a step of several passes takes nothing for tens
     of seconds. Rank 0 blocked in a send routes no turn and answers no tool call: every
     default run stalled 12-37 s beside its last four-pass step (py-spy: rank 0 in a queue
-    reply's send, two leaders in the sends of their requests to it), and the batch rolling
-    out took 2.5-4× its usual time. Messages to one rank with one tag still arrive in the
-    order they were sent (MPI's non-overtaking rule)."""
+    reply's send, two leaders in the sends of their requests to it, their own cells full
+    of trajectories for the busy trainers: ``JobController._route`` now holds those), and
+    the batch rolling out took 2.5-4× its usual time. Messages to one rank with one tag
+    still arrive in the order they were sent (MPI's non-overtaking rule)."""
 
     def __init__(self, comm: Any):
         self.comm = comm

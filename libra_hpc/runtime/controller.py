@@ -287,10 +287,10 @@ class JobController:
         ``parallel.dispatch``'s path (direct, or through the first training rank: ``forward``).
         While a step trains, the route waits for its end (:meth:`_release_routes`): trainers
         inside a step take no message, and a leader's sends to them held MPICH's shared-memory
-        cells, about 64 per sender for every receiver, until the leader could send nothing,
-        not even its queue requests to rank 0 (every default run: a batch's last turns stuck
-        12-37 s beside the last four-pass step). The trajectory waits at its leader instead,
-        which a trainer could not have taken sooner."""
+        cells (64 a sender by default, shared by all its receivers) until the leader could
+        send nothing, not even its queue requests to rank 0 (every default run: a batch's last
+        turns stuck 12-37 s beside the last four-pass step). The trajectory waits at its
+        leader instead, which a trainer could not have taken sooner."""
         if self.state.training:
             self.held_routes.append((source, tid, replica))
             return
