@@ -37,7 +37,7 @@ class JobController:
     def __init__(self, world: Any, cfg: Any, runlog: Any, stop: Any):
         self.world, self.cfg, self.runlog, self.stop = world, cfg, runlog, stop
         self.comm = world.comm
-        self.outbox = Outbox(self.comm)  # every command and tool result: rank 0 never waits for a busy rank
+        self.outbox = Outbox(self.comm)  # commands, tool results, queue replies: never waiting for a busy rank
         self.state = JobState(cfg, runlog, world.topology.rank_of, stop=stop)
         self.phase = "starting"
         self.started = time.perf_counter()

@@ -206,8 +206,9 @@ class MegatronTrainEngine:
         """What this rank computed since the last call, and reset: the micro-batches its
         forward-and-backward schedules ran, their tokens (rows × width as computed, the
         padding each micro-batch keeps included) and the tokens of forward-only passes
-        (:meth:`logprobs`). The planner prices a step on the DP replica with the most
-        (runtime/planning.py): the job routes whole GRPO groups, so shares differ."""
+        (:meth:`logprobs`). Each trainer's step report carries it, and the planner's
+        ``planner_prediction`` event per DP replica (runtime/planning.py): the job routes
+        whole GRPO groups, so the replicas' shares differ (1.0-3.0× an even one seen)."""
         work, self.work = self.work, dict.fromkeys(self.work, 0)
         return work
 
