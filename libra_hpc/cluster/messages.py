@@ -115,11 +115,11 @@ class Outbox:
 
     def __init__(self, comm: Any):
         self.comm = comm
-        self.posted: list[tuple[Any, int, int]] = []  # (request, dest, tag), not yet taken
+        self.posted: list[tuple[Any, int]] = []  # (request, dest), not yet taken
         self.sent = 0
 
     def send(self, message: Any, dest: int, tag: int) -> None:
-        self.posted.append((self.comm.isend(message, dest=dest, tag=tag), dest, tag))
+        self.posted.append((self.comm.isend(message, dest=dest, tag=tag), dest))
         self.sent += 1
         self.progress()
 
@@ -131,17 +131,18 @@ class Outbox:
     def waiting(self) -> dict[int, int]:
         """Rank → messages posted to it and not taken yet."""
         out: dict[int, int] = {}
-        for _, dest, _ in self.posted:
+        for _, dest in self.posted:
             out[dest] = out.get(dest, 0) + 1
         return out
 
     def flush(self, timeout_s: float, backoff: Backoff | None = None) -> dict[int, int]:
-        """Wait up to ``timeout_s`` for every posted send to be taken (sleeping between
-        tests); what is still waiting after it (:meth:`waiting`; empty when all left)."""
+        """Wait up to ``timeout_s`` for every posted send to be taken (:func:`wait_sent`);
+        what is still waiting after it (:meth:`waiting`; empty when all left)."""
         try:
-            _poll(lambda: not self.progress(), backoff, timeout_s, lambda: "")
+            wait_sent([request for request, _ in self.posted], backoff=backoff, timeout_s=timeout_s)
         except TimeoutError:
             pass
+        self.progress()
         return self.waiting()
 
 
