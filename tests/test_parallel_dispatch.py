@@ -6,8 +6,9 @@ import random
 
 import pytest
 
-from libra_hpc.parallel.dispatch import (DirectDispatch, GatherScatterDispatch, Hop, balance, least_loaded, loads_of,
-                                         make_dispatcher, max_rank_bytes, traffic)
+from libra_hpc.parallel.dispatch import (DirectDispatch, GatherScatterDispatch, GroupDispatch, Hop, balance, least_loaded,
+                                         loads_of, make_dispatcher, max_rank_bytes, traffic)
+from libra_hpc.rl.grpo import group_trains
 
 
 def _optimum(units: dict[str, int], replicas: int) -> int:
@@ -49,6 +50,83 @@ def test_online_least_loaded_keeps_every_replica_within_one_unit_of_the_mean():
     assert least_loaded({0: 5, 1: 9}, [1]) == 1  # only open replicas count
     with pytest.raises(ValueError, match="no replica"):
         least_loaded({}, [])
+
+
+def _batch(rng: random.Random, groups: int, size: int) -> list[tuple[str, int, float]]:
+    """A batch's finished members in a shuffled finishing order: (group, tokens, reward).
+    About a third of the groups solve every sample or none (the trainer leaves them out)."""
+    members = []
+    for g in range(groups):
+        kind = rng.choice(["none", "all", "mixed", "mixed"])
+        for k in range(size):
+            reward = {"none": 0.0, "all": 1.0}.get(kind, float(k == 0))
+            members.append((f"g{g}", rng.choice([rng.randint(50, 300), rng.randint(600, 2000)]), reward))
+    rng.shuffle(members)
+    return members
+
+
+def _work(tokens: int) -> float:
+    return tokens * (1 + tokens / 500)  # a sequence's work grows faster than its tokens (attention)
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_groups_placed_whole_keep_every_replica_within_one_group_of_the_optimum(seed):
+    """What the trainers wait for is the replica with the most work of the groups they
+    keep. Placed when whole, with that work known, greedy list scheduling ends within one
+    group of the optimum; placed at a group's first finish (the job before), it was not."""
+    rng = random.Random(seed)
+    replicas, size = rng.choice([2, 3]), 4
+    members = _batch(rng, groups=rng.randint(5, 8), size=size)
+    dispatch = GroupDispatch(size, weigh=_work, keep=group_trains)
+    loads: dict[int, float] = {}
+    routed: dict[str, list[int]] = {}
+    for i, (group, tokens, reward) in enumerate(members):
+        for leader, tid, dest in dispatch.finished(group, 100 + i % 3, f"{group}/{i}", tokens, reward, loads,
+                                                   range(replicas)):
+            routed.setdefault(group, []).append(dest)
+    assert sorted(routed) == sorted({g for g, _, _ in members})  # every group placed ...
+    assert all(len(set(d)) == 1 and len(d) == size for d in routed.values())  # ... whole, each member once
+    kept = {g: sum(_work(t) for gg, t, _ in members if gg == g) for g in routed
+            if group_trains([r for gg, _, r in members if gg == g])}
+    trained = [sum(w for g, w in kept.items() if routed[g][0] == d) for d in range(replicas)]
+    assert trained == pytest.approx([loads.get(d, 0.0) for d in range(replicas)])  # the books are the work
+    assert max(trained) - _optimum(kept, replicas) <= max(kept.values(), default=0) + 1e-6
+    assert not dispatch.held and not dispatch.members
+
+
+def test_placed_at_the_first_finish_the_heaviest_replica_carries_what_the_filter_left():
+    """The case the first-finish rule lost: both replicas get two groups, but one replica's
+    are groups the trainer leaves out, so it trains nothing while the other trains both."""
+    members = [("a", 500, 1.0), ("b", 500, 0.0), ("c", 500, 0.0), ("d", 500, 1.0),  # first members
+               ("a", 500, 0.0), ("b", 500, 0.0), ("c", 500, 1.0), ("d", 500, 1.0)]  # a, c learn; b, d do not
+    first: dict[str, int] = {}
+    first_loads: dict[int, float] = {}
+    whole = GroupDispatch(2, weigh=_work, keep=group_trains)
+    loads: dict[int, float] = {}
+    for i, (group, tokens, reward) in enumerate(members):
+        if group not in first:  # the old rule: placed at its first finish, by what is known then
+            first[group] = least_loaded(first_loads, [0, 1])
+        first_loads[first[group]] = first_loads.get(first[group], 0.0) + _work(tokens)
+        whole.finished(group, 1, f"{group}/{i}", tokens, reward, loads, [0, 1])
+    assert first["a"] == first["c"]  # both kept groups on one replica
+    assert whole.dest["a"] != whole.dest["c"]  # placed whole: one each
+    assert loads[whole.dest["a"]] == loads[whole.dest["c"]] == 2 * _work(500)
+
+
+def test_a_group_held_at_a_leaving_leader_is_placed_before_it_is_whole():
+    dispatch = GroupDispatch(4, weigh=float)
+    loads: dict[int, float] = {}
+    assert dispatch.finished("g", 7, "g/0", 100, 1.0, loads, [0, 1]) == []
+    assert dispatch.finished("g", 8, "g/1", 300, 0.0, loads, [0, 1]) == []
+    assert dispatch.finished("h", 8, "h/0", 50, 0.0, loads, [0, 1]) == []
+    assert dispatch.held_at([7]) == ["g"] and sorted(dispatch.held_at([8, 9])) == ["g", "h"]
+    assert dispatch.place("g", loads, [0, 1]) == [(7, "g/0", 0), (8, "g/1", 0)]
+    assert loads == {0: 800.0}  # its members' mean times the group's size, as if kept
+    assert dispatch.finished("g", 9, "g/2", 10, 1.0, loads, [0, 1]) == [(9, "g/2", 0)]  # the rest follow at once
+    assert dispatch.forget("g") == (0, 800.0, [])
+    assert dispatch.forget("h") == (None, 0.0, [(8, "h/0")])  # never placed: its held member goes nowhere
+    with pytest.raises(ValueError, match="no finished member"):
+        dispatch.place("h", loads, [0, 1])
 
 
 def test_direct_sends_from_the_leader_to_every_rank_of_the_replica():

@@ -18,6 +18,7 @@ from libra_hpc.runtime.partial import TailDecoupledBatches
 from libra_hpc.runtime.state import JobState
 
 OPEN = [0, 1]  # the DP replicas a group may go to
+LEADER = 10  # the leader the scripted trajectories finish at
 
 
 class FakeService:
@@ -51,7 +52,8 @@ class ScriptedSampler:
 
 def rl(prompts_per_step=2, group_size=2, k=1, budget=0.5, steps=10, stream=False):
     return SimpleNamespace(max_staleness=k, group_size=group_size, prompts_per_step=prompts_per_step,
-                           partial_waste_budget=budget, steps=steps, stream_training=stream, update_epochs={})
+                           partial_waste_budget=budget, steps=steps, stream_training=stream, update_epochs={},
+                           filter_zero_variance=True)
 
 
 def state(**kw):
@@ -71,8 +73,13 @@ def submit(tracker, sampler, b, *pids):
     tracker.submit(b)
 
 
-def finish(tracker, tid, gen=10, min_version=0):
-    return tracker.finished({"tid": tid, "gen_tokens": gen, "tokens": gen + 5, "min_version": min_version}, OPEN)
+def finish(tracker, tid, gen=10, min_version=0, reward=None, leader=LEADER):
+    """Member ``tid`` finishes at ``leader``; by default sample 0 of a group solves it and
+    the others do not (every group has something to learn). The routes and whether a step
+    may start."""
+    reward = float(tid.endswith("/0")) if reward is None else reward
+    return tracker.finished({"tid": tid, "gen_tokens": gen, "tokens": gen + 5, "min_version": min_version,
+                             "reward": reward}, leader, OPEN)
 
 
 def trained(start):
@@ -97,6 +104,7 @@ def test_a_step_trains_the_first_groups_to_finish_and_regenerates_the_expiring_o
     # train step 2, so it is regenerated: its unfinished half aborted, its finished half discarded
     start = d.start(1)
     assert trained(start) == ["b1/p3", "b2/p4"] and start.discard == ["b0/p1"] and start.abort == ["b0/p1/1"]
+    assert start.nowhere == [(LEADER, "b0/p1/0")]  # never placed: its finished half still waits at its leader
     regen = [t for t, _ in s.service.submitted if "~r1" in t]
     assert regen == ["b2/p1~r1/0", "b2/p1~r1/1"]  # batch step + k: leaders start it on policy ≥ 1
     assert any(kind == "regenerated" for kind, _ in s.events)
@@ -119,9 +127,10 @@ def test_a_trajectory_that_finishes_before_its_abort_arrives_is_routed_nowhere()
     finish(d, "b2/p2/0")
     finish(d, "b2/p2/1")
     start = d.start(1)  # step 1: p0 (floor 0) expires after it: p2 trains, p0 is regenerated
-    assert start.discard == ["b0/p0"] and trained(start) == ["b2/p2"]
+    assert start.discard == ["b0/p0"] and trained(start) == ["b2/p2"] and start.nowhere == [(LEADER, "b0/p0/0")]
     assert not d.reported("b0/p0/1")  # its abort is awaited: a late finish is not a copy
-    assert finish(d, "b0/p0/1", gen=7) == (None, False)  # it finished before the leader saw the abort
+    # it finished before the leader saw the abort: routed nowhere
+    assert finish(d, "b0/p0/1", gen=7, leader=11) == ([(11, "b0/p0/1", None)], False)
     assert d.late_finishes == 1 and not d.aborting
     finish(d, "b2/p0~r1/0")  # the regenerated group finishes and trains; the key trains once
     assert finish(d, "b2/p0~r1/1")[1]
@@ -148,12 +157,14 @@ def test_the_step_waits_for_an_expiring_group_past_the_waste_budget():
     assert trained(start) == ["b0/p0"] and start.discard == [] and start.abort == []  # oldest first
 
 
-def test_groups_keep_one_replica_and_the_step_record_names_their_batches():
+def test_groups_are_placed_whole_when_their_last_member_finishes_and_the_step_record_names_their_batches():
     d, s, sampler = partial()
     submit(d, sampler, 0, "p0", "p1")
-    dests = {tid: finish(d, tid)[0] for tid in ["b0/p0/0", "b0/p1/0", "b0/p0/1", "b0/p1/1"]}
-    assert dests["b0/p0/0"] == dests["b0/p0/1"] and dests["b0/p1/0"] == dests["b0/p1/1"]
-    assert dests["b0/p0/0"] != dests["b0/p1/0"]  # the fewest tokens so far
+    assert finish(d, "b0/p0/0", leader=10) == ([], False)  # held at its leader: p0 is not whole
+    assert finish(d, "b0/p1/0", leader=11) == ([], False)
+    assert not d.untrained_on(0) and not d.untrained_on(1)
+    assert finish(d, "b0/p0/1", leader=12) == ([(10, "b0/p0/0", 0), (12, "b0/p0/1", 0)], True)
+    assert finish(d, "b0/p1/1", leader=10) == ([(11, "b0/p1/0", 1), (10, "b0/p1/1", 1)], True)  # the least work
     assert d.untrained_on(0) and d.untrained_on(1)
     assert trained(d.start(0)) == ["b0/p0", "b0/p1"]
     record = d.step_record(0)
@@ -213,7 +224,7 @@ def test_a_whole_batch_starts_its_step_when_complete_and_streams_the_next_steps_
     d, s, sampler = whole(stream=True, prompts_per_step=2)
     submit(d, sampler, 0, "p0", "p1")
     submit(d, sampler, 1, "p2", "p3")
-    assert finish(d, "b0/p0/0") == (0, False) and d.start(0) is None
+    assert finish(d, "b0/p0/0") == ([], False) and d.start(0) is None  # held until p0 is whole
     finish(d, "b1/p2/0")
     finish(d, "b1/p2/1")  # batch 1's group p2 is complete, but step 0 is not taken yet
     s.version, s.training = 0, False
@@ -221,7 +232,7 @@ def test_a_whole_batch_starts_its_step_when_complete_and_streams_the_next_steps_
     finish(d, "b0/p0/1")
     assert d.stream(s) == (0, {0: ["b0/p0"]}) and d.stream(s) is None  # sent once
     finish(d, "b0/p1/0")
-    assert finish(d, "b0/p1/1") == (1, True)  # the other replica: fewer tokens
+    assert finish(d, "b0/p1/1") == ([(LEADER, "b0/p1/0", 1), (LEADER, "b0/p1/1", 1)], True)  # the one of less work
     assert d.start(0).groups == {0: ["b0/p0"], 1: ["b0/p1"]}
     s.training = True  # step 0 trains: batch 1 is next
     assert d.stream(s) == (1, {0: ["b1/p2"]})
@@ -262,14 +273,15 @@ def controller(tracker, s):
     c.outbox = c.comm  # the same send(message, dest, tag)
     c.held_routes = []
     s.roles = SimpleNamespace(leaders={1: 10, 2: 11}, replicas=[[20], [21]], trainers=(20, 21))
-    c.relayout = SimpleNamespace(open_replicas=lambda: OPEN)
+    c.relayout = SimpleNamespace(open_replicas=lambda: OPEN, leaving=set())
     c.duplicate_reports, c.trains = 0, []
     c._maybe_train = lambda: c.trains.append(s.version)
     return c
 
 
 def report(tid, leader, instance=1):
-    return {"op": "traj", "tid": tid, "instance": instance, "tokens": 12, "gen_tokens": 7}, leader
+    return {"op": "traj", "tid": tid, "instance": instance, "tokens": 12, "gen_tokens": 7,
+            "reward": float(tid.endswith("/0"))}, leader
 
 
 def routes(c):
@@ -283,12 +295,13 @@ def test_a_trajectory_finished_twice_counts_once_and_its_copy_is_routed_nowhere(
     c._on_traj(*report("b0/p0/0", leader=10))
     c._on_traj(*report("b0/p0/0", leader=11, instance=2))  # the re-run copy at another leader
     assert d.batches[0]["done"] == 1 and len(d.batches[0]["rows"]) == 1 and c.trains == []
-    assert routes(c) == [(10, "b0/p0/0", [20]), (11, "b0/p0/0", [])]
+    assert routes(c) == [(11, "b0/p0/0", [])]  # the first waits at rank 10 for its group
     assert c.duplicate_reports == 1
     [(kind, warning)] = s.events
     assert kind == "warning" and "b0/p0/0" in warning["line"] and warning["rank"] == 11
     c._on_traj(*report("b0/p0/1", leader=11, instance=2))  # the batch completes with its other member
     assert d.batches[0]["done"] == 2 and c.trains == [0]
+    assert routes(c)[1:] == [(10, "b0/p0/0", [20]), (11, "b0/p0/1", [20])]  # the group, placed whole
     d.step_record(0)  # step 0 trained: its books are gone
     c._on_traj(*report("b0/p0/1", leader=12, instance=3))  # a copy after its batch trained: dropped
     assert routes(c)[-1] == (12, "b0/p0/1", []) and c.duplicate_reports == 2
@@ -310,3 +323,22 @@ def test_a_trajectory_that_finishes_while_a_step_trains_is_routed_when_the_step_
     assert routes(c) == [(10, "b0/p0/0", [20]), (11, "b0/p0/1", [20])]
     c._release_routes()
     assert len(routes(c)) == 2  # each once
+
+
+def test_a_leader_that_leaves_rollout_is_not_left_holding_a_member_of_an_unplaced_group():
+    """A leader leaves (a lend, a replan) once it holds no finished trajectory; one whose
+    group is not whole would wait there for the rest of the group. Its group is placed at
+    once instead: when the leave is sent, and when a member finishes at a leaving leader."""
+    d, s, sampler = whole(prompts_per_step=2)
+    c = controller(d, s)
+    submit(d, sampler, 0, "p0", "p1")
+    c._on_traj(*report("b0/p0/0", leader=11, instance=2))
+    assert routes(c) == []  # held: p0 is not whole
+    c._send_all([(11, {"op": "leave", "until_version": 1})])
+    assert routes(c) == [(11, "b0/p0/0", [20])]  # placed before it is whole
+    c.relayout.leaving = {2}  # instance 2 (leader 11) drains
+    c._on_traj(*report("b0/p1/0", leader=11, instance=2))
+    assert routes(c)[-1] == (11, "b0/p1/0", [21])  # at once, to the other replica (less work)
+    c._on_traj(*report("b0/p0/1", leader=10))
+    c._on_traj(*report("b0/p1/1", leader=10))
+    assert routes(c)[-2:] == [(10, "b0/p0/1", [20]), (10, "b0/p1/1", [21])] and c.trains == [0]

@@ -4,11 +4,14 @@ and by which path. Pure: plans, no transport (the job's rollout leaders and
 
 Two decisions:
 
-- **Where** (:func:`least_loaded`, :func:`balance`): a unit of work (a trajectory, or a
-  whole GRPO group, whose advantages need all its members on one replica) goes to the DP
-  replica with the fewest tokens so far. Greedy list scheduling: every replica ends at
-  most one unit above the optimum's largest replica, online (units in arrival order) or
-  offline (:func:`balance`, longest first, which is also within 4/3 of the optimum).
+- **Where** (:func:`least_loaded`, :func:`balance`, :class:`GroupDispatch`): a unit of
+  work (a trajectory, or a whole GRPO group, whose advantages need all its members on one
+  replica) goes to the DP replica with the least work so far. Greedy list scheduling: every
+  replica ends at most one unit above the optimum's largest replica, online (units in
+  arrival order) or offline (:func:`balance`, longest first, which is also within 4/3 of
+  the optimum). The bound needs each unit's size when it is placed: the job places a
+  group when its last member finishes (:class:`GroupDispatch`), with its training work
+  (0 for a group the trainer leaves out) known.
 - **How** (:class:`Dispatcher`): every rank of the replica (each TP rank and pipeline
   stage) needs the unit. :class:`DirectDispatch` sends it from the rollout leader that
   produced it straight to each of those ranks. :class:`GatherScatterDispatch` is the
@@ -22,7 +25,7 @@ Two decisions:
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, MutableMapping, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple, Protocol
 
@@ -84,8 +87,8 @@ def make_dispatcher(name: str, hub: int) -> Dispatcher:
     raise ValueError(f"unknown dispatcher {name!r}; valid: {', '.join(DISPATCHERS)}")
 
 
-def least_loaded(loads: Mapping[int, int], replicas: Sequence[int]) -> int:
-    """Of ``replicas``, the one with the fewest tokens in ``loads`` (absent: 0); ties go to
+def least_loaded(loads: Mapping[int, float], replicas: Sequence[int]) -> int:
+    """Of ``replicas``, the one with the least work in ``loads`` (absent: 0); ties go to
     the lowest index, so the choice is deterministic."""
     if not replicas:
         raise ValueError("least_loaded: no replica to choose from")
@@ -129,3 +132,72 @@ def traffic(dispatcher: Dispatcher, sends: Sequence[tuple[int, Sequence[int], in
 def max_rank_bytes(per: Mapping[int, Mapping[str, int]]) -> int:
     """The most bytes through one rank (in + out)."""
     return max((v["in"] + v["out"] for v in per.values()), default=0)
+
+
+Route = tuple[int, str, int]
+"""(the leader that holds a finished trajectory, its id, the DP replica it goes to)."""
+
+
+class GroupDispatch:
+    """Where whole GRPO groups train, each placed when its last member finishes.
+
+    A group's members finish at different leaders over a whole rollout; the trainer leaves
+    out a group whose rewards are all equal (``keep``), and a group's training work grows
+    faster than its tokens (``weigh``: a sequence's tokens → its work; attention is
+    quadratic in the length). Placed at its first member's finish, as the job did until
+    2026-12, a group's size was unknown: the heaviest of a default run's replicas carried
+    1.0-2.1× an even share (median 1.45). Placed when whole, with its work known, greedy
+    list scheduling keeps every replica within one group of the optimum's largest.
+
+    Until then its finished members wait at their leaders (:meth:`finished` returns no
+    route for them), which costs nothing: no trainer trains part of a group. A member held
+    at a leader that must empty itself (a rollout instance leaving for training or a
+    replan) is placed at once (:meth:`place`, from the members so far, the group assumed
+    kept). ``loads`` (replica → work booked) belong to the caller: one per batch when a
+    step trains a batch, one for all untrained work when steps take groups of several."""
+
+    def __init__(self, size: int, weigh: Callable[[int], float] = float,
+                 keep: Callable[[Sequence[float]], bool] = lambda rewards: True):
+        if size < 1:
+            raise ValueError(f"GroupDispatch: a group has at least one member, got {size}")
+        self.size, self.weigh, self.keep = size, weigh, keep
+        self.dest: dict[str, int] = {}  # group → its replica, once placed
+        self.work: dict[str, float] = {}  # group → the work booked for it on its replica
+        self.held: dict[str, list[tuple[int, str]]] = {}  # group → (leader, tid) finished, not routed
+        self.members: dict[str, list[tuple[int, float]]] = {}  # group → (tokens, reward) of its finished members
+
+    def finished(self, group: str, leader: int, tid: str, tokens: int, reward: float,
+                 loads: MutableMapping[int, float], replicas: Sequence[int]) -> list[Route]:
+        """Member ``tid`` of ``group`` finished at ``leader``: the routes to send now (its
+        own once the group is placed; all of the group's when this member completes it)."""
+        if group in self.dest:
+            return [(leader, tid, self.dest[group])]
+        self.members.setdefault(group, []).append((tokens, reward))
+        self.held.setdefault(group, []).append((leader, tid))
+        return self.place(group, loads, replicas) if len(self.members[group]) >= self.size else []
+
+    def place(self, group: str, loads: MutableMapping[int, float], replicas: Sequence[int]) -> list[Route]:
+        """Place ``group`` now on the replica of least work in ``loads`` (which books its
+        work): its held members' routes. A group placed before it is whole is booked at
+        its members' mean work times the group's size, as if kept."""
+        members = self.members.pop(group, [])
+        if not members:
+            raise ValueError(f"GroupDispatch: group {group} has no finished member to place")
+        whole = len(members) >= self.size
+        keep = not whole or self.keep([r for _, r in members])
+        work = sum(self.weigh(t) for t, _ in members) * self.size / len(members) if keep else 0.0
+        dest = self.dest[group] = least_loaded(loads, replicas)
+        loads[dest] = loads.get(dest, 0.0) + work
+        self.work[group] = work
+        return [(leader, tid, dest) for leader, tid in self.held.pop(group)]
+
+    def held_at(self, leaders: Iterable[int]) -> list[str]:
+        """The groups not placed yet with a member held at one of ``leaders``."""
+        at = set(leaders)
+        return [g for g, held in self.held.items() if any(leader in at for leader, _ in held)]
+
+    def forget(self, group: str) -> tuple[int | None, float, list[tuple[int, str]]]:
+        """``group`` trained or will never train (regenerated): its replica (None: never
+        placed), the work booked there, and its members still held (to be routed nowhere)."""
+        self.members.pop(group, None)
+        return self.dest.pop(group, None), self.work.pop(group, 0.0), self.held.pop(group, [])

@@ -74,6 +74,12 @@ class Advantages:
     filtered_trajectories: int = 0
 
 
+def group_trains(rewards: Sequence[float], filter_zero_variance: bool = True) -> bool:
+    """Whether a group with these rewards is trained: not when ``filter_zero_variance`` and
+    every reward is equal (nothing to learn from it)."""
+    return not (filter_zero_variance and max(rewards) == min(rewards))
+
+
 def compute_advantages(trajectories: Sequence[Trajectory], *, norm: str = "group_std", eps: float = 1e-6,
                        filter_zero_variance: bool = True) -> Advantages:
     """Group the trajectories by ``group_id`` (groups in order of first appearance, members
@@ -86,7 +92,7 @@ def compute_advantages(trajectories: Sequence[Trajectory], *, norm: str = "group
     out = Advantages(groups=len(groups))
     for members in groups.values():
         rewards = [t.reward for t in members]
-        if filter_zero_variance and max(rewards) == min(rewards):
+        if not group_trains(rewards, filter_zero_variance):
             out.filtered_groups += 1
             out.filtered_trajectories += len(members)
             continue

@@ -4,10 +4,12 @@ Two ways to fill a step, one interface (:class:`BatchTracker`), chosen by
 :func:`tracker_from_config`:
 
 - :class:`WholeBatches` (the default): step ``b`` trains batch ``b`` once all of its
-  ``rl.prompts_per_step × rl.group_size`` trajectories are in. A finished trajectory's GRPO
-  group goes whole to one DP replica, the one with the fewest tokens of that batch so far.
-  With ``rl.stream_training`` the complete groups of the step the trainers take next are
-  sent to be trained ahead (``accumulate``).
+  ``rl.prompts_per_step × rl.group_size`` trajectories are in. A GRPO group goes whole to
+  one DP replica, placed when its last member finishes on the one with the least training
+  work of that batch so far (:class:`~libra_hpc.parallel.dispatch.GroupDispatch`); its
+  members finished before wait at their leaders until then. With ``rl.stream_training`` the
+  complete groups of the step the trainers take next are sent to be trained ahead
+  (``accumulate``).
 - :class:`~.partial.TailDecoupledBatches` (``rl.partial_rollout``): a step trains the
   groups that finish first within the staleness bound, from any batch in flight.
 
@@ -22,13 +24,17 @@ import time
 from typing import Any, Protocol
 
 from libra_hpc.config_learning import epochs_at
-from libra_hpc.parallel.dispatch import least_loaded
+from libra_hpc.parallel.dispatch import GroupDispatch, Route
+from libra_hpc.rl.grpo import group_trains
 from libra_hpc.runtime.episodes import batch_of, group_of, trajectory_id
 from libra_hpc.runtime.state import JobFailed, JobState, StepStart
 
 
 class BatchTracker(Protocol):
     """What the controller asks of the trajectories in flight (see the module docstring)."""
+
+    dispatch: GroupDispatch
+    """Where whole groups train (its ``weigh``: a sequence's training work, set by the controller)."""
 
     def begin(self, version: int) -> None:
         """Training starts (or resumes) at ``version``: submit what runs first."""
@@ -39,9 +45,14 @@ class BatchTracker(Protocol):
     def reported(self, tid: str) -> bool:
         """``tid`` was reported before (a second report is a copy)."""
 
-    def finished(self, message: dict, open_replicas: list[int]) -> tuple[int | None, bool]:
-        """A trajectory finished: the DP replica it goes to (None: nowhere) and whether a
-        step may be ready now."""
+    def finished(self, message: dict, source: int, open_replicas: list[int]) -> tuple[list[Route], bool]:
+        """A trajectory finished at leader ``source``: the routes to send now ((leader, tid,
+        DP replica), replica None: nowhere; its own, its group's once the group is placed, or
+        none while the group is not) and whether a step may be ready now."""
+
+    def place_held_at(self, leaders: list[int], open_replicas: list[int]) -> list[Route]:
+        """``leaders`` must empty themselves (they leave rollout): the groups with a finished
+        member held there are placed now. Their routes."""
 
     def aborted(self, message: dict, source: int) -> None:
         """A leader stopped a trajectory the tracker asked it to abort."""
@@ -84,13 +95,20 @@ def tracker_from_config(cfg: Any, state: JobState, sampler: Any) -> BatchTracker
     return WholeBatches(cfg, state, sampler)
 
 
+def group_dispatch(rl: Any) -> GroupDispatch:
+    """The trackers' placement of whole groups: ``rl.group_size`` members, the trainer's
+    ``rl.filter_zero_variance`` rule for which it leaves out, work in tokens until the
+    controller weighs sequences by the planner's model (``dispatch.weigh``)."""
+    return GroupDispatch(rl.group_size, keep=lambda rewards: group_trains(rewards, rl.filter_zero_variance))
+
+
 class WholeBatches:
     """Step ``b`` trains batch ``b``, whole."""
 
     def __init__(self, cfg: Any, state: JobState, sampler: Any):
         self.cfg, self.s, self.sampler = cfg, state, sampler
         self.batches: dict[int, dict] = {}
-        self.group_dest: dict[str, int] = {}
+        self.dispatch = group_dispatch(cfg.rl)
         self.sampler_at: dict[int, dict] = {}  # the prompt stream's position before each batch in flight was drawn
 
     def begin(self, version: int) -> None:
@@ -100,7 +118,7 @@ class WholeBatches:
     def submit(self, b: int) -> None:
         self.sampler_at[b] = self.sampler.state()
         prompts = self.sampler.next(self.cfg.rl.prompts_per_step, lambda: f"training batch {b}")
-        self.batches[b] = {"submitted": time.perf_counter(), "done": 0, "tids": set(), "tokens": {}, "rows": [],
+        self.batches[b] = {"submitted": time.perf_counter(), "done": 0, "tids": set(), "work": {}, "rows": [],
                            "groups": {}, "group_done": {}, "streamed": set(), "pids": [p.pid for p in prompts]}
         for p in prompts:
             for k in range(self.cfg.rl.group_size):
@@ -110,22 +128,31 @@ class WholeBatches:
         batch = self.batches.get(batch_of(tid))
         return batch is None or tid in batch["tids"]
 
-    def finished(self, message: dict, open_replicas: list[int]) -> tuple[int | None, bool]:
+    def finished(self, message: dict, source: int, open_replicas: list[int]) -> tuple[list[Route], bool]:
         tid = message["tid"]
         batch, group = self.batches[batch_of(tid)], group_of(tid)
         batch["tids"].add(tid)
-        dest = self.group_dest.get(group)
-        if dest is None:
-            dest = self.group_dest[group] = least_loaded(batch["tokens"], open_replicas)
-            batch["groups"].setdefault(dest, []).append(group)
-        batch["tokens"][dest] = batch["tokens"].get(dest, 0) + message["tokens"]
+        placed = group in self.dispatch.dest
+        routes = self.dispatch.finished(group, source, tid, message["tokens"], message["reward"], batch["work"],
+                                        open_replicas)
+        if routes and not placed:
+            batch["groups"].setdefault(routes[0][2], []).append(group)
         batch["rows"].append(message)
         batch["done"] += 1
         batch["group_done"][group] = batch["group_done"].get(group, 0) + 1
         complete = batch["done"] == self.cfg.batch_size
         if complete:
             batch["complete"] = time.perf_counter()
-        return dest, complete
+        return routes, complete
+
+    def place_held_at(self, leaders: list[int], open_replicas: list[int]) -> list[Route]:
+        routes: list[Route] = []
+        for group in self.dispatch.held_at(leaders):
+            batch = self.batches[batch_of(group + "/0")]
+            placed = self.dispatch.place(group, batch["work"], open_replicas)
+            batch["groups"].setdefault(placed[0][2], []).append(group)
+            routes += placed
+        return routes
 
     def aborted(self, message: dict, source: int) -> None:
         raise JobFailed(f"rank {source} reported trajectory {message.get('tid')} aborted, but rl.partial_rollout "
@@ -147,7 +174,7 @@ class WholeBatches:
             return None
         by_replica: dict[int, list[str]] = {}
         for g in ready:
-            by_replica.setdefault(self.group_dest[g], []).append(g)
+            by_replica.setdefault(self.dispatch.dest[g], []).append(g)
         batch["streamed"].update(ready)
         return b, by_replica
 
@@ -159,7 +186,7 @@ class WholeBatches:
         batch = self.batches.pop(step)
         for groups in batch["groups"].values():
             for group in groups:
-                del self.group_dest[group]
+                self.dispatch.forget(group)
         for old in [k for k in self.sampler_at if k <= step]:
             del self.sampler_at[old]
         return {"submitted": batch["submitted"], "complete": batch["complete"], "rows": batch["rows"], "extra": {}}

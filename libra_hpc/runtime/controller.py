@@ -81,6 +81,8 @@ class JobController:
             self.batches = tracker_from_config(cfg, s, PromptSampler(self.task.splits, seed=cfg.rl.seed))
             self.relayout = Relayouts(s, self.batches.untrained_on, self.rebuild_queue)
             self.planner = None if cfg.job.eval_checkpoint else PlannerDriver(s, self.relayout)
+            if self.planner is not None:  # groups are placed by their training work, attention included
+                self.batches.dispatch.weigh = self.planner.sequence_work
             self.runlog.event("layout_applied", step=0, by="checkpoint" if loaded else "config", **s.layout.summary())
             self.world.command({"op": "start", "roles": s.roles, "warm": str(self.warm),
                                 **self.checkpoints.start_message(loaded)})
@@ -127,8 +129,13 @@ class JobController:
         self.outbox.send(message, rank, COMMAND)
 
     def _send_all(self, sends: Sends) -> None:
+        leaving = []
         for rank, message in sends:
             self.outbox.send(message, rank, COMMAND)
+            if message.get("op") == "leave":
+                leaving.append(rank)
+        if leaving:  # a leader leaves once it holds nothing: the groups it holds members of are placed now
+            self._send_routes(self.batches.place_held_at(leaving, self.relayout.open_replicas()))
 
     # ------------------------------------------------------------------ reports
 
@@ -184,12 +191,11 @@ class JobController:
                                    "this copy is dropped")
             return self._send(source, {"op": "route", "tid": tid, "dest": [], "replica": None})
         message["finished_at"] = time.perf_counter()  # the planner's chain records (runtime/planning.py)
-        dest, may_train = self.batches.finished(message, self.relayout.open_replicas())
+        routes, may_train = self.batches.finished(message, source, self.relayout.open_replicas())
+        if source in self._leaving_leaders():
+            routes += self.batches.place_held_at([source], self.relayout.open_replicas())
         self.state.service.drain_finished()
-        if dest is None:  # its group was regenerated: nowhere
-            self._send(source, {"op": "route", "tid": tid, "dest": [], "replica": None})
-        else:
-            self._route(source, tid, dest)
+        self._send_routes(routes)
         self._stream()
         if may_train:
             self._maybe_train()
@@ -282,6 +288,20 @@ class JobController:
         if self.planner is None or not self.planner.hold_batch(b):  # a replan waits for the pipeline to drain
             self.batches.submit(b)
 
+    def _leaving_leaders(self) -> set[int]:
+        """The leader ranks of the instances that leave rollout (a lend or a replan)."""
+        leaders = self.state.roles.leaders
+        return {leaders[i] for i in self.relayout.leaving if i in leaders}
+
+    def _send_routes(self, routes: list[tuple[int, str, int | None]]) -> None:
+        """(leader, trajectory, DP replica) from the batch tracker; replica None: nowhere
+        (its group was regenerated), the leader drops it."""
+        for source, tid, replica in routes:
+            if replica is None:
+                self._send(source, {"op": "route", "tid": tid, "dest": [], "replica": None})
+            else:
+                self._route(source, tid, replica)
+
     def _route(self, source: int, tid: str, replica: int) -> None:
         """Tell leader ``source`` where trajectory ``tid`` goes: every rank of DP ``replica``, by
         ``parallel.dispatch``'s path (direct, or through the first training rank: ``forward``).
@@ -329,6 +349,7 @@ class JobController:
         if start.abort:
             for rank in self.relayout.serving().values():
                 self._send(rank, {"op": "abort", "tids": start.abort})
+        self._send_routes([(leader, tid, None) for leader, tid in start.nowhere])
         leaders = self.relayout.training_leaders()
         for rank in s.roles.trainers:
             self._send(rank, {"op": "train", "batch": b, "groups": start.groups, "discard": start.discard,

@@ -31,7 +31,8 @@ import time
 from typing import Any
 
 from libra_hpc.rl.partial import TailDecoupler, p90
-from libra_hpc.parallel.dispatch import least_loaded
+from libra_hpc.parallel.dispatch import Route
+from libra_hpc.runtime.batches import group_dispatch
 from libra_hpc.runtime.episodes import group_of, trajectory_id
 from libra_hpc.runtime.state import JobState, StepStart
 
@@ -47,7 +48,8 @@ class TailDecoupledBatches:
         self.key_of: dict[str, str] = {}  # live group id → key
         self.aborting: dict[str, str] = {}  # tid of a regenerated group → key, until its end is reported
         self.steps: dict[int, dict] = {}  # step → the record step_record returns
-        self.untrained_tokens: dict[int, int] = {}  # DP replica → tokens routed there and not trained yet
+        self.dispatch = group_dispatch(rl)  # where each group trains, placed when whole (runtime/batches.py)
+        self.untrained_work: dict[int, float] = {}  # DP replica → work placed there and not trained yet
         self.finished_lengths: list[int] = []  # generated tokens of every trajectory that finished
         self.trained_lengths: list[int] = []
         self.aborted_count = 0
@@ -83,7 +85,7 @@ class TailDecoupledBatches:
         live = f"b{b}/{pid}{tag}"
         tids = [trajectory_id(b, pid + tag, s) for s in range(self.size)]
         self.groups[key] = {"live": live, "pid": pid, "floor": floor, "submitted": time.perf_counter(),
-                            "pending": set(tids), "rows": [], "dest": None,
+                            "pending": set(tids), "rows": [],
                             "regenerations": self.groups[key]["regenerations"] + 1 if key in self.groups else 0}
         self.key_of[live] = key
         self.decoupler.started(key, floor)
@@ -92,9 +94,10 @@ class TailDecoupledBatches:
 
     # ------------------------------------------------------------------ reports
 
-    def finished(self, message: dict, open_replicas: list[int]) -> tuple[int | None, bool]:
-        """A trajectory finished (``traj``): routed to its group's replica, or nowhere if
-        its group was regenerated meanwhile."""
+    def finished(self, message: dict, source: int, open_replicas: list[int]) -> tuple[list[Route], bool]:
+        """A trajectory finished (``traj``) at leader ``source``: routed nowhere if its group
+        was regenerated meanwhile; else with its group, once the group is whole and placed
+        (placed on the replica of least untrained work)."""
         tid = message["tid"]
         self.decoupler.generated(message["gen_tokens"])
         self.finished_lengths.append(message["gen_tokens"])
@@ -102,19 +105,22 @@ class TailDecoupledBatches:
             del self.aborting[tid]
             self.late_finishes += 1
             self.decoupler.stats.wasted_tokens += message["gen_tokens"]
-            return None, False
+            return [(source, tid, None)], False
         key = self.key_of[group_of(tid)]
         group = self.groups[key]
-        if group["dest"] is None:
-            group["dest"] = least_loaded(self.untrained_tokens, open_replicas)
-        dest = group["dest"]
-        self.untrained_tokens[dest] = self.untrained_tokens.get(dest, 0) + message["tokens"]
+        routes = self.dispatch.finished(group["live"], source, tid, message["tokens"], message["reward"],
+                                        self.untrained_work, open_replicas)
         group["rows"].append(message)
         group["pending"].discard(tid)
         if group["pending"]:
-            return dest, False
+            return routes, False
         self.decoupler.finish(key, sum(r["gen_tokens"] for r in group["rows"]), time.perf_counter())
-        return dest, True
+        return routes, True
+
+    def place_held_at(self, leaders: list[int], open_replicas: list[int]) -> list[Route]:
+        """``leaders`` leave rollout: the groups with a finished member held there are placed now."""
+        return [r for g in self.dispatch.held_at(leaders) for r in self.dispatch.place(g, self.untrained_work,
+                                                                                       open_replicas)]
 
     def reported(self, tid: str) -> bool:
         """``tid`` finished already (counted, or its group trained or regenerated and it is
@@ -147,18 +153,21 @@ class TailDecoupledBatches:
             return None
         out = StepStart({})
         for key in decision.regenerate:
-            out.discard.append(self._regenerate(key, step, out.abort))
+            out.discard.append(self._regenerate(key, step, out.abort, out.nowhere))
         for key in decision.resubmit:
-            out.discard.append(self._regenerate(key, step, None))
+            out.discard.append(self._regenerate(key, step, None, out.nowhere))
         rows: list[dict] = []
         submitted = time.perf_counter()
         for key in decision.train:
             group = self.groups.pop(key)
             submitted = min(submitted, group["submitted"])
             del self.key_of[group["live"]]
-            out.groups.setdefault(group["dest"], []).append(group["live"])
+            dest, work, held = self.dispatch.forget(group["live"])
+            if dest is None or held:  # a finished group was placed whole when its last member finished
+                raise RuntimeError(f"group {group['live']} trains step {step} but was never placed on a replica")
+            out.groups.setdefault(dest, []).append(group["live"])
             rows += group["rows"]
-            self.untrained_tokens[group["dest"]] -= sum(r["tokens"] for r in group["rows"])
+            self.untrained_work[dest] -= work
             self.trained_lengths += [r["gen_tokens"] for r in group["rows"]]
         stats = self.decoupler.stats
         self.steps[step] = {
@@ -168,15 +177,18 @@ class TailDecoupledBatches:
                                   "wasted_share": round(stats.wasted_share, 4), "waits": stats.waits}}}
         return out
 
-    def _regenerate(self, key: str, step: int, abort: list[str] | None) -> str:
+    def _regenerate(self, key: str, step: int, abort: list[str] | None, nowhere: list[tuple[int, str]]) -> str:
         """Resubmit group ``key``'s prompt; what still runs of it (``abort`` given: it was
-        running) goes on ``abort``. The group id the trainers discard."""
+        running) goes on ``abort``, its finished members still at their leaders (it was
+        never placed) on ``nowhere``. The group id the trainers discard."""
         group = self.groups[key]
         old = group["live"]
         del self.key_of[old]
         done = sum(r["gen_tokens"] for r in group["rows"])
-        if group["dest"] is not None:
-            self.untrained_tokens[group["dest"]] -= sum(r["tokens"] for r in group["rows"])
+        dest, work, held = self.dispatch.forget(old)
+        nowhere += held
+        if dest is not None:
+            self.untrained_work[dest] -= work
         if abort is not None:
             self.decoupler.aborted(key, done)  # the rest of the waste arrives with the aborted reports
             pending = sorted(group["pending"])
@@ -264,7 +276,7 @@ class TailDecoupledBatches:
         return any(not g["pending"] for g in self.groups.values())
 
     def untrained_on(self, replica: int) -> bool:
-        return any(g["dest"] == replica and g["rows"] for g in self.groups.values())
+        return any(self.dispatch.dest.get(g["live"]) == replica for g in self.groups.values())
 
     def summary(self, metrics: list[dict]) -> dict:
         stats = self.decoupler.stats

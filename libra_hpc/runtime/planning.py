@@ -274,6 +274,12 @@ class PlannerDriver:
         trains whole: steps of several passes do not stream (runtime/batches.py)."""
         return self.control.o.stream_groups if epochs == 1 else 0
 
+    def sequence_work(self, tokens: int) -> float:
+        """A sequence's training FLOPs on the job's model (forward and backward: 3 × its
+        tokens × the FLOP of a token attending to half of them): what the batch trackers
+        place whole groups by (parallel/dispatch.py)."""
+        return 3.0 * tokens * self.model.flops_per_token(tokens / 2)
+
     def trained_batch(self, rows: list[dict]) -> RLBatch:
         """The sequences a batch's training step works on (:meth:`kept`) and their mean
         length. In a default run a step training 2 of its 12 groups took 2.1 s and one

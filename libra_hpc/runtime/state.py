@@ -77,8 +77,10 @@ class JobFailed(RuntimeError):
 class StepStart:
     """What a training step trains: each DP replica's groups, and the groups the trainers
     throw away (regenerated); ``abort``: trajectory ids the leaders stop at their next turn
-    boundary."""
+    boundary; ``nowhere``: (leader, trajectory id) of finished members of those groups that
+    still wait at their leaders for a route (their group was never placed)."""
 
     groups: dict[int, list[str]]
     discard: list[str] = field(default_factory=list)
     abort: list[str] = field(default_factory=list)
+    nowhere: list[tuple[int, str]] = field(default_factory=list)
