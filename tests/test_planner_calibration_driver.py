@@ -187,11 +187,35 @@ def test_a_step_is_priced_on_the_groups_it_trains():
     for r in flat["rows"]:
         if not r["tid"].startswith("4/p0/"):
             r["reward"] = 1.0  # five groups all right: nothing to learn from them
-    assert d.trained_batch(flat["rows"]).global_batch == 8
-    assert d.trained_batch(record["rows"]).global_batch == 48
+    assert d.trained_batch(flat["rows"], reports).global_batch == 8
+    assert d.trained_batch(record["rows"], reports).global_batch == 48
     whole = copy.deepcopy(d).predict(4, record, reports, 12.0)["planner_terms"]["train_s"][0]
     one = copy.deepcopy(d).predict(4, flat, reports, 12.0)["planner_terms"]["train_s"][0]
     assert one < 0.75 * whole  # the fixed part (optimizer step, collectives) is paid either way
     assert d.kept(flat["rows"]) == {r["tid"] for r in flat["rows"] if r["tid"].startswith("4/p0/")}
     d.s.cfg = d.s.cfg.model_copy(update={"rl": d.s.cfg.rl.model_copy(update={"filter_zero_variance": False})})
-    assert d.trained_batch(flat["rows"]).global_batch == 48
+    assert d.trained_batch(flat["rows"], reports).global_batch == 48
+
+
+def test_a_step_is_priced_on_the_replica_with_the_most_work():
+    """Each replica's first trainer reports the trajectories it trained: the step is priced
+    on the replica that had the most work, not on an even share of the batch."""
+    d, rng = _driver(), random.Random(5)
+    _warm(d, rng, 4)
+    record, _ = _step(d, 4, rng)
+    groups = sorted({r["tid"].rsplit("/", 1)[0] for r in record["rows"]})
+    assert d.s.layout.training.dp == 2 and len(groups) == 6
+
+    def placed(first: list[str]) -> list[dict]:
+        tids = [[r["tid"] for r in record["rows"] if (r["tid"].rsplit("/", 1)[0] in first) == (d_ == 0)]
+                for d_ in (0, 1)]
+        return [{"train_s": 5.0, "stream_s": 1.0, "replica": d_, "tids": tids[d_]} for d_ in (0, 1)]
+
+    even, lopsided = placed(groups[:3]), placed(groups[:5])
+    assert [len(r["tids"]) for r in lopsided] == [40, 8]
+    batch = d.trained_batch(record["rows"], lopsided)
+    assert [len(s) for s in batch.shares] == [40, 8]
+    priced = {name: copy.deepcopy(d).predict(4, record, reports, 12.0)["planner_terms"]["train_s"][0]
+              for name, reports in (("even", even), ("lopsided", lopsided))}
+    assert priced["lopsided"] > 1.2 * priced["even"]
+    assert d.trained_batch(record["rows"], [{"replica": 1, "tids": []}]).shares == ()  # not every replica: unknown

@@ -343,3 +343,27 @@ def test_an_uneven_shape_trains_a_batch_dp_does_not_divide_at_its_largest_share(
     four = TrainingCost(Q14, A800, even)
     assert grown.step_s < four.step_s  # one more replica still helps
     assert TrainingCost(Q14, A800, replace(even, uneven=True)).step_s == four.step_s  # divisible: no straggle
+
+
+def test_a_step_with_its_placement_known_waits_for_the_replica_with_the_most_work():
+    """The job's step records carry each replica's sequences (``shares``): equal shares of
+    equal lengths cost what the plan's shape does; a replica holding more work sets the
+    step; and for the same tokens, long sequences cost more than short ones (attention)."""
+    from dataclasses import replace
+
+    plain = TrainShape(tp=4, pp=4, dp=2, micro_batch=2, global_batch=8, seq_len=4096)
+    even = TrainingCost(Q14, A800, replace(plain, shares=((4096,) * 4, (4096,) * 4)))
+    base = TrainingCost(Q14, A800, plain)
+    assert even.step_s == pytest.approx(base.step_s) and even.straggle == pytest.approx(1.0)
+    assert even.microbatches == base.microbatches == 2
+    lopsided = TrainingCost(Q14, A800, replace(plain, shares=((4096,) * 6, (4096,) * 2), uneven=True))
+    assert lopsided.straggle == pytest.approx(1.5) and lopsided.microbatches == 3
+    assert lopsided.step_s > even.step_s
+    # the same 16384 tokens on each replica: one of 4 × 4096, one of 16 × 1024 (and 2 × 0)
+    mixed = TrainingCost(Q14, A800, replace(plain, shares=((4096,) * 4, (1024,) * 16), uneven=True))
+    assert mixed.microbatches == 2  # the replica with more work is the long one: its 4 sequences
+    long_work = 3.0 * 4 * 4096 * Q14.flops_per_token(2048)
+    assert mixed.model_flops == pytest.approx(long_work + 3.0 * 16 * 1024 * Q14.flops_per_token(512))
+    assert mixed.straggle == pytest.approx(2 * long_work / mixed.model_flops) and mixed.straggle > 1.0
+    with pytest.raises(ValueError, match="2 replicas' sequences for DP 4"):
+        replace(plain, dp=4, shares=((1,), (1,)))

@@ -434,11 +434,20 @@ class TrainShape:
     replicas by tokens, so nothing needs DP × micro-batch to divide it): the step waits for
     the largest share. Set for the shapes the hybrid pool grows to; plan searches keep DP
     sizes that divide the batch."""
+    shares: tuple[tuple[int, ...], ...] = ()
+    """The tokens of each sequence each DP replica trains, when the step's placement is
+    known (the job's steps: whole GRPO groups placed by :mod:`libra_hpc.parallel.dispatch`):
+    the step then waits for the replica with the most work, attention is priced at each
+    sequence's own length, and that replica's micro-batches are counted. Empty: the
+    plan's view, ``global_batch`` sequences of ``seq_len`` tokens (the memory check uses
+    ``seq_len`` either way)."""
 
     def __post_init__(self) -> None:
         for name in ("tp", "pp", "dp", "micro_batch", "global_batch", "seq_len"):
             if getattr(self, name) < 1:
                 raise ValueError(f"TrainShape.{name} must be >= 1, got {getattr(self, name)}")
+        if self.shares and len(self.shares) != self.dp:
+            raise ValueError(f"TrainShape.shares has {len(self.shares)} replicas' sequences for DP {self.dp}")
 
     @property
     def gpus(self) -> int:
@@ -453,12 +462,20 @@ class TrainingCost:
     def __init__(self, model: ModelProfile, hw: HardwareProfile, shape: TrainShape, cal: Calibration = DEFAULT):
         self.model, self.hw, self.shape, self.cal = model, hw, shape, cal
         s = shape
-        self.microbatches = -(-s.global_batch // (s.dp * s.micro_batch))  # the largest share (uneven)
-        # the step waits for the replica with the most sequences: its share over an even one
-        self.straggle = self.microbatches * s.dp * s.micro_batch / s.global_batch if s.uneven else 1.0
-        self.tokens = s.global_batch * s.seq_len
         passes = 4 if s.recompute else 3  # forward + backward (2×) [+ recomputed forward]
-        self.model_flops = 3.0 * self.tokens * model.flops_per_token(s.seq_len / 2)
+        if s.shares:  # the placed sequences: the replica with the most work sets the step
+            work = [sum(3.0 * t * model.flops_per_token(t / 2) for t in share) for share in s.shares]
+            self.tokens = sum(map(sum, s.shares))
+            self.model_flops = sum(work)
+            heaviest = max(range(s.dp), key=lambda d: (work[d], len(s.shares[d])))
+            self.microbatches = max(1, -(-len(s.shares[heaviest]) // s.micro_batch))
+            self.straggle = work[heaviest] * s.dp / self.model_flops if self.model_flops else 1.0
+        else:
+            self.microbatches = -(-s.global_batch // (s.dp * s.micro_batch))  # the largest share (uneven)
+            # the step waits for the replica with the most sequences: its share over an even one
+            self.straggle = self.microbatches * s.dp * s.micro_batch / s.global_batch if s.uneven else 1.0
+            self.tokens = s.global_batch * s.seq_len
+            self.model_flops = 3.0 * self.tokens * model.flops_per_token(s.seq_len / 2)
         self.hardware_flops = self.model_flops * passes / 3
         self.memory = self._memory()
         self.infeasible = self._check()

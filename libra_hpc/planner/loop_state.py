@@ -93,7 +93,7 @@ def layout_from(data: dict | None) -> Layout | None:
 def plan_state(p: Plan | None) -> dict | None:
     if p is None:
         return None
-    return {"train": asdict(p.train), "train_slots": slots_state(p.train_slots),
+    return {"train": plain(asdict(p.train)), "train_slots": slots_state(p.train_slots),
             "rollout": [{"tp": i.tp, "slots": slots_state(i.slots)} for i in p.rollout],
             "t_train": p.t_train, "t_rollout": p.t_rollout, "objective": p.objective, "mode": p.mode}
 
@@ -101,7 +101,8 @@ def plan_state(p: Plan | None) -> dict | None:
 def plan_from(data: dict | None) -> Plan | None:
     if data is None:
         return None
-    return Plan(TrainShape(**data["train"]), slots_from(data["train_slots"]),
+    train = {**data["train"], "shares": tuples(data["train"].get("shares", []))}  # JSON lists; absent before 12-07
+    return Plan(TrainShape(**train), slots_from(data["train_slots"]),
                 tuple(PlanInstance(i["tp"], slots_from(i["slots"])) for i in data["rollout"]),
                 data["t_train"], data["t_rollout"], data["objective"], data["mode"])
 

@@ -76,6 +76,10 @@ class RLBatch:
     ``rl.filter_zero_variance``); None: all. Training shapes are still searched for
     ``global_batch`` (their DP divides it) and priced on ``trained`` sequences, unevenly
     shared as the job shares whole groups."""
+    shares: tuple[tuple[int, ...], ...] = ()
+    """The tokens of each sequence each DP replica trains, when the step's placement is
+    known (:attr:`~libra_hpc.planner.costs.TrainShape.shares`); used for a shape of as many
+    replicas."""
 
     def __post_init__(self) -> None:
         if self.global_batch < 1 or self.seq_len < 1 or (self.trained is not None and self.trained < 1):
@@ -90,10 +94,12 @@ class RLBatch:
         return cls(global_batch, math.ceil(lengths.train_seq_tokens), trained)
 
     def shape(self, shape: TrainShape) -> TrainShape:
-        """``shape`` priced on this batch: its sequence length, and the trained sequences."""
+        """``shape`` priced on this batch: its sequence length, the trained sequences, and
+        their placement on the replicas when known for a shape of as many."""
+        shares = self.shares if len(self.shares) == shape.dp else ()
         if self.trained is None:
-            return replace(shape, global_batch=self.global_batch, seq_len=self.seq_len)
-        return replace(shape, global_batch=self.trained, seq_len=self.seq_len, uneven=True)
+            return replace(shape, global_batch=self.global_batch, seq_len=self.seq_len, shares=shares)
+        return replace(shape, global_batch=self.trained, seq_len=self.seq_len, uneven=True, shares=shares)
 
     def whole(self, shape: TrainShape) -> TrainShape:
         """A shape priced by :meth:`shape` as a plan keeps it: for the whole batch."""

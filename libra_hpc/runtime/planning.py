@@ -221,7 +221,7 @@ class PlannerDriver:
         epochs = epochs_at(cfg.rl.update_epochs, b)
         lengths = LengthProfile.from_samples(self.samples(rows), len(rows))
         o, cal = self.control.o, self.control.cal
-        batch = self.trained_batch(rows)
+        batch = self.trained_batch(rows, reports)
         plan = config_plan(s.layout, cfg)
         plan = replace(plan, train=replace(plan.train, uneven=True))  # whole groups per replica (runtime/batches.py)
         priced = reprice(plan, self.model, self.hw, cfg.cluster.gpus_per_node, lengths, cal, batch,
@@ -280,20 +280,28 @@ class PlannerDriver:
         place whole groups by (parallel/dispatch.py)."""
         return 3.0 * tokens * self.model.flops_per_token(tokens / 2)
 
-    def trained_batch(self, rows: list[dict]) -> RLBatch:
-        """The sequences a batch's training step works on (:meth:`kept`) and their mean
-        length. In a default run a step training 2 of its 12 groups took 2.1 s and one
-        training 10 took 9; priced on the whole batch, both cost the same."""
+    def trained_batch(self, rows: list[dict], reports: list[dict]) -> RLBatch:
+        """The sequences a batch's training step works on (:meth:`kept`), their mean length
+        and where they were trained (each DP replica's first trainer reports the ids it
+        received). In a default run a step training 2 of its 12 groups took 2.1 s and one
+        training 10 took 9; priced on the whole batch, both cost the same. And the step
+        waits for the replica with the most work: placed at a group's first finish, that
+        one carried 1.0-2.1× an even share, attention quadratic in each length."""
         ids = self.kept(rows)
         kept = [r for r in rows if r["tid"] in ids]
-        return RLBatch(max(1, len(kept)), max(1, math.ceil(statistics.fmean(r["tokens"] for r in kept or rows))))
+        tokens = {r["tid"]: r["tokens"] for r in kept}
+        by_replica = {r["replica"]: tuple(tokens[t] for t in r["tids"] if t in tokens) for r in reports if "tids" in r}
+        shares = tuple(by_replica[d] for d in sorted(by_replica)) if sorted(by_replica) == list(
+            range(len(by_replica))) else ()
+        return RLBatch(max(1, len(kept)), max(1, math.ceil(statistics.fmean(r["tokens"] for r in kept or rows))),
+                       shares=shares)
 
     def observe(self, b: int, rows: list[dict], reports: list[dict], epochs: int) -> None:
         """Batch ``b`` was trained: its lengths, and the timing records it gives."""
         self.control.observe(self.samples(rows))
-        batch, t = self.trained_batch(rows), self.s.layout.training
-        shape = TrainShape(t.tp, t.pp, t.dp, self.s.cfg.training.micro_batch_size, batch.global_batch, batch.seq_len,
-                           uneven=True)
+        batch, t = self.trained_batch(rows, reports), self.s.layout.training
+        shape = batch.shape(TrainShape(t.tp, t.pp, t.dp, self.s.cfg.training.micro_batch_size, batch.global_batch,
+                                       batch.seq_len, uneven=True))
         cal = self.control.cal
         per_pass = max(r["train_s"] + r.get("stream_s", 0.0) for r in reports) / max(1, epochs)  # streamed parts too
         parts = TrainingCost(self.model, self.hw, shape, cal).components()
