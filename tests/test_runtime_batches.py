@@ -245,6 +245,22 @@ def test_a_whole_batch_starts_its_step_when_complete_and_streams_the_next_steps_
     assert d.untrained_on(0) and d.untrained() and not d.rolling()  # batch 1 is complete, not trained
 
 
+def test_a_batch_that_trains_nothing_ahead_places_its_groups_when_complete_the_largest_first():
+    """Without stream_training no group trains before its batch is complete, so none is
+    placed before: then every group's work is known, and the largest goes first. In the
+    order these groups finish, placing each when whole would put A and C together (320
+    tokens against 120); largest first, C alone (200 against 240)."""
+    d, s, sampler = whole(prompts_per_step=3)
+    submit(d, sampler, 0, "pA", "pB", "pC")
+    for tid, gen in [("b0/pA/0", 55), ("b0/pA/1", 55), ("b0/pB/0", 55), ("b0/pB/1", 55), ("b0/pC/0", 95)]:
+        assert finish(d, tid, gen=gen) == ([], False)  # held at their leaders, whole or not
+    out, complete = finish(d, "b0/pC/1", gen=95)
+    assert complete and sorted(out) == sorted([(LEADER, "b0/pC/0", 0), (LEADER, "b0/pC/1", 0), (LEADER, "b0/pA/0", 1),
+                                                (LEADER, "b0/pA/1", 1), (LEADER, "b0/pB/0", 1), (LEADER, "b0/pB/1", 1)])
+    assert d.batches[0]["work"] == {0: 200.0, 1: 240.0}
+    assert d.start(0).groups == {0: ["b0/pC"], 1: ["b0/pA", "b0/pB"]}
+
+
 def test_a_whole_batch_checkpoint_draws_the_batches_in_flight_again():
     d, s, sampler = whole()
     submit(d, sampler, 0, "p0")

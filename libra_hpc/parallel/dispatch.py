@@ -167,14 +167,31 @@ class GroupDispatch:
         self.members: dict[str, list[tuple[int, float]]] = {}  # group → (tokens, reward) of its finished members
 
     def finished(self, group: str, leader: int, tid: str, tokens: int, reward: float,
-                 loads: MutableMapping[int, float], replicas: Sequence[int]) -> list[Route]:
+                 loads: MutableMapping[int, float], replicas: Sequence[int], place: bool = True) -> list[Route]:
         """Member ``tid`` of ``group`` finished at ``leader``: the routes to send now (its
-        own once the group is placed; all of the group's when this member completes it)."""
+        own once the group is placed; all of the group's when this member completes it,
+        unless ``place`` is False: the caller places whole groups later, :meth:`place_all`)."""
         if group in self.dest:
             return [(leader, tid, self.dest[group])]
         self.members.setdefault(group, []).append((tokens, reward))
         self.held.setdefault(group, []).append((leader, tid))
-        return self.place(group, loads, replicas) if len(self.members[group]) >= self.size else []
+        return self.place(group, loads, replicas) if place and len(self.members[group]) >= self.size else []
+
+    def place_all(self, groups: Iterable[str], loads: MutableMapping[int, float],
+                  replicas: Sequence[int]) -> list[Route]:
+        """Place every group of ``groups`` not placed yet, the one of most work first, each
+        on the replica of least work (:func:`balance`'s rule, offline: within 4/3 of the
+        optimum and one group of it). For a step that takes a whole batch and trains
+        nothing ahead: every group's work is known when the batch is complete."""
+        work = {g: self._work(self.members[g]) for g in groups if g not in self.dest and g in self.members}
+        return [r for g in sorted(work, key=lambda g: (-work[g], g)) for r in self.place(g, loads, replicas)]
+
+    def _work(self, members: Sequence[tuple[int, float]]) -> float:
+        """A group's work from its finished members: 0 when whole and left out by ``keep``,
+        else their mean work times the group's size (all of it once whole)."""
+        if len(members) >= self.size and not self.keep([r for _, r in members]):
+            return 0.0
+        return sum(self.weigh(t) for t, _ in members) * self.size / len(members)
 
     def place(self, group: str, loads: MutableMapping[int, float], replicas: Sequence[int]) -> list[Route]:
         """Place ``group`` now on the replica of least work in ``loads`` (which books its
@@ -183,9 +200,7 @@ class GroupDispatch:
         members = self.members.pop(group, [])
         if not members:
             raise ValueError(f"GroupDispatch: group {group} has no finished member to place")
-        whole = len(members) >= self.size
-        keep = not whole or self.keep([r for _, r in members])
-        work = sum(self.weigh(t) for t, _ in members) * self.size / len(members) if keep else 0.0
+        work = self._work(members)
         dest = self.dest[group] = least_loaded(loads, replicas)
         loads[dest] = loads.get(dest, 0.0) + work
         self.work[group] = work

@@ -5,11 +5,12 @@ Two ways to fill a step, one interface (:class:`BatchTracker`), chosen by
 
 - :class:`WholeBatches` (the default): step ``b`` trains batch ``b`` once all of its
   ``rl.prompts_per_step × rl.group_size`` trajectories are in. A GRPO group goes whole to
-  one DP replica, placed when its last member finishes on the one with the least training
-  work of that batch so far (:class:`~libra_hpc.parallel.dispatch.GroupDispatch`); its
-  members finished before wait at their leaders until then. With ``rl.stream_training`` the
-  complete groups of the step the trainers take next are sent to be trained ahead
-  (``accumulate``).
+  one DP replica (:class:`~libra_hpc.parallel.dispatch.GroupDispatch`); its members wait at
+  their leaders until it is placed. With ``rl.stream_training`` (and one pass) the complete
+  groups of the step the trainers take next are sent to be trained ahead (``accumulate``),
+  so a group is placed when its last member finishes, on the replica with the least
+  training work of its batch so far; otherwise nothing trains before the batch is complete,
+  and its groups are placed then, the one of most work first (within 4/3 of the optimum).
 - :class:`~.partial.TailDecoupledBatches` (``rl.partial_rollout``): a step trains the
   groups that finish first within the staleness bound, from any batch in flight.
 
@@ -118,7 +119,7 @@ class WholeBatches:
     def submit(self, b: int) -> None:
         self.sampler_at[b] = self.sampler.state()
         prompts = self.sampler.next(self.cfg.rl.prompts_per_step, lambda: f"training batch {b}")
-        self.batches[b] = {"submitted": time.perf_counter(), "done": 0, "tids": set(), "work": {}, "rows": [],
+        self.batches[b] = {"submitted": time.perf_counter(), "done": 0, "tids": set(), "work": {}, "placed": set(), "rows": [],
                            "groups": {}, "group_done": {}, "streamed": set(), "pids": [p.pid for p in prompts]}
         for p in prompts:
             for k in range(self.cfg.rl.group_size):
@@ -132,26 +133,34 @@ class WholeBatches:
         tid = message["tid"]
         batch, group = self.batches[batch_of(tid)], group_of(tid)
         batch["tids"].add(tid)
-        placed = group in self.dispatch.dest
-        routes = self.dispatch.finished(group, source, tid, message["tokens"], message["reward"], batch["work"],
-                                        open_replicas)
-        if routes and not placed:
-            batch["groups"].setdefault(routes[0][2], []).append(group)
+        b = batch_of(tid)
+        ahead = self.cfg.rl.stream_training and epochs_at(self.cfg.rl.update_epochs, b) == 1
+        routes = self._placed(batch, self.dispatch.finished(
+            group, source, tid, message["tokens"], message["reward"], batch["work"], open_replicas, place=ahead))
         batch["rows"].append(message)
         batch["done"] += 1
         batch["group_done"][group] = batch["group_done"].get(group, 0) + 1
         complete = batch["done"] == self.cfg.batch_size
         if complete:
             batch["complete"] = time.perf_counter()
+            routes += self._placed(batch, self.dispatch.place_all(list(batch["group_done"]), batch["work"],
+                                                                  open_replicas))
         return routes, complete
+
+    def _placed(self, batch: dict, routes: list[Route]) -> list[Route]:
+        """Book the groups ``routes`` place for the first time in ``batch``'s groups per replica."""
+        for _, tid, replica in routes:
+            group = group_of(tid)
+            if group not in batch["placed"]:
+                batch["placed"].add(group)
+                batch["groups"].setdefault(replica, []).append(group)
+        return routes
 
     def place_held_at(self, leaders: list[int], open_replicas: list[int]) -> list[Route]:
         routes: list[Route] = []
         for group in self.dispatch.held_at(leaders):
             batch = self.batches[batch_of(group + "/0")]
-            placed = self.dispatch.place(group, batch["work"], open_replicas)
-            batch["groups"].setdefault(placed[0][2], []).append(group)
-            routes += placed
+            routes += self._placed(batch, self.dispatch.place(group, batch["work"], open_replicas))
         return routes
 
     def aborted(self, message: dict, source: int) -> None:
