@@ -40,7 +40,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from libra_hpc.envs.synthetic import SyntheticWorkload, Trajectory  # noqa: E402
-from libra_hpc.parallel.dispatch import GroupDispatch, least_loaded  # noqa: E402
+from libra_hpc.parallel.dispatch import GroupDispatch, least_loaded, loads_of  # noqa: E402
 from libra_hpc.planner.profiles import load_model  # noqa: E402
 from libra_hpc.rl.grpo import group_trains  # noqa: E402
 from libra_hpc.sim.config import load_sim_config  # noqa: E402
@@ -82,10 +82,7 @@ def straggles(batch: list[Trajectory], dp: int, weigh) -> dict[str, float]:
     rules = {"first": first, "whole": dict(whole.dest), "batch": dict(at_end.dest)}
     out = {}
     for name, placed in rules.items():
-        per = [0.0] * dp
-        for g, w in work.items():
-            per[placed[g]] += w
-        out[name] = max(per) * dp / total
+        out[name] = max(loads_of({g: placed[g] for g in work}, work, dp)) * dp / total
     return out
 
 

@@ -113,6 +113,16 @@ def test_placed_at_the_first_finish_the_heaviest_replica_carries_what_the_filter
     assert loads[whole.dest["a"]] == loads[whole.dest["c"]] == 2 * _work(500)
 
 
+def test_groups_the_trainer_leaves_out_weigh_nothing_but_are_spread_over_the_replicas():
+    dispatch = GroupDispatch(2, weigh=float, keep=group_trains)
+    loads: dict[int, float] = {}
+    for g in "abcd":  # every reward equal: nothing to train, the bytes still travel
+        dispatch.finished(g, 1, f"{g}/0", 100, 0.0, loads, [0, 1])
+        dispatch.finished(g, 1, f"{g}/1", 100, 0.0, loads, [0, 1])
+    assert loads == {0: 0.0, 1: 0.0}
+    assert sorted(dispatch.dest.values()) == [0, 0, 1, 1]
+
+
 def test_a_group_held_at_a_leaving_leader_is_placed_before_it_is_whole():
     dispatch = GroupDispatch(4, weigh=float)
     loads: dict[int, float] = {}

@@ -109,9 +109,9 @@ def balance(units: Mapping[str, int], replicas: int) -> dict[str, int]:
     return out
 
 
-def loads_of(assignment: Mapping[str, int], units: Mapping[str, int], replicas: int) -> list[int]:
-    """Tokens per replica under ``assignment``."""
-    loads = [0] * replicas
+def loads_of(assignment: Mapping[str, int], units: Mapping[str, float], replicas: int) -> list[float]:
+    """Work (tokens, FLOPs) per replica under ``assignment``."""
+    loads: list[float] = [0] * replicas
     for uid, d in assignment.items():
         loads[d] += units[uid]
     return loads
@@ -165,6 +165,7 @@ class GroupDispatch:
         self.work: dict[str, float] = {}  # group → the work booked for it on its replica
         self.held: dict[str, list[tuple[int, str]]] = {}  # group → (leader, tid) finished, not routed
         self.members: dict[str, list[tuple[int, float]]] = {}  # group → (tokens, reward) of its finished members
+        self.count: dict[int, int] = {}  # replica → groups placed there so far (ties)
 
     def finished(self, group: str, leader: int, tid: str, tokens: int, reward: float,
                  loads: MutableMapping[int, float], replicas: Sequence[int], place: bool = True) -> list[Route]:
@@ -201,7 +202,10 @@ class GroupDispatch:
         if not members:
             raise ValueError(f"GroupDispatch: group {group} has no finished member to place")
         work = self._work(members)
-        dest = self.dest[group] = least_loaded(loads, replicas)
+        # the least work; among equals (a group left out weighs 0) the replica that got
+        # fewer groups, so that left-out groups' bytes do not all go to the lowest one
+        dest = self.dest[group] = min(replicas, key=lambda d: (loads.get(d, 0.0), self.count.get(d, 0), d))
+        self.count[dest] = self.count.get(dest, 0) + 1
         loads[dest] = loads.get(dest, 0.0) + work
         self.work[group] = work
         return [(leader, tid, dest) for leader, tid in self.held.pop(group)]

@@ -78,7 +78,8 @@ def step_metrics(cfg: Any, b: int, version: int, record: dict, reports: list[dic
         loss=reports[0]["loss"], grad_norm=reports[0]["grad_norm"],
         groups=sum(r["groups"] for r in step_reports), groups_filtered=sum(r["filtered_groups"] for r in step_reports),
         dropped_stale=sum(sum(r["dropped_stale"].values()) for r in step_reports),
-        forwarded=sum(r.get("forwarded", 0) for r in reports), **streamed,
+        forwarded=sum(r.get("forwarded", 0) for r in reports),
+        trajectories_by_replica={str(r["replica"]): len(r["tids"]) for r in step_reports}, **streamed,
         scheduler_policy=cfg.scheduler.policy, **record.get("extra", {}))
 
 
