@@ -114,13 +114,18 @@ def test_placed_at_the_first_finish_the_heaviest_replica_carries_what_the_filter
 
 
 def test_groups_the_trainer_leaves_out_weigh_nothing_but_are_spread_over_the_replicas():
+    """Placed by work, a left-out group (0) would always go to the replica of least work:
+    after A (200) and B (160), all four left-out groups to B's. They go round instead."""
     dispatch = GroupDispatch(2, weigh=float, keep=group_trains)
     loads: dict[int, float] = {}
-    for g in "abcd":  # every reward equal: nothing to train, the bytes still travel
-        dispatch.finished(g, 1, f"{g}/0", 100, 0.0, loads, [0, 1])
-        dispatch.finished(g, 1, f"{g}/1", 100, 0.0, loads, [0, 1])
-    assert loads == {0: 0.0, 1: 0.0}
-    assert sorted(dispatch.dest.values()) == [0, 0, 1, 1]
+    for g, tokens, rewards in [("A", 100, (1.0, 0.0)), ("B", 80, (0.0, 1.0)), ("C", 100, (0.0, 0.0)),
+                               ("D", 100, (1.0, 1.0)), ("E", 100, (0.0, 0.0)), ("F", 100, (0.0, 0.0))]:
+        for k, reward in enumerate(rewards):
+            dispatch.finished(g, 1, f"{g}/{k}", tokens, reward, loads, [0, 1], place=False)
+    dispatch.place_all("ABCDEF", loads, [0, 1])
+    assert loads == {0: 200.0, 1: 160.0}  # left-out groups weigh nothing
+    assert [dispatch.dest[g] for g in "AB"] == [0, 1]
+    assert sorted(dispatch.dest[g] for g in "CDEF") == [0, 0, 1, 1]
 
 
 def test_a_group_held_at_a_leaving_leader_is_placed_before_it_is_whole():

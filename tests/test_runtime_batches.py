@@ -229,11 +229,11 @@ def test_a_whole_batch_starts_its_step_when_complete_and_streams_the_next_steps_
     finish(d, "b1/p2/1")  # batch 1's group p2 is complete, but step 0 is not taken yet
     s.version, s.training = 0, False
     assert d.stream(s) is None  # batch 0 is next: none of its groups is complete
-    finish(d, "b0/p0/1")  # batch 0 has no work anywhere yet: the replica with fewer groups (p2 went to 0)
-    assert d.stream(s) == (0, {1: ["b0/p0"]}) and d.stream(s) is None  # sent once
+    finish(d, "b0/p0/1")
+    assert d.stream(s) == (0, {0: ["b0/p0"]}) and d.stream(s) is None  # sent once
     finish(d, "b0/p1/0")
-    assert finish(d, "b0/p1/1") == ([(LEADER, "b0/p1/0", 0), (LEADER, "b0/p1/1", 0)], True)  # the one of less work
-    assert d.start(0).groups == {1: ["b0/p0"], 0: ["b0/p1"]}
+    assert finish(d, "b0/p1/1") == ([(LEADER, "b0/p1/0", 1), (LEADER, "b0/p1/1", 1)], True)  # the one of less work
+    assert d.start(0).groups == {0: ["b0/p0"], 1: ["b0/p1"]}
     s.training = True  # step 0 trains: batch 1 is next
     assert d.stream(s) == (1, {0: ["b1/p2"]})
     s.stop = "SIGUSR2"

@@ -165,7 +165,7 @@ class GroupDispatch:
         self.work: dict[str, float] = {}  # group → the work booked for it on its replica
         self.held: dict[str, list[tuple[int, str]]] = {}  # group → (leader, tid) finished, not routed
         self.members: dict[str, list[tuple[int, float]]] = {}  # group → (tokens, reward) of its finished members
-        self.count: dict[int, int] = {}  # replica → groups placed there so far (ties)
+        self.left_out = 0  # groups placed that the trainer leaves out (they go round the replicas)
 
     def finished(self, group: str, leader: int, tid: str, tokens: int, reward: float,
                  loads: MutableMapping[int, float], replicas: Sequence[int], place: bool = True) -> list[Route]:
@@ -202,10 +202,12 @@ class GroupDispatch:
         if not members:
             raise ValueError(f"GroupDispatch: group {group} has no finished member to place")
         work = self._work(members)
-        # the least work; among equals (a group left out weighs 0) the replica that got
-        # fewer groups, so that left-out groups' bytes do not all go to the lowest one
-        dest = self.dest[group] = min(replicas, key=lambda d: (loads.get(d, 0.0), self.count.get(d, 0), d))
-        self.count[dest] = self.count.get(dest, 0) + 1
+        if work:
+            dest = least_loaded(loads, replicas)
+        else:  # left out: it weighs nothing, and its bytes go round the replicas (not all to the least loaded)
+            dest = replicas[self.left_out % len(replicas)]
+            self.left_out += 1
+        self.dest[group] = dest
         loads[dest] = loads.get(dest, 0.0) + work
         self.work[group] = work
         return [(leader, tid, dest) for leader, tid in self.held.pop(group)]
