@@ -16,7 +16,7 @@ models and solve rates), for DP 2, 4 and 8:
   cannot wait for that: it trains groups as they complete.
 
 Work is what a replica computes: each kept sequence's training FLOPs on the scenario's
-model (3 × tokens × the FLOP of a token attending to half of them). A replica's
+model (``ModelProfile.sequence_train_flops``). A replica's
 ``straggle`` is the largest replica's work over an even share: the step time's factor on
 GPUs, where the replicas run in parallel. Finish order: a trajectory finishes at its
 generated tokens × 20 ms plus its tool seconds after its batch starts (an assumption:
@@ -99,11 +99,7 @@ def main() -> None:
         cfg = load_sim_config(path)
         if cfg.workload is None or (args.scenarios and cfg.name not in args.scenarios):
             continue
-        model = load_model(cfg.model.name)
-
-        def weigh(tokens: int, model=model) -> float:
-            return 3.0 * tokens * model.flops_per_token(tokens / 2)
-
+        weigh = load_model(cfg.model.name).sequence_train_flops
         workload = SyntheticWorkload(cfg.workload, cfg.rl, cfg.rl.seed, cfg.training.seq_len)
         steps = sorted({round(i * (cfg.rl.steps - 1) / max(1, args.batches - 1)) for i in range(args.batches)})
         batches = [workload.batch(s) for s in steps]

@@ -464,7 +464,7 @@ class TrainingCost:
         s = shape
         passes = 4 if s.recompute else 3  # forward + backward (2×) [+ recomputed forward]
         if s.shares:  # the placed sequences: the replica with the most work sets the step
-            work = [sum(3.0 * t * model.flops_per_token(t / 2) for t in share) for share in s.shares]
+            work = [sum(map(model.sequence_train_flops, share)) for share in s.shares]
             self.tokens = sum(map(sum, s.shares))
             self.model_flops = sum(work)
             heaviest = max(range(s.dp), key=lambda d: (work[d], len(s.shares[d])))

@@ -182,6 +182,12 @@ class ModelProfile(_Profile):
         sequence of length s, the average is s/2)."""
         return 2.0 * self.matmul_params(active=True) + self.attention_flops_per_token(context)
 
+    def sequence_train_flops(self, tokens: float) -> float:
+        """Forward and backward FLOP of training one causal sequence of ``tokens``: 3 × its
+        tokens × the FLOP of a token attending to half of them (attention makes it grow
+        faster than the tokens)."""
+        return 3.0 * tokens * self.flops_per_token(tokens / 2)
+
 
 # ---------------------------------------------------------------------------- loading
 

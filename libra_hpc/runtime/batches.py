@@ -119,7 +119,7 @@ class WholeBatches:
     def submit(self, b: int) -> None:
         self.sampler_at[b] = self.sampler.state()
         prompts = self.sampler.next(self.cfg.rl.prompts_per_step, lambda: f"training batch {b}")
-        self.batches[b] = {"submitted": time.perf_counter(), "done": 0, "tids": set(), "work": {}, "placed": set(), "rows": [],
+        self.batches[b] = {"submitted": time.perf_counter(), "done": 0, "tids": set(), "work": {}, "rows": [],
                            "groups": {}, "group_done": {}, "streamed": set(), "pids": [p.pid for p in prompts]}
         for p in prompts:
             for k in range(self.cfg.rl.group_size):
@@ -131,36 +131,36 @@ class WholeBatches:
 
     def finished(self, message: dict, source: int, open_replicas: list[int]) -> tuple[list[Route], bool]:
         tid = message["tid"]
-        batch, group = self.batches[batch_of(tid)], group_of(tid)
+        b, group = batch_of(tid), group_of(tid)
+        batch = self.batches[b]
         batch["tids"].add(tid)
-        b = batch_of(tid)
         ahead = self.cfg.rl.stream_training and epochs_at(self.cfg.rl.update_epochs, b) == 1
-        routes = self._placed(batch, self.dispatch.finished(
-            group, source, tid, message["tokens"], message["reward"], batch["work"], open_replicas, place=ahead))
+        placed = group in self.dispatch.dest
+        routes = self.dispatch.finished(group, source, tid, message["tokens"], message["reward"], batch["work"],
+                                        open_replicas, place=ahead)
+        if not placed:
+            self._book(batch, routes)
         batch["rows"].append(message)
         batch["done"] += 1
         batch["group_done"][group] = batch["group_done"].get(group, 0) + 1
         complete = batch["done"] == self.cfg.batch_size
         if complete:
             batch["complete"] = time.perf_counter()
-            routes += self._placed(batch, self.dispatch.place_all(list(batch["group_done"]), batch["work"],
-                                                                  open_replicas))
+            routes += self._book(batch, self.dispatch.place_all(list(batch["group_done"]), batch["work"],
+                                                                open_replicas))
         return routes, complete
 
-    def _placed(self, batch: dict, routes: list[Route]) -> list[Route]:
-        """Book the groups ``routes`` place for the first time in ``batch``'s groups per replica."""
-        for _, tid, replica in routes:
-            group = group_of(tid)
-            if group not in batch["placed"]:
-                batch["placed"].add(group)
-                batch["groups"].setdefault(replica, []).append(group)
+    def _book(self, batch: dict, routes: list[Route]) -> list[Route]:
+        """``routes`` of groups just placed: each group in ``batch``'s groups per replica, once."""
+        for group, replica in dict.fromkeys((group_of(tid), replica) for _, tid, replica in routes):
+            batch["groups"].setdefault(replica, []).append(group)
         return routes
 
     def place_held_at(self, leaders: list[int], open_replicas: list[int]) -> list[Route]:
         routes: list[Route] = []
         for group in self.dispatch.held_at(leaders):
             batch = self.batches[batch_of(group + "/0")]
-            routes += self._placed(batch, self.dispatch.place(group, batch["work"], open_replicas))
+            routes += self._book(batch, self.dispatch.place(group, batch["work"], open_replicas))
         return routes
 
     def aborted(self, message: dict, source: int) -> None:

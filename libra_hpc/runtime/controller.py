@@ -82,7 +82,7 @@ class JobController:
             self.relayout = Relayouts(s, self.batches.untrained_on, self.rebuild_queue)
             self.planner = None if cfg.job.eval_checkpoint else PlannerDriver(s, self.relayout)
             if self.planner is not None:  # groups are placed by their training work, attention included
-                self.batches.dispatch.weigh = self.planner.sequence_work
+                self.batches.dispatch.weigh = self.planner.model.sequence_train_flops
             self.runlog.event("layout_applied", step=0, by="checkpoint" if loaded else "config", **s.layout.summary())
             self.world.command({"op": "start", "roles": s.roles, "warm": str(self.warm),
                                 **self.checkpoints.start_message(loaded)})
@@ -189,7 +189,7 @@ class JobController:
                               line=f"trajectory {tid} reported again by rank {source} (instance "
                                    f"{message.get('instance')}): its lease had expired and the turn ran twice; "
                                    "this copy is dropped")
-            return self._send(source, {"op": "route", "tid": tid, "dest": [], "replica": None})
+            return self._send_routes([(source, tid, None)])
         message["finished_at"] = time.perf_counter()  # the planner's chain records (runtime/planning.py)
         routes, may_train = self.batches.finished(message, source, self.relayout.open_replicas())
         if source in self._leaving_leaders():

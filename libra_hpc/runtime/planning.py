@@ -274,12 +274,6 @@ class PlannerDriver:
         trains whole: steps of several passes do not stream (runtime/batches.py)."""
         return self.control.o.stream_groups if epochs == 1 else 0
 
-    def sequence_work(self, tokens: int) -> float:
-        """A sequence's training FLOPs on the job's model (forward and backward: 3 × its
-        tokens × the FLOP of a token attending to half of them): what the batch trackers
-        place whole groups by (parallel/dispatch.py)."""
-        return 3.0 * tokens * self.model.flops_per_token(tokens / 2)
-
     def trained_batch(self, rows: list[dict], reports: list[dict]) -> RLBatch:
         """The sequences a batch's training step works on (:meth:`kept`), their mean length
         and where they were trained (each DP replica's first trainer reports the ids it

@@ -208,7 +208,7 @@ class MegatronTrainEngine:
         padding each micro-batch keeps included) and the tokens of forward-only passes
         (:meth:`logprobs`). Each trainer's step report carries it, and the planner's
         ``planner_prediction`` event per DP replica (runtime/planning.py): the job routes
-        whole GRPO groups, so the replicas' shares differ (1.0-3.0× an even one seen)."""
+        whole GRPO groups, so the replicas' shares differ."""
         work, self.work = self.work, dict.fromkeys(self.work, 0)
         return work
 
