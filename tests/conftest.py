@@ -19,6 +19,13 @@ def pytest_addoption(parser):
 JOB_MODULES = ("test_job", "test_launch_local", "test_launch_slurm", "test_slurm_cluster", "test_tools_remote")
 """Modules whose tests start whole jobs (launch.py, sbatch) or use the private Slurm cluster."""
 
+WORLD_MODULES = ("test_role_worlds", "test_engines_rollout")
+"""Modules whose tests start many processes that poll (a 13-rank MPI world, a vLLM engine of
+TP 2): they run in the jobs' unit, never beside a job's 13 ranks on the same cores. Beside
+one, CI lost each once in about eight runs (both pass alone, every time): the idle role world
+hung 300 s with its 12 workers in MPICH's ``bcast``, and the TP-2 engine's main process
+waited past 600 s in vLLM's ``shm_broadcast`` for its worker's answer."""
+
 SLOT_MODULES = ("test_tools_sandbox", "test_tools_hardening", "test_tools_orchestrator")
 """Modules whose tests share fixed sandbox slot uids (their module's ``UID``): each runs whole
 on one worker. Split across two, a test on one worker reaps the slot uid's processes (a
@@ -28,9 +35,9 @@ sandbox or isolation probe runs as that uid: CI lost ten bwrap tests so ("probe 
 
 
 def pytest_xdist_make_scheduler(config, log):
-    """With two pytest-xdist workers (pyproject's addopts): the tests of ``JOB_MODULES`` are
-    one unit of work, run in order by one worker (they share the session's Slurm cluster
-    and warm-start cache, and each job loads both cores); each module of ``SLOT_MODULES`` is
+    """With two pytest-xdist workers (pyproject's addopts): the tests of ``JOB_MODULES`` and
+    ``WORLD_MODULES`` are one unit of work, run in order by one worker (they share the
+    session's Slurm cluster and warm-start cache, and each job loads both cores); each module of ``SLOT_MODULES`` is
     one unit; every other test is a unit of its own, run by whichever worker is free. (A
     conftest cannot give pytest-xdist's ``loadgroup`` its groups under pytest 9: the
     worker's renamed node ids are not used.)"""
@@ -39,7 +46,7 @@ def pytest_xdist_make_scheduler(config, log):
     class JobsTogether(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
             module = Path(nodeid.split("::", 1)[0]).stem
-            if module in JOB_MODULES:
+            if module in JOB_MODULES or module in WORLD_MODULES:
                 return "jobs"
             return module if module in SLOT_MODULES else nodeid
 
