@@ -191,11 +191,15 @@ def lend_hybrid_to_training(layout: Layout, reason: str, only: frozenset[Slot] |
     if len(lent) % replica:
         raise LayoutError(f"{len(lent)} hybrid slots do not form whole replicas of TP×PP = {replica}")
     # Megatron order is TP fastest, then DP, then PP: per pipeline stage, the core
-    # replicas' block then the new replicas' block. Node-major hybrid slots keep each TP
-    # chunk on one node.
+    # replicas' block then the new replicas' block. Each new replica is a run of TP×PP
+    # node-major hybrid slots (stage by stage, TP chunk by TP chunk), so a rollout
+    # instance of up to TP×PP slots lies in one replica and a TP chunk on one node.
+    # (Strided over the stages before: with PP 4 a replica took every other slot of the
+    # node, and no TP4 or TP8 instance there could form a pool.)
     extra_dp = len(lent) // replica
     core_stages = _stage_blocks(train.slots, train.tp * train.dp)
-    new_stages = _stage_blocks(tuple(lent), train.tp * extra_dp)
+    new_stages = [tuple(lent[r * replica + p * train.tp + t] for r in range(extra_dp) for t in range(train.tp))
+                  for p in range(train.pp)]
     slots = tuple(s for core, new in zip(core_stages, new_stages) for s in core + new)
     new_train = replace(train, slots=slots, dp=train.dp + extra_dp)
     keep = [g for g in layout.rollout_instances if not (g.hybrid and set(g.slots) <= set(lent))]

@@ -49,7 +49,7 @@ from libra_hpc.planner.decisions import journal_form as journal_form
 from libra_hpc.planner.gate import GateOptions, ReplanGate
 from libra_hpc.planner.hybrid import HybridPool
 from libra_hpc.planner.hybrid import PoolEvent as PoolEvent
-from libra_hpc.planner.lending import HybridLending, hybrid_gain
+from libra_hpc.planner.lending import HybridLending
 from libra_hpc.planner.options import ControlOptions as ControlOptions
 from libra_hpc.planner.options import feasible_tps as feasible_tps
 from libra_hpc.planner.options import profiles as profiles
@@ -158,16 +158,46 @@ class ControlLoop:
         return rollout_side_s(makespan_s, self.o.max_staleness, self.o.stream_groups, self.cal.stream_tail_s)
 
     # ------------------------------------------------------------------ the hybrid pool's gate
-    def hybrid_direction(self, t_train: float, t_roll: float) -> str | None:
-        """Which way the pool's gate points: ``borrow``, ``release`` or None."""
-        return self.lending.direction(t_train, t_roll)
-
-    def hybrid_gain(self, direction: str, t_train: float, t_roll: float) -> float | None:
-        """Seconds per step moving one replica that way is predicted to save
-        (:func:`~libra_hpc.planner.lending.hybrid_gain`); None when none can move."""
-        if self.pool is None:
+    def hybrid_gain(self, direction: str, t_train: float, makespan_s: float) -> float | None:
+        """Seconds per step that lending more hybrid replicas (``borrow``) or taking some
+        back (``release``) is predicted to save, at the measured training step ``t_train``
+        and rollout makespan ``makespan_s``: the pipelined step now less the step after the
+        move (:meth:`PlanValuation.lent_times`: training at 1/DP, the rollout's makespan by
+        the cost model on the window's lengths), the best over how many replicas move (a
+        first lend that costs rollout more than it gives training may lead to a second that
+        pays; the pool lends one at a time). None when no replica can move that way."""
+        pool = self.pool
+        if pool is None:
             return None
-        return hybrid_gain(direction, t_train, t_roll, self.pool, self.training_shape().dp, self.plan.rollout_gpus)
+        lent = len(pool.training_replicas())
+        if direction == "borrow":
+            if not pool.in_state("rollout"):
+                return None
+            afters = [k for k in range(lent + 1, len(pool.all_replicas()) + 1)
+                      if self.plan.rollout_gpus - k * pool.replica_size >= max(1, self.o.min_rollout_gpus)]
+        else:
+            if not lent or self.training_shape().dp <= 1:
+                return None
+            afters = list(range(lent))
+        if not afters:
+            return None
+        lengths = length_profile(list(self.window), self.o.global_batch) if self.window else None
+        valuation = self.valuation()
+        now_s = valuation.step_objective(t_train, makespan_s)
+        return max(now_s - valuation.step_objective(*valuation.lent_times(self.plan, pool, t_train, makespan_s,
+                                                                          lent, k, lengths))
+                   for k in afters)
+
+    def hybrid_move(self, t_train: float, makespan_s: float) -> tuple[str | None, float | None]:
+        """The move of the pool predicted to save the most and its gain (:meth:`hybrid_gain`),
+        before the lend trial's hold and the margin; (None, None) when no move is predicted
+        to save anything."""
+        gains = {d: self.hybrid_gain(d, t_train, makespan_s) for d in ("borrow", "release")}
+        moves = {d: g for d, g in gains.items() if g is not None and g > 0}
+        if not moves:
+            return None, None
+        best = max(moves, key=lambda d: moves[d])
+        return best, moves[best]
 
     def lend_held(self, t_train: float, t_roll: float) -> bool:
         """True when a lend at this training/rollout balance is held: one at a balance no
@@ -330,7 +360,7 @@ class ControlLoop:
             return None
         valuation = self.valuation()
         model_s = valuation.step_objective(now_plan.t_train, now_plan.t_rollout)  # the cost models' own prediction
-        now_plan = replace(now_plan, objective=valuation.pooled_objective(now_plan, self.pool))
+        now_plan = replace(now_plan, objective=valuation.pooled_objective(now_plan, self.pool, lengths))
         decision = self.gate.consider(step, now_plan.objective, candidate, o.reconfig_s + self.drain_s(), pressure,
                                       current=self.plan, model_error=model_error(self.cal))
         self.considered.append({"step": step, "kind": "replan_check", "trigger": decision.trigger,
@@ -390,8 +420,9 @@ class ControlLoop:
 
     def _hybrid_decide(self, step: int, now: float, t_train: float, t_roll: float) -> list[PoolEvent] | None:
         """The pool's transitions (``HybridLending.decide``); None when nothing was considered."""
+        makespan = self.measured[0]
         events, notes = self.lending.decide(
-            self.pool, step, now, t_train, t_roll, gain=lambda direction: self.hybrid_gain(direction, t_train, t_roll),
+            self.pool, step, now, t_train, t_roll, gain=lambda direction: self.hybrid_gain(direction, t_train, makespan),
             can_grow=lambda: not TrainingCost(self.model, self.hw, grown(self.training_shape(), 1), self.cal).infeasible)
         self.considered.extend(notes)
         return events

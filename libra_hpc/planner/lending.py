@@ -1,10 +1,14 @@
-"""The elastic hybrid pool's lending policy (pure): which way its gate points, what moving
-a replica is predicted to save, and the lend on trial (:class:`HybridLending`).
+"""The elastic hybrid pool's lending policy (pure): which way it moves a replica, and the
+lend on trial (:class:`HybridLending`).
 
-The cost models price a replica lent to training as 1/DP faster training and 1/GPUs
-slower rollout. Where the rollout's tail binds (its makespan set by a few long
-trajectories, and streamed training overlapping it), taking GPUs from it can cost far
-more: the pool then lent and released on alternate checks. So a lend is on trial: once the
+The control loop prices each move (``ControlLoop.hybrid_gain``): the pipelined step with
+training at 1/DP and the rollout's makespan from the rollout cost model on the instances
+left. The pool moves a replica the way that is predicted to save the most, when that is
+more than ``hybrid_margin`` of the step: not only when training is the slower side, since
+with staleness k a step is (makespan + training) / (k + 1) while rollout is longer, and a
+shorter training step shortens it. The prediction can still be wrong where the rollout's
+tail binds (its makespan set by a few long trajectories, and streamed training
+overlapping it): the pool then lent and released on alternate checks. So a lend is on trial: once the
 replica has trained through two measured rollouts, a step (the slower of training and the
 rollout side) longer than before the lend by more than ``hybrid_margin`` sends it back,
 and later borrows need a training/rollout ratio above the one it was lent at by that
@@ -17,33 +21,6 @@ import math
 from collections.abc import Callable
 
 from libra_hpc.planner.hybrid import HybridPool, PoolEvent
-from libra_hpc.planner.pipeline import moved_times
-
-
-def hybrid_direction(t_train: float, t_roll: float, margin: float) -> str | None:
-    """Which way the pool's gate points: ``borrow`` (training slower than rollout by
-    more than ``margin``), ``release`` (the reverse) or None."""
-    return "borrow" if t_train > t_roll * (1 + margin) else "release" if t_roll > t_train * (1 + margin) else None
-
-
-def hybrid_gain(direction: str, t_train: float, t_roll: float, pool: HybridPool | None, dp: int,
-                plan_rollout_gpus: int) -> float | None:
-    """Seconds per step that lending one more replica (``borrow``) or taking one back
-    (``release``) is predicted to save: training time scales with 1/DP, rollout time
-    with 1/rollout GPUs, the step is the slower of the two. ``dp``: the running training
-    DP (lent replicas included); ``plan_rollout_gpus``: the plan's rollout GPUs (lent
-    replicas included). None when there is no replica to move that way."""
-    if pool is None:
-        return None
-    lent = len(pool.training_replicas())
-    size = pool.replica_size
-    rollout = plan_rollout_gpus - lent * size
-    now_s = max(t_train, t_roll)
-    if direction == "borrow" and pool.in_state("rollout") and rollout > size:
-        return now_s - max(moved_times(t_train, t_roll, dp, rollout, size, 1))
-    if direction == "release" and lent and dp > 1:
-        return now_s - max(moved_times(t_train, t_roll, dp, rollout, size, -1))
-    return None
 
 
 class HybridLending:
@@ -53,7 +30,7 @@ class HybridLending:
 
     def __init__(self, margin: float):
         self.margin = margin
-        """``hybrid_margin``: borrow when T_train > T_rollout × (1 + margin), release in reverse."""
+        """``hybrid_margin``: a move must be predicted to save this share of the step."""
         self.trial: dict | None = None
         """The last replica lent to training, on trial until two rollouts with it active are
         measured: ``rid``, ``step``, ``before_s`` (the step's slower side before the lend),
@@ -61,9 +38,6 @@ class HybridLending:
         self.floor: float | None = None
         """After a lend that made the step slower: the training/rollout ratio a borrow must
         now exceed."""
-
-    def direction(self, t_train: float, t_roll: float) -> str | None:
-        return hybrid_direction(t_train, t_roll, self.margin)
 
     def held(self, t_train: float, t_roll: float) -> bool:
         """True when a lend at this training/rollout balance is held: one at a balance no
@@ -73,25 +47,33 @@ class HybridLending:
     def decide(self, pool: HybridPool, step: int, now: float, t_train: float, t_roll: float,
                gain: Callable[[str], float | None],
                can_grow: Callable[[], bool]) -> tuple[list[PoolEvent] | None, list[dict]]:
-        """Borrow or release a hybrid replica (the pool's events); None (nothing considered)
-        when training is the bottleneck but one more replica would not fit its memory
-        (``can_grow``). A move that ``gain`` (:func:`hybrid_gain` for the running plan)
-        predicts to shorten the step by less than the margin's share of it holds (the
-        margin alone would lend a replica whose rollout GPUs are worth more than its
-        training, or switch, with the pause that costs, for a sliver). A lend is judged by
-        what it did (:meth:`_judge`). Also returns the ``considered`` records of the check."""
+        """Borrow or release a hybrid replica (the pool's events), or hold. ``gain(direction)``
+        (``borrow`` or ``release``): the step time that move is predicted to save, None when
+        no replica can move that way. The move predicted to save the most is made when it
+        saves more than the margin's share of the step (``max(t_train, t_roll)``; ``t_roll``:
+        the rollout side); a borrow only while one more replica fits training's memory
+        (``can_grow``) and no lend at this balance made the step slower (:meth:`held`).
+        While a replica joins or releases, nothing moves (its effect is not measured yet).
+        A lend is judged by what it did (:meth:`_judge`). Also returns the ``considered``
+        records of the check; the events are None when nothing was considered."""
         release, notes = self._judge(pool, step, t_train, t_roll)
         if release is not None:
             return pool.release(now, release), notes
-        direction = self.direction(t_train, t_roll)
-        if direction == "borrow" and not can_grow():
-            return None, notes
-        if direction == "borrow" and self.held(t_train, t_roll):
-            return pool.tick(now), notes  # the balance at which lending made the step slower
-        predicted = None if direction is None else gain(direction)
-        if predicted is not None and predicted <= self.margin * max(t_train, t_roll):  # None: nothing to move
+        if pool.joining() or pool.in_state("releasing"):
             return pool.tick(now), notes
-        events = pool.decide(now, t_train, t_roll, self.margin)
+        gains = {"release": gain("release")}
+        if can_grow() and not self.held(t_train, t_roll):
+            gains["borrow"] = gain("borrow")
+        moves = {d: g for d, g in gains.items() if g is not None}
+        if not moves:
+            return None, notes
+        direction = max(moves, key=lambda d: moves[d])
+        if moves[direction] <= self.margin * max(t_train, t_roll):
+            return pool.tick(now), notes
+        why = f"predicted to save {moves[direction]:.3g} s a step (> {self.margin:g} × {max(t_train, t_roll):.3g} s)"
+        if direction == "release":
+            return pool.release(now, why), notes
+        events = pool.borrow(now, why)
         lent = [e.replica for e in events if e.changed and e.to_state == "requested"]
         if lent:
             self.trial = {"rid": lent[-1], "step": step, "before_s": max(t_train, t_roll),

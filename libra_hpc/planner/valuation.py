@@ -16,7 +16,7 @@ from dataclasses import dataclass, replace
 
 from libra_hpc.planner.allocation import pool_of, resplit_hybrid, resplit_sizes
 from libra_hpc.planner.calibration import Calibration
-from libra_hpc.planner.costs import LengthProfile, LengthSample, TrainingCost, TrainShape
+from libra_hpc.planner.costs import LengthProfile, LengthSample, RolloutCost, TrainingCost, TrainShape, rollout_makespan
 from libra_hpc.planner.hybrid import HybridPool
 from libra_hpc.planner.options import ControlOptions
 from libra_hpc.planner.pipeline import moved_times, pipelined_step_s, rollout_side_s
@@ -66,6 +66,17 @@ def measured_scale(measured: tuple[float, float | None] | None, now: Plan, lent:
     return (t_train / p_train, makespan / p_roll)
 
 
+def rollout_left(plan_: Plan, pool: HybridPool, lent: int) -> dict[int, int]:
+    """Rollout instances per TP size of ``plan_`` once the pool's first ``lent`` replicas
+    (by id) train: the plan's instances less those inside their slots."""
+    gone = {s for r in pool.all_replicas()[:lent] for s in r.slots}
+    out: dict[int, int] = {}
+    for inst in plan_.rollout:
+        if not set(inst.slots) <= gone:
+            out[inst.tp] = out.get(inst.tp, 0) + 1
+    return out
+
+
 @dataclass(frozen=True)
 class PlanValuation:
     """How the control loop values plans at one moment: its profiles, options and current
@@ -87,6 +98,33 @@ class PlanValuation:
     latest_mean: float | None = None
     """Mean sequence tokens of the last batch observed: new plans fit ``memory_headroom`` ×
     at least that (:func:`~libra_hpc.planner.reshard.memory_need`'s floor)."""
+
+    def makespan_s(self, counts: dict[int, int], lengths: LengthProfile) -> float:
+        """The rollout cost model's makespan of ``lengths`` on instances ``counts`` (TP → n)."""
+        hw = self.hw.model_copy(update={"gpus_per_node": self.o.gpus_per_node})
+        pools = [(RolloutCost(self.model, hw, tp, self.cal), n) for tp, n in counts.items() if n]
+        if not pools:
+            return math.inf
+        return rollout_makespan(pools, lengths, in_flight=self.o.max_staleness + 1,
+                                length_aware=self.o.length_aware_routing, migration=self.o.migration).makespan_s
+
+    def lent_times(self, plan_: Plan, pool: HybridPool, t_train: float, t_rollout: float, before: int, after: int,
+                   lengths: LengthProfile | None) -> tuple[float, float]:
+        """Training and rollout time once ``after`` of the pool's replicas train instead of
+        ``before`` (lowest ids first), from ``t_train`` and ``t_rollout`` with ``before``
+        lent: training with 1/DP; rollout by the rollout cost model's makespan of
+        ``lengths`` on the instances left (their tails included), or with 1/GPUs without
+        ``lengths``. (1/GPUs alone says a node of a tool-bound rollout taken away costs
+        a third more; on cmlfq-premise half the rollout GPUs cost 7%.)"""
+        dp = plan_.train.dp + before
+        t_train = t_train * dp / (dp + after - before)
+        if lengths is None:
+            size = pool.replica_size
+            gpus = plan_.rollout_gpus - before * size
+            return t_train, t_rollout * gpus / (gpus - (after - before) * size)
+        old = self.makespan_s(rollout_left(plan_, pool, before), lengths)
+        new = self.makespan_s(rollout_left(plan_, pool, after), lengths)
+        return t_train, (t_rollout * new / old if 0 < old < math.inf else math.inf)
 
     def step_objective(self, t_train: float, t_rollout: float) -> float:
         """:func:`~libra_hpc.planner.pipeline.pipelined_step_s` at this run's staleness."""
@@ -126,7 +164,7 @@ class PlanValuation:
         whose training would bind once a replica is lent never forms it, as a tie of the
         step objectives leaves the pool out."""
         o = self.o
-        best = replace(plan_, objective=self.pooled_objective(plan_, pool_of(plan_, o)))
+        best = replace(plan_, objective=self.pooled_objective(plan_, pool_of(plan_, o), lengths))
         for tp in resplit_sizes(o):
             candidate = resplit_hybrid(plan_, tp, o.nodes - o.hybrid_nodes)
             pool = None if candidate is None else pool_of(candidate, o)
@@ -135,20 +173,22 @@ class PlanValuation:
             candidate = reprice(candidate, self.model, self.hw, o.gpus_per_node, lengths, self.cal, batch,
                                 in_flight=o.max_staleness + 1, length_aware=o.length_aware_routing,
                                 migration=o.migration, stream_groups=o.stream_groups)
-            candidate = replace(candidate, objective=self.pooled_objective(candidate, pool))
+            candidate = replace(candidate, objective=self.pooled_objective(candidate, pool, lengths))
             if candidate.objective < best.objective:
                 best = candidate
             break  # the widest split that forms the pool
         return best
 
-    def pooled_objective(self, plan_: Plan, pool: HybridPool | None) -> float:
-        """``plan_``'s step objective, or its step with one hybrid replica lent to training
-        if that is shorter (:func:`~libra_hpc.planner.pipeline.moved_times`, as
-        :func:`~libra_hpc.planner.lending.hybrid_gain` scales them), when ``pool`` can lend
-        one. Whether lending pays, and which of two plans is faster, turns on the balance of
-        the two times, so they are first scaled by what the running plan measured against
-        its prediction (:attr:`scale`: the cost models' error there, taken to hold for every
-        candidate; (1, 1) for the initial plan)."""
+    def pooled_objective(self, plan_: Plan, pool: HybridPool | None, lengths: LengthProfile | None = None) -> float:
+        """``plan_``'s step objective, or its step with hybrid replicas lent to training if
+        that is shorter (every count the pool and training's memory allow; the times as
+        :meth:`lent_times` moves them, on ``lengths``), when ``pool`` can lend one. Whether
+        lending pays, and which of two plans is faster, turns on the balance of the two
+        times, so they are first scaled by what the running plan measured against its
+        prediction (:attr:`scale`: the cost models' error there, taken to hold for every
+        candidate; (1, 1) for the initial plan). Lent replicas are counted together: the
+        first of two may slow rollout more than it speeds training (its instance ends the
+        rollout's tail) where both pay (cmlfq-premise)."""
         plan_ = replace(plan_, t_train=plan_.t_train * self.scale[0], t_rollout=plan_.t_rollout * self.scale[1])
         now = self.step_objective(plan_.t_train, plan_.t_rollout)
         if pool is None:
@@ -156,11 +196,14 @@ class PlanValuation:
         if self.held(plan_.t_train, rollout_side_s(plan_.t_rollout, self.o.max_staleness, self.o.stream_groups,
                                                   self.cal.stream_tail_s)):
             return now  # lending at this balance was tried and made the step slower (the lend trial)
-        dp, gpus, size = plan_.train.dp, plan_.rollout_gpus, pool.replica_size
-        if gpus - size < max(1, self.o.min_rollout_gpus) or \
-                TrainingCost(self.model, self.hw, grown(plan_.train, 1), self.cal).infeasible:
-            return now
-        return min(now, self.step_objective(*moved_times(plan_.t_train, plan_.t_rollout, dp, gpus, size, 1)))
+        best = now
+        for k in range(1, len(pool.all_replicas()) + 1):
+            if plan_.rollout_gpus - k * pool.replica_size < max(1, self.o.min_rollout_gpus) or \
+                    TrainingCost(self.model, self.hw, grown(plan_.train, k), self.cal).infeasible:
+                break
+            best = min(best, self.step_objective(*self.lent_times(plan_, pool, plan_.t_train, plan_.t_rollout,
+                                                                  0, k, lengths)))
+        return best
 
     def best_single_tp(self, prior: LengthProfile) -> int:
         """The one rollout TP size whose plan for ``prior`` is best (``single_tp``)."""

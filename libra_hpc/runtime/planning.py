@@ -329,7 +329,7 @@ class PlannerDriver:
             return []
         steps, rollout_s, t_train = self.window.means()
         before = len(self.control.considered)
-        assessment = None if pool is None else self.assess(t_train, self.control.rollout_side_s(rollout_s))
+        assessment = None if pool is None else self.assess(t_train, rollout_s)
         if assessment is not None:
             assessment["steps"] = steps
         out = self.control.after_rollout(b, self.now(), rollout_s, t_train)
@@ -356,12 +356,13 @@ class PlannerDriver:
         self._gains(self.window.realised_gains(final=True))
         return self.layout_gains
 
-    def assess(self, t_train: float, t_rollout: float) -> dict:
-        """Which way the pool's gate points, and the step time a move is predicted to save
-        (taken before the control loop decides: its answer changes the pool)."""
+    def assess(self, t_train: float, makespan_s: float) -> dict:
+        """Which way the pool's gate points (the move predicted to save the most), and that
+        saving (taken before the control loop decides: its answer changes the pool).
+        ``t_rollout`` in the record: the rollout side the margin and the lend trial weigh."""
         control = self.control
-        direction = control.hybrid_direction(t_train, t_rollout)
-        gain = control.hybrid_gain(direction, t_train, t_rollout) if direction else None
+        direction, gain = control.hybrid_move(t_train, makespan_s)
+        t_rollout = control.rollout_side_s(makespan_s)
         out = {"direction": direction, "t_train": round(t_train, 3), "t_rollout": round(t_rollout, 3),
                "predicted_gain_s": None if gain is None else round(gain, 3)}
         if direction == "borrow" and control.lend_held(t_train, t_rollout):
@@ -378,7 +379,7 @@ class PlannerDriver:
             reason = "predicted to shorten the step by more than the margin" if what == direction else moved[0].reason
         else:
             what = direction or "hold"
-            reason = ("within the margin" if direction is None else assessment["held_by"] if "held_by" in assessment
+            reason = ("no move predicted to shorten the step" if direction is None else assessment["held_by"] if "held_by" in assessment
                       else "nothing to move that way" if gain is None
                       else "predicted to shorten the step by less than the margin")
         s.runlog.event("plan_considered", step=s.version - 1, what=f"hybrid pool: {what}", **assessment,
