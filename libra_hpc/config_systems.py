@@ -129,10 +129,12 @@ class PlannerConfig(_Section):
     fixed limits). false: mixed-TP plans are priced as if no trajectory moved (the
     valuation before this option)."""
     hybrid_margin: float = Field(0.1, ge=0)
-    """Hybrid pool: lend it to training when the training step takes more than the rollout
-    phase × (1 + margin); give it back when rollout takes more than training × (1 + margin),
-    or when, two rollouts after the lend, the step is longer than before it by more than the
-    margin (then no lend again until training outweighs rollout by more than at that lend)."""
+    """Hybrid pool: lend a replica to training, or give one back, when that move is predicted
+    to shorten the step by more than this share of it (the pipelined step at
+    ``rl.max_staleness``: training at 1/DP, the rollout's makespan by the rollout cost model
+    on the instances left, on the observed lengths; libra_hpc/planner/lending.py). A lend
+    goes back when, two rollouts after it, the step is longer than before it by more than
+    the margin (then no lend again until training outweighs rollout by more than at that lend)."""
     borrow_at_step: int | None = 2
     """``job.mode: check`` only: the step at which the cluster check lends the hybrid pool
     to training, a scripted move (the RL job and the simulator lend it by cost,

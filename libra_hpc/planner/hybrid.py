@@ -347,7 +347,9 @@ class HybridPool:
         (a fraction: ``t_train > t_rollout × (1 + margin)``), release when rollout is slower
         by the same margin, otherwise hold (no events besides expired timeouts). While a
         replica is joining or releasing, a training bottleneck holds too: its effect is not
-        measured yet, and borrowing again would overshoot."""
+        measured yet, and borrowing again would overshoot. (Not the control loop's policy,
+        which prices each move by the cost models: ``HybridLending.decide``; the pool's
+        own tests drive its state machine with this one.)"""
         if margin < 0 or t_train < 0 or t_rollout < 0:
             raise HybridPoolError(f"decide: margin={margin}, t_train={t_train}, t_rollout={t_rollout} must be >= 0")
         if t_train > t_rollout * (1 + margin):

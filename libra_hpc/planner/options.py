@@ -49,7 +49,7 @@ class ControlOptions:
     """Finished trajectories the length profile of a replan is built from."""
     gate: GateOptions = GateOptions()
     hybrid_margin: float = 0.1
-    """Borrow when T_train > T_rollout × (1 + margin), release in reverse."""
+    """A pool move must be predicted to save this share of the step (``HybridLending.decide``)."""
     memory_headroom: float = 1.25
     """Training shapes must fit sequences this many times the observed mean (packed)
     length, up to ``seq_len``; a running shape that no longer does is replaced at once."""
