@@ -72,3 +72,16 @@ def test_lent_replicas_are_whole_runs_of_the_hybrid_node_so_that_narrow_instance
     assert [set(r.slots) for r in pool.all_replicas()] == [set(node(2)[:4]), set(node(2)[4:])]
     grown = lend_hybrid_to_training(layout, "both").training
     assert grown.dp == 6 and set(grown.replica_slots(4)) == set(node(2)[:4])
+
+
+def test_a_lend_on_trial_is_judged_by_what_it_did_not_released_on_a_prediction(tmp_path):
+    control = _loop(tmp_path, [LengthSample(500, 60_000, 1, 0.0)] * 4)
+    [(rid, _)] = _moves(control.after_rollout(0, 10.0, 1.0, 30.0))  # training binds: lend
+    control.progress(rid, 11.0)
+    control.progress(rid, 12.0)
+    control.after_training_step(13.0)
+    assert control.hybrid_move(1.0, 400.0)[0] == "release"  # predicted to pay ...
+    out = control.after_rollout(1, 20.0, 400.0, 1.0)
+    assert _moves(out) == [] and control.lend_trial is not None  # ... but the trial has one rollout of two
+    out = control.after_rollout(2, 30.0, 400.0, 1.0)  # its verdict: the step got slower, back it goes
+    assert _moves(out) == [(rid, "releasing")] and "lending made the step slower" in out.pool_events[-1].reason
