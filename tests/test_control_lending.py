@@ -55,6 +55,7 @@ def test_a_replica_goes_back_when_rollout_would_gain_more_than_training_loses(tm
     control.progress(rid, 11.0)
     control.progress(rid, 12.0)
     control.after_training_step(13.0)
+    control.lending.trial = None  # judged already (the trial's own test is below)
     direction, gain = control.hybrid_move(1.0, 400.0)  # then decoding binds: 400 s a batch
     assert direction == "release" and gain > 0
 
@@ -80,7 +81,8 @@ def test_a_lend_on_trial_is_judged_by_what_it_did_not_released_on_a_prediction(t
     control.progress(rid, 11.0)
     control.progress(rid, 12.0)
     control.after_training_step(13.0)
-    assert control.hybrid_move(1.0, 400.0)[0] == "release"  # predicted to pay ...
+    assert control.hybrid_gain("release", 1.0, 400.0) > 0  # predicted to pay ...
+    assert control.hybrid_move(1.0, 400.0) == (None, None)  # ... but not a move the gate weighs on trial
     out = control.after_rollout(1, 20.0, 400.0, 1.0)
     assert _moves(out) == [] and control.lend_trial is not None  # ... but the trial has one rollout of two
     out = control.after_rollout(2, 30.0, 400.0, 1.0)  # its verdict: the step got slower, back it goes

@@ -1,10 +1,10 @@
 """A plan's allocation: its layout and the elastic hybrid pool that layout forms (pure).
 
 The pool's rule: no rollout instance on a hybrid node may span more than one training
-replica (lending a replica must stop no other instance). The replica's slots on a node
-come in Megatron order (TP chunks, interleaved over PP and DP), so a plan whose
-hybrid-node instances are wider than a replica's chunk cannot form it (TP2 PP1 DP10 or TP1
-DP20 fail with TP4 rollout on the node); cutting those instances narrower
+replica (lending a replica must stop no other instance). A lent replica takes a run of
+TP×PP node-major hybrid slots (``cluster/layout.py`` ``lend_hybrid_to_training``), so a plan
+whose hybrid-node instances are wider than a replica (TP×PP GPUs) cannot form it (TP2 PP1
+DP10 or TP1 DP20 fail with TP4 rollout on the node); cutting those instances narrower
 (:func:`resplit_hybrid`) may.
 """
 

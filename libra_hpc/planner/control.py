@@ -174,7 +174,8 @@ class ControlLoop:
             if not pool.in_state("rollout"):
                 return None
             afters = [k for k in range(lent + 1, len(pool.all_replicas()) + 1)
-                      if self.plan.rollout_gpus - k * pool.replica_size >= max(1, self.o.min_rollout_gpus)]
+                      if self.plan.rollout_gpus - k * pool.replica_size >= max(1, self.o.min_rollout_gpus)
+                      and not TrainingCost(self.model, self.hw, grown(self.plan.train, k), self.cal).infeasible]
         else:
             if not lent or self.training_shape().dp <= 1:
                 return None
@@ -190,10 +191,14 @@ class ControlLoop:
 
     def hybrid_move(self, t_train: float, makespan_s: float) -> tuple[str | None, float | None]:
         """The move of the pool predicted to save the most and its gain (:meth:`hybrid_gain`),
-        before the lend trial's hold and the margin; (None, None) when no move is predicted
-        to save anything."""
-        gains = {d: self.hybrid_gain(d, t_train, makespan_s) for d in ("borrow", "release")}
-        moves = {d: g for d, g in gains.items() if g is not None and g > 0}
+        among those the pool's gate weighs (``HybridLending.moves``: the lend trial, its
+        floor and training's memory as in :meth:`after_rollout`), before the margin; (None,
+        None) when no move is predicted to save anything."""
+        if self.pool is None:
+            return None, None
+        moves = self.lending.moves(t_train, self.rollout_side_s(makespan_s),
+                                   lambda d: self.hybrid_gain(d, t_train, makespan_s), self._can_grow)
+        moves = {d: g for d, g in moves.items() if g > 0}
         if not moves:
             return None, None
         best = max(moves, key=lambda d: moves[d])
@@ -423,9 +428,13 @@ class ControlLoop:
         makespan = self.measured[0]
         events, notes = self.lending.decide(
             self.pool, step, now, t_train, t_roll, gain=lambda direction: self.hybrid_gain(direction, t_train, makespan),
-            can_grow=lambda: not TrainingCost(self.model, self.hw, grown(self.training_shape(), 1), self.cal).infeasible)
+            can_grow=self._can_grow)
         self.considered.extend(notes)
         return events
+
+    def _can_grow(self) -> bool:
+        """One more hybrid replica fits training's memory."""
+        return not TrainingCost(self.model, self.hw, grown(self.training_shape(), 1), self.cal).infeasible
 
     def _change(self, step: int, result: PlanResult, reason: str, gain_s: float | None,
                 searched: bool = True) -> LayoutChange:

@@ -282,7 +282,7 @@ class HybridPool:
         return events
 
     def borrow(self, now: float, reason: str) -> list[PoolEvent]:
-        """Training is the bottleneck: request the lowest-id rollout-side replica."""
+        """Lend a replica to training: request the lowest-id rollout-side replica."""
         events = self.tick(now)
         candidates = self.in_state("rollout")
         if not candidates:

@@ -44,6 +44,17 @@ class HybridLending:
         heavier on training made the step slower."""
         return self.floor is not None and t_train <= t_roll * self.floor
 
+    def moves(self, t_train: float, t_roll: float, gain: Callable[[str], float | None],
+              can_grow: Callable[[], bool]) -> dict[str, float]:
+        """The moves :meth:`decide` weighs and what each is predicted to save: a release
+        unless a lend is on trial (judged by what it did), a borrow while one more replica
+        fits training's memory and no lend at this balance made the step slower; a move
+        that no replica can make (``gain`` None) is left out."""
+        gains = {"release": gain("release") if self.trial is None else None}
+        if can_grow() and not self.held(t_train, t_roll):
+            gains["borrow"] = gain("borrow")
+        return {d: g for d, g in gains.items() if g is not None}
+
     def decide(self, pool: HybridPool, step: int, now: float, t_train: float, t_roll: float,
                gain: Callable[[str], float | None],
                can_grow: Callable[[], bool]) -> tuple[list[PoolEvent] | None, list[dict]]:
@@ -56,17 +67,15 @@ class HybridLending:
         While a replica joins or releases, nothing moves (its effect is not measured yet).
         A lend is judged by what it did (:meth:`_judge`): while it is on trial no release is
         made on a prediction (a prediction that a lend paid and one, a batch later, that it
-        does not made the pool flap on a800-swe-drift-mirror: 11614 tokens/s against 11697). Also returns the ``considered``
-        records of the check; the events are None when nothing was considered."""
+        does not made the pool flap on a800-swe-drift-mirror: 11614 tokens/s against 11697).
+        Also returns the ``considered`` records of the check; the events are None when no
+        move was possible (:meth:`moves` empty)."""
         release, notes = self._judge(pool, step, t_train, t_roll)
         if release is not None:
             return pool.release(now, release), notes
         if pool.joining() or pool.in_state("releasing"):
             return pool.tick(now), notes
-        gains = {"release": gain("release") if self.trial is None else None}  # a lend on trial is judged by what it did
-        if can_grow() and not self.held(t_train, t_roll):
-            gains["borrow"] = gain("borrow")
-        moves = {d: g for d, g in gains.items() if g is not None}
+        moves = self.moves(t_train, t_roll, gain, can_grow)
         if not moves:
             return None, notes
         direction = max(moves, key=lambda d: moves[d])

@@ -363,9 +363,12 @@ class PlannerDriver:
         control = self.control
         direction, gain = control.hybrid_move(t_train, makespan_s)
         t_rollout = control.rollout_side_s(makespan_s)
+        held = control.hybrid_gain("borrow", t_train, makespan_s) if control.lend_held(t_train, t_rollout) else None
+        if held is not None and held > 0 and (gain is None or held > gain):  # the move the lend trial holds
+            direction, gain = "borrow", held
         out = {"direction": direction, "t_train": round(t_train, 3), "t_rollout": round(t_rollout, 3),
                "predicted_gain_s": None if gain is None else round(gain, 3)}
-        if direction == "borrow" and control.lend_held(t_train, t_rollout):
+        if direction == "borrow" and held is not None:
             out["held_by"] = f"a lend at this balance made the step slower (training/rollout ≤ {control.borrow_floor:.3g})"
         return out
 
