@@ -170,20 +170,14 @@ class ControlLoop:
         if pool is None:
             return None
         lent = len(pool.training_replicas())
+        valuation = self.valuation()
         if direction == "borrow":
-            if not pool.in_state("rollout"):
-                return None
-            afters = [k for k in range(lent + 1, len(pool.all_replicas()) + 1)
-                      if self.plan.rollout_gpus - k * pool.replica_size >= max(1, self.o.min_rollout_gpus)
-                      and not TrainingCost(self.model, self.hw, grown(self.plan.train, k), self.cal).infeasible]
+            afters = [k for k in valuation.lendable(self.plan, pool) if k > lent] if pool.in_state("rollout") else []
         else:
-            if not lent or self.training_shape().dp <= 1:
-                return None
             afters = list(range(lent))
         if not afters:
             return None
         lengths = length_profile(list(self.window), self.o.global_batch) if self.window else None
-        valuation = self.valuation()
         now_s = valuation.step_objective(t_train, makespan_s)
         return max(now_s - valuation.step_objective(*valuation.lent_times(self.plan, pool, t_train, makespan_s,
                                                                           lent, k, lengths))

@@ -116,15 +116,26 @@ class PlanValuation:
         ``lengths`` on the instances left (their tails included), or with 1/GPUs without
         ``lengths``. (1/GPUs alone says a node of a tool-bound rollout taken away costs
         a third more; on cmlfq-premise half the rollout GPUs cost 7%.)"""
-        dp = plan_.train.dp + before
-        t_train = t_train * dp / (dp + after - before)
+        size = pool.replica_size
+        t_train, by_gpus = moved_times(t_train, t_rollout, plan_.train.dp + before, plan_.rollout_gpus - before * size,
+                                       size, after - before)
         if lengths is None:
-            size = pool.replica_size
-            gpus = plan_.rollout_gpus - before * size
-            return t_train, t_rollout * gpus / (gpus - (after - before) * size)
+            return t_train, by_gpus
         old = self.makespan_s(rollout_left(plan_, pool, before), lengths)
         new = self.makespan_s(rollout_left(plan_, pool, after), lengths)
         return t_train, (t_rollout * new / old if 0 < old < math.inf else math.inf)
+
+    def lendable(self, plan_: Plan, pool: HybridPool) -> list[int]:
+        """How many of the pool's replicas ``plan_`` can have lent at once: 1, 2, ... up to
+        the first count that would leave rollout under ``min_rollout_gpus`` or training's
+        grown shape out of memory (the pool lends one replica at a time)."""
+        out = []
+        for k in range(1, len(pool.all_replicas()) + 1):
+            if plan_.rollout_gpus - k * pool.replica_size < max(1, self.o.min_rollout_gpus) or \
+                    TrainingCost(self.model, self.hw, grown(plan_.train, k), self.cal).infeasible:
+                break
+            out.append(k)
+        return out
 
     def step_objective(self, t_train: float, t_rollout: float) -> float:
         """:func:`~libra_hpc.planner.pipeline.pipelined_step_s` at this run's staleness."""
@@ -196,14 +207,9 @@ class PlanValuation:
         if self.held(plan_.t_train, rollout_side_s(plan_.t_rollout, self.o.max_staleness, self.o.stream_groups,
                                                   self.cal.stream_tail_s)):
             return now  # lending at this balance was tried and made the step slower (the lend trial)
-        best = now
-        for k in range(1, len(pool.all_replicas()) + 1):
-            if plan_.rollout_gpus - k * pool.replica_size < max(1, self.o.min_rollout_gpus) or \
-                    TrainingCost(self.model, self.hw, grown(plan_.train, k), self.cal).infeasible:
-                break
-            best = min(best, self.step_objective(*self.lent_times(plan_, pool, plan_.t_train, plan_.t_rollout,
-                                                                  0, k, lengths)))
-        return best
+        return min([now] + [self.step_objective(*self.lent_times(plan_, pool, plan_.t_train, plan_.t_rollout, 0, k,
+                                                                 lengths))
+                            for k in self.lendable(plan_, pool)])
 
     def best_single_tp(self, prior: LengthProfile) -> int:
         """The one rollout TP size whose plan for ``prior`` is best (``single_tp``)."""
