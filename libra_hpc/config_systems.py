@@ -70,11 +70,13 @@ class PlannerConfig(_Section):
     """At each check the control loop sets the running plan's measured times against its
     prediction (measured / predicted, training and rollout) and values every candidate at
     that scale. It measures the scale again only when the observed mean sequence length
-    moved by at most this share since the last check; across a larger shift it keeps the
-    last one: the times measured then are of batches of the old lengths while the
-    prediction is made on the new ones, and the ratio mistook the shift for an error of the
-    cost models (context-drift-tp: a training scale of 2.8 at a regime change held the old
-    split 3 steps longer). null: measured at every check."""
+    moved by at most this share since the last check; across a larger shift it values plans
+    unscaled (1, 1) until the next steady check: the times measured then are of batches of
+    the old lengths while the prediction is made on the new ones, and the ratio mistook
+    the shift for an error of the cost models (context-drift-tp: a training scale of 2.8 at
+    a regime change held the old split 3 steps longer), and the last steady scale belongs
+    to the old regime (a rollout scale of 0.57 kept across the second regime change held
+    the old split a check longer). null: measured at every check."""
     memory_headroom: float = Field(1.25, ge=1.0)
     """Every plan's training shape must fit (packed) sequences this many times the observed
     mean length (over ``window`` trajectories, and at least the last batch's mean: a window

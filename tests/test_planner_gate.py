@@ -394,7 +394,8 @@ def test_the_running_plans_scale_is_measured_while_a_replica_is_lent():
 def test_the_scale_is_not_measured_again_across_a_shift_of_the_lengths():
     """The running plan's measured / predicted scale is taken again only while the mean
     length moved by at most ``scale_shift`` since the last check: across a regime change
-    the times measured belong to the old lengths and the last steady scale stays."""
+    the times measured belong to the old lengths, and the last steady scale to the old
+    regime, so plans are valued unscaled until a steady check measures it again."""
     from types import SimpleNamespace
 
     from libra_hpc.planner.control import ControlLoop
@@ -409,8 +410,8 @@ def test_the_scale_is_not_measured_again_across_a_shift_of_the_lengths():
         return loop.scale
 
     assert check(1000, 300.0, 150.0) == pytest.approx((1.5, 1.5))  # the first check measures
-    assert check(1500, 600.0, 400.0) == pytest.approx((1.5, 1.5))  # +50 %: the steady scale stays
+    assert check(1500, 600.0, 400.0) == pytest.approx((1.0, 1.0))  # +50 %: unscaled, neither measured nor kept
     assert check(1600, 600.0, 400.0) == pytest.approx((4.0, 3.0))  # +6.7 % since the last check: measured
-    assert check(1000, 300.0, 150.0) == pytest.approx((4.0, 3.0))  # −37.5 %: kept again
+    assert check(1000, 300.0, 150.0) == pytest.approx((1.0, 1.0))  # −37.5 %: unscaled again
     loop.o.scale_shift = None
     assert check(2000, 200.0, 100.0) == pytest.approx((1.0, 1.0))  # null: measured at every check

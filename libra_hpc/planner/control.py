@@ -377,10 +377,16 @@ class ControlLoop:
         to batches of the old lengths while the prediction they are set against is made on
         the new ones, so the ratio says more about the shift than about the cost models
         (context-drift-tp: a training scale of 2.8 at a regime change that kept the old
-        split 3 steps longer). Across a shift the last steady scale stays."""
+        split 3 steps longer). Across a shift the scale goes back to (1, 1), the cost
+        models' own prediction, until a steady check measures it again: the last steady
+        scale was measured on the old regime (context-drift-tp: a rollout scale of 0.57,
+        kept across the second regime change, valued the running plan's step at 716 s
+        where the cost models said 1248 and the next steps took 3-4 thousand, and the
+        change waited a check: 5992 tokens/s against 6134)."""
         mean, last = lengths.mean_seq_tokens, self.scale_mean
         self.scale_mean = mean
         if self.o.scale_shift is not None and last and abs(mean / last - 1) > self.o.scale_shift:
+            self.scale = (1.0, 1.0)
             return
         self.scale = measured_scale(self.measured, now_plan, lent, self.pool.replica_size if lent else 0)
 
