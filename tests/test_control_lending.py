@@ -87,3 +87,28 @@ def test_a_lend_on_trial_is_judged_by_what_it_did_not_released_on_a_prediction(t
     assert _moves(out) == [] and control.lend_trial is not None  # ... but the trial has one rollout of two
     out = control.after_rollout(2, 30.0, 400.0, 1.0)  # its verdict: the step got slower, back it goes
     assert _moves(out) == [(rid, "releasing")] and "lending made the step slower" in out.pool_events[-1].reason
+
+
+def test_no_second_replica_is_lent_while_the_first_is_on_trial():
+    """A second lend while the first is on trial would replace its trial, so that the first
+    was never judged: the pool waits for the verdict, then may lend the next replica."""
+    from libra_hpc.planner.hybrid import HybridReplica
+    from libra_hpc.planner.lending import HybridLending
+
+    pool = HybridPool([HybridReplica(i, (Slot(1 + i, 0), Slot(1 + i, 1))) for i in range(2)],
+                      min_rollout_gpus=2, rollout_core_gpus=2, training_core_gpus=4)
+    lending = HybridLending(0.1)
+    pays = {"borrow": 40.0, "release": -40.0}  # a lend predicted to save 40 s of a 100 s step
+
+    def decide(step, now, t_train=100.0, t_roll=80.0):
+        events, _ = lending.decide(pool, step, now, t_train, t_roll, gain=pays.get, can_grow=lambda: True)
+        return [(e.replica, e.to_state) for e in events or [] if e.changed]
+
+    assert decide(0, 0.0) == [(0, "requested")] and lending.trial["rid"] == 0
+    for phase in range(3):  # requested -> fetching_state -> zero_grad_sync -> active
+        pool.progress(0, 1.0 + phase)
+    assert [r.rid for r in pool.training_replicas()] == [0]
+    assert decide(1, 10.0) == []  # on trial (one measured rollout of two): no second lend
+    assert lending.trial["rid"] == 0
+    assert decide(2, 20.0, t_train=70.0, t_roll=80.0) == [(1, "requested")]  # kept: the next one goes
+    assert lending.trial["rid"] == 1

@@ -46,11 +46,14 @@ class HybridLending:
 
     def moves(self, t_train: float, t_roll: float, gain: Callable[[str], float | None],
               can_grow: Callable[[], bool]) -> dict[str, float]:
-        """The moves :meth:`decide` weighs and what each is predicted to save: a release
-        unless a lend is on trial (judged by what it did), a borrow while one more replica
-        fits training's memory and no lend at this balance made the step slower; a move
-        that no replica can make (``gain`` None) is left out."""
-        gains = {"release": gain("release") if self.trial is None else None}
+        """The moves :meth:`decide` weighs and what each is predicted to save: none while a
+        lend is on trial (it is judged by what it did, and a second lend would replace its
+        trial, so that the first was never judged), else a release, and a borrow while one
+        more replica fits training's memory and no lend at this balance made the step
+        slower; a move that no replica can make (``gain`` None) is left out."""
+        if self.trial is not None:
+            return {}
+        gains = {"release": gain("release")}
         if can_grow() and not self.held(t_train, t_roll):
             gains["borrow"] = gain("borrow")
         return {d: g for d, g in gains.items() if g is not None}
@@ -65,9 +68,10 @@ class HybridLending:
         the rollout side); a borrow only while one more replica fits training's memory
         (``can_grow``) and no lend at this balance made the step slower (:meth:`held`).
         While a replica joins or releases, nothing moves (its effect is not measured yet).
-        A lend is judged by what it did (:meth:`_judge`): while it is on trial no release is
-        made on a prediction (a prediction that a lend paid and one, a batch later, that it
-        does not made the pool flap on a800-swe-drift-mirror: 11614 tokens/s against 11697).
+        A lend is judged by what it did (:meth:`_judge`): while it is on trial the pool makes
+        no move on a prediction (a prediction that a lend paid and one, a batch later, that
+        it does not made the pool flap on a800-swe-drift-mirror: 11614 tokens/s against
+        11697; a second lend would replace the first's trial).
         Also returns the ``considered`` records of the check; the events are None when no
         move was possible (:meth:`moves` empty)."""
         release, notes = self._judge(pool, step, t_train, t_roll)
