@@ -55,7 +55,8 @@ class ControlOptions:
     length, up to ``seq_len``; a running shape that no longer does is replaced at once."""
     scale_shift: float | None = 0.2
     """The measured scale is measured again only while the mean length moved by at most
-    this share since the last check (None: always)."""
+    this share since the last check; across a larger shift it is (1, 1) until the next
+    steady check (None: measured always)."""
     reconfig_s: float = 30.0
     """Seconds a layout change pauses the job (the gate weighs the gain against it)."""
     price_drain: bool = True
