@@ -31,7 +31,6 @@ a fresh loop: the same inputs give the same decisions, whoever drives it
 from __future__ import annotations
 
 import logging
-import math
 import statistics
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -97,10 +96,6 @@ class ControlLoop:
         """Mean sequence tokens of the last batch observed: what the memory check and new
         plans hold ``memory_headroom`` × at least, while the window (``planner.window``
         trajectories) still holds shorter batches before it (:meth:`observe`)."""
-        self.latest: list[LengthSample] = []
-        """The last batch observed: what the lend trial prices the running plan on
-        (:meth:`unlent_side_s`). Not checkpointed: after a resume, until a batch is
-        observed, the trial compares the measured steps as they are."""
         self.search: PlannerOptions | None = None
         tps = (self.valuation().best_single_tp(self.prior()),) if options.single_tp else options.rollout_tps
         self.search = PlannerOptions(rollout_tps=tps, min_rollout_gpus=options.min_rollout_gpus,
@@ -243,7 +238,6 @@ class ControlLoop:
         self.window.extend(samples)
         if samples:  # LengthProfile.mean_seq_tokens of the batch, without building its profile
             self.latest_mean = statistics.fmean(s.prompt_len + s.gen_len for s in samples)
-            self.latest = list(samples)
         self._log("observe", {"samples": [tuple(s) for s in samples]}, None)
 
     def after_rollout(self, step: int, now: float, makespan_s: float, t_train: float | None,
@@ -434,25 +428,9 @@ class ControlLoop:
         makespan = self.measured[0]
         events, notes = self.lending.decide(
             self.pool, step, now, t_train, t_roll, gain=lambda direction: self.hybrid_gain(direction, t_train, makespan),
-            can_grow=self._can_grow, predict=self.unlent_side_s)
+            can_grow=self._can_grow)
         self.considered.extend(notes)
         return events
-
-    def unlent_side_s(self) -> float | None:
-        """The step's slower side (training, or the rollout side of the makespan) the cost
-        models predict for the last batch observed on the running plan with no hybrid
-        replica lent; None before a batch is observed. The lend trial sets a batch's
-        measured step against it (``HybridLending``): how much a batch asks of rollout
-        and training moves the step more than a lend does."""
-        if not self.latest or self.plan is None:
-            return None
-        o = self.o
-        lengths = length_profile(self.latest, o.global_batch)
-        p = reprice(self.plan, self.model, self.hw, o.gpus_per_node, lengths, self.cal,
-                    RLBatch.of(o.global_batch, lengths), in_flight=o.max_staleness + 1,
-                    length_aware=o.length_aware_routing, migration=o.migration, stream_groups=o.stream_groups)
-        side = max(p.t_train, self.rollout_side_s(p.t_rollout))
-        return side if 0 < side < math.inf else None
 
     def _can_grow(self) -> bool:
         """One more hybrid replica fits training's memory."""

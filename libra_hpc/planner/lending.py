@@ -10,14 +10,9 @@ shorter training step shortens it. The prediction can still be wrong where the r
 tail binds (its makespan set by a few long trajectories, and streamed training
 overlapping it): the pool then lent and released on alternate checks. So a lend is on trial: once the
 replica has trained through two measured rollouts, a step (the slower of training and the
-rollout side) longer than the same batch would have taken without the lend by more than
-``hybrid_margin`` sends it back, and later borrows need a training/rollout ratio above the
-one it was lent at by that margin. What the batch would have taken without the lend: the
-cost models' prediction for that batch on the running plan with nothing lent, times the
-measured/predicted ratio of the batch before the lend (without predictions: the step
-before the lend as it was). Batches differ more than a lend moves them (cmlfq-premise:
-makespans with a CV of 22%): the first lend there was sent back on a batch 10% heavier
-than the one before it. Units: seconds, GPUs.
+rollout side) longer than before the lend by more than ``hybrid_margin`` sends it back,
+and later borrows need a training/rollout ratio above the one it was lent at by that
+margin. Units: seconds, GPUs.
 """
 
 from __future__ import annotations
@@ -39,7 +34,6 @@ class HybridLending:
         self.trial: dict | None = None
         """The last replica lent to training, on trial until two rollouts with it active are
         measured: ``rid``, ``step``, ``before_s`` (the step's slower side before the lend),
-        ``predicted_s`` (the cost models' for that batch with nothing lent, or None),
         ``ratio`` (training/rollout then), ``measured``."""
         self.floor: float | None = None
         """After a lend that made the step slower: the training/rollout ratio a borrow must
@@ -66,8 +60,7 @@ class HybridLending:
 
     def decide(self, pool: HybridPool, step: int, now: float, t_train: float, t_roll: float,
                gain: Callable[[str], float | None],
-               can_grow: Callable[[], bool],
-               predict: Callable[[], float | None] | None = None) -> tuple[list[PoolEvent] | None, list[dict]]:
+               can_grow: Callable[[], bool]) -> tuple[list[PoolEvent] | None, list[dict]]:
         """Borrow or release a hybrid replica (the pool's events), or hold. ``gain(direction)``
         (``borrow`` or ``release``): the step time that move is predicted to save, None when
         no replica can move that way. The move predicted to save the most is made when it
@@ -75,15 +68,13 @@ class HybridLending:
         the rollout side); a borrow only while one more replica fits training's memory
         (``can_grow``) and no lend at this balance made the step slower (:meth:`held`).
         While a replica joins or releases, nothing moves (its effect is not measured yet).
-        ``predict()``: the step's slower side the cost models predict for the batch just
-        measured with no replica lent (None: not known), what the trial weighs a batch's
-        measured step against. A lend is judged by what it did (:meth:`_judge`): while it is on trial the pool makes
+        A lend is judged by what it did (:meth:`_judge`): while it is on trial the pool makes
         no move on a prediction (a prediction that a lend paid and one, a batch later, that
         it does not made the pool flap on a800-swe-drift-mirror: 11614 tokens/s against
         11697; a second lend would replace the first's trial).
         Also returns the ``considered`` records of the check; the events are None when no
         move was possible (:meth:`moves` empty)."""
-        release, notes = self._judge(pool, step, t_train, t_roll, predict)
+        release, notes = self._judge(pool, step, t_train, t_roll)
         if release is not None:
             return pool.release(now, release), notes
         if pool.joining() or pool.in_state("releasing"):
@@ -101,18 +92,13 @@ class HybridLending:
         lent = [e.replica for e in events if e.changed and e.to_state == "requested"]
         if lent:
             self.trial = {"rid": lent[-1], "step": step, "before_s": max(t_train, t_roll),
-                          "predicted_s": predict() if predict is not None else None,
                           "ratio": t_train / t_roll if t_roll > 0 else math.inf, "measured": 0}
         return events, notes
 
-    def _judge(self, pool: HybridPool, step: int, t_train: float, t_roll: float,
-               predict: Callable[[], float | None] | None = None) -> tuple[str | None, list[dict]]:
+    def _judge(self, pool: HybridPool, step: int, t_train: float, t_roll: float) -> tuple[str | None, list[dict]]:
         """The verdict on the replica on trial once it has trained through two measured
-        rollouts: the reason to send it back (the step is slower than this batch without
-        the lend by more than the margin), else None; and the ``considered`` record of the
-        verdict. Without the lend: the cost models' prediction for this batch with nothing
-        lent (``predict``) times the measured/predicted ratio before the lend; without
-        predictions, the step before the lend."""
+        rollouts: the reason to send it back (the step got slower by more than the
+        margin), else None; and the ``considered`` record of the verdict."""
         trial = self.trial
         if trial is None:
             return None, []
@@ -125,18 +111,11 @@ class HybridLending:
             return None, []
         self.trial = None
         after = max(t_train, t_roll)
-        now_s, then_s = predict() if predict is not None else None, trial.get("predicted_s")
-        if now_s and then_s:
-            without = now_s * trial["before_s"] / then_s
-            against = (f"{without:.3g} s this batch would have taken without it (predicted {now_s:.3g} s × "
-                       f"{trial['before_s'] / then_s:.3g}, measured / predicted before the lend)")
-        else:
-            without = trial["before_s"]
-            against = f"{without:.3g} s before the lend"
-        worse = after > without * (1 + self.margin)
-        reason = f"replica {trial['rid']} lent at step {trial['step']}: the step's slower side took {after:.3g} s against {against}"
+        worse = after > trial["before_s"] * (1 + self.margin)
+        reason = (f"replica {trial['rid']} lent at step {trial['step']}: the step's slower side took "
+                  f"{after:.3g} s against {trial['before_s']:.3g} s before the lend")
         note = {"step": step, "kind": "hybrid_trial", "apply": worse, "reason": reason,
-                "replica": trial["rid"], "before_s": trial["before_s"], "after_s": after, "without_s": without}
+                "replica": trial["rid"], "before_s": trial["before_s"], "after_s": after}
         if not worse:
             return None, [note]
         self.floor = trial["ratio"] * (1 + self.margin)
