@@ -49,6 +49,7 @@ def test_a_retired_instance_gets_no_work_until_restored_and_its_leases_still_end
     [held] = ask(service, 2, now=0.0, max=1)
     moved = service.retire(2, now=1.0)
     assert moved == 1 and service.stats()["queued"]["tp4"] == 0
+    assert service.stats()["instances_silent"] == 0  # lent, not a fault
     assert ask(service, 2, now=2.0) == []  # asking does not bring it back
     assert service.handle({"op": "heartbeat", "instance": 2}, 2.0)["ok"] and 2 in service.stats()["silent"]
     reply = service.handle({"op": "finish", "lease": held["lease"], "tokens": 5}, 3.0)

@@ -53,3 +53,36 @@ def test_a_replica_released_between_training_steps_serves_rollout_again():
     later = [r for r in libra.rows if r["rollout_start"] > back[0]]
     assert later and all(r["rollout_gpus"] + r["train_gpus"] == gpus for r in later), \
         [(r["step"], r["rollout_gpus"], r["train_gpus"]) for r in later]
+
+
+def test_a_replica_lent_under_load_takes_no_new_turn_and_hands_its_queue_on():
+    """The simulator lends a hybrid replica as the job does (runtime/relayout.py
+    ``RelayoutDriver.lend``): the queue service retires its instances, so the turns queued
+    on them are placed again at once and none is placed there while they finish what
+    they run; they are lent as soon as they run nothing. (They used to stay routable as
+    saturated and took their bucket's queue before leaving: a lend on a800-swe-drift took
+    effect six steps after it was decided.)"""
+    from libra_hpc.sim.context import Context
+    from libra_hpc.sim.engine import SimClock
+    from libra_hpc.sim.rollout import InstanceSpec, RolloutSide
+
+    cfg = load_sim_config(ROOT / "configs" / "sim" / "cmlfq-premise.yaml", {"rl.steps": 2, "costs.max_num_seqs": 16})
+    ctx = Context(cfg)
+    drained: dict[int, float] = {}
+    side = RolloutSide(ctx.step_models, cfg.scheduler, cfg.costs, "cmlfq", cfg.rl.seed, lambda b, now: None,
+                       on_drained=lambda iid, now: drained.setdefault(iid, now) and None)
+    side.configure((InstanceSpec(0, 8), InstanceSpec(1, 4, replica=0), InstanceSpec(2, 4, replica=1)), 0.0)
+    clock = SimClock()
+    clock.schedule_all(side.submit(0, ctx.batch(0), 0.0))
+    clock.run(until=30.0)
+    lent = side.instances[1]
+    queued = side.service.stats()["queued"]
+    assert lent.load and sum(queued.values()) > 0, "no load at the lend: lend later"
+    prefilled = lent.prefilled
+    empty, events = side.block([1], clock.now)
+    clock.schedule_all(events)
+    assert not empty and side.mode[1] == "drain"
+    clock.run()
+    assert 1 in drained, "the lent instance never drained"
+    assert lent.prefilled == prefilled, "the lent instance took new turns while it drained"
+    assert side.left == {}, "the batch did not finish without the lent instance"

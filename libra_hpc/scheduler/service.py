@@ -188,7 +188,7 @@ class QueueService:
         self._retired.add(instance)
         if instance in self._down:
             return 0
-        lost = self._silent(instance, now, "left rollout")
+        lost = self._silent(instance, now, "left rollout", planned=True)
         self._requeue(lost)
         return len(lost)
 
@@ -281,17 +281,22 @@ class QueueService:
             self._calls.turn_ended(instance, traj.expected)
         return taken
 
-    def _silent(self, instance: int, now: float, why: str) -> list[TrajectoryRecord]:
+    def _silent(self, instance: int, now: float, why: str, planned: bool = False) -> list[TrajectoryRecord]:
         """``instance`` did not ask or send a heartbeat in time: tell the router to place
         nothing there while another instance can take it, and take back the turns queued
         on it (returned, oldest first, to be placed again): a bucket of one dead instance
-        would keep them forever. It is back at its next ask or heartbeat (:meth:`_back`)."""
+        would keep them forever. It is back at its next ask or heartbeat (:meth:`_back`).
+        ``planned`` (:meth:`retire`: the hybrid pool lends it): the same, but not a fault:
+        logged at info and not counted in ``instances_silent``."""
         self._down.add(instance)
-        self._instances_silent += 1
         set_down = getattr(self._router, "set_down", None)
         if set_down is not None:
             set_down(instance, True)
         taken = self._take_queue(instance)
+        if planned:
+            log.info("rollout instance %d %s (t=%.3f): %d queued turns placed again", instance, why, now, len(taken))
+            return taken
+        self._instances_silent += 1
         log.warning("rollout instance %d is silent (it %s; t=%.3f): %d queued turns placed again, no new work for "
                     "it until it asks or sends a heartbeat", instance, why, now, len(taken))
         return taken

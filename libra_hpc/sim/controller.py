@@ -525,7 +525,8 @@ class PolicyRun:
             if not e.changed:
                 continue
             if e.to_state == "requested":
-                empty = self.rollout.block(self._instances_of(e.replica), now)
+                empty, placed = self.rollout.block(self._instances_of(e.replica), now)
+                events += placed
                 if len(empty) == len(self._instances_of(e.replica)):
                     events += self._replica_drained(e.replica, now)
             elif e.to_state == "releasing" and not self.training:  # no step to finish: serve again now
@@ -559,14 +560,14 @@ class PolicyRun:
 
     def _reblock(self, now: float) -> list[Event]:
         """After a rebuild of the rollout side (nothing in flight), replicas lent or
-        draining stay blocked; a draining one is empty now and goes on to fetch."""
+        draining stay retired; a draining one is empty now and goes on to fetch."""
         pool = self.pool
         if pool is None or self.rollout.router is None:
             return []
         events: list[Event] = []
         for r in pool.all_replicas():
             if r.state != "rollout":
-                self.rollout.block(self._instances_of(r.rid), now)
+                events += self.rollout.block(self._instances_of(r.rid), now)[1]
                 if r.state == "requested":
                     events += self._replica_drained(r.rid, now)
         return events

@@ -14,14 +14,16 @@ live instance leader does, the simulator does here:
   markers the service classifies into (tool, size class, status), the router places the
   next turn, and the chosen instance is poked.
 
-Adaptations to the scheduler's API, which has no way to take an instance out of a router:
+A hybrid replica is lent as the job lends it (runtime/relayout.py ``RelayoutDriver.lend``):
+the service retires its instances (``QueueService.retire``: nothing is placed there any
+more, and the turns queued on them are placed again at once), they finish what they run
+and, once they run nothing, the ``on_drained`` callback fires; ``QueueService.restore``
+brings them back when the replica returns. (Until 2026-12-08 the simulator kept them
+routable as saturated and let them take their bucket's queue before leaving: a lend on
+a800-swe-drift took effect six steps after it was decided.)
 
-- a hybrid replica's instances are *blocked* while the replica is lent (or draining to be
-  lent): the router is told they hold ``BLOCK`` tokens of outstanding work
-  (``turn_started``), so they are saturated and never chosen while any other instance has
-  room; they are unblocked with the matching ``turn_ended``. A draining instance finishes
-  what it runs and asks for work only while its bucket has queued turns (so nothing queued
-  on it is stranded); once it is empty the ``on_drained`` callback fires;
+Adaptation to the scheduler's API:
+
 - a new plan's instances need a new router and service: they are built only when nothing
   is in flight (the controller drains rollout for a plan change), and the causal index is
   carried over with the router's ``state_dict``/``load_state_dict``.
@@ -52,8 +54,6 @@ from libra_hpc.envs.synthetic import ToolCall, Trajectory
 
 log = logging.getLogger(__name__)
 ERROR_MARKER = "Traceback (most recent call last)"
-BLOCK = 1 << 40
-"""Outstanding tokens that make a blocked instance saturated for every router."""
 
 
 @dataclass(frozen=True)
@@ -223,26 +223,38 @@ class RolloutSide:
         return [replace(b, max_outstanding_tokens=max(1, int(self.saturation[b.tp] * self.turn_tokens_mean)))
                 for b in buckets]
 
-    def block(self, iids: list[int], now: float) -> list[int]:
-        """Stop routing to ``iids`` (a hybrid replica being lent): they drain. Returns the
-        ones already empty (lent at once); the others report through ``on_drained``."""
-        empty = []
+    def block(self, iids: list[int], now: float) -> tuple[list[int], list[Event]]:
+        """Take ``iids`` (a hybrid replica being lent) out of rollout as the job does: the
+        service retires them (nothing is placed there any more; the turns queued on them are
+        placed again, and the instances given them ask), and they drain what they run.
+        Returns the ones already empty (lent at once), the others report through
+        ``on_drained``; and the events of the instances that took the turns placed again."""
+        empty: list[int] = []
+        events: list[Event] = []
+        moved = 0
         for iid in iids:
             if self.mode[iid] == "serve":
-                self.router.turn_started(iid, BLOCK)
+                moved += self.service.retire(iid, now)
             self.mode[iid] = "drain"
             self._note(self.instances[iid])
+        if moved:
+            self.queued.update(self.service.stats()["queued"])
+            for inst in self.instances.values():
+                if self.mode[inst.iid] == "serve" and self._fill(inst, now):
+                    self._schedule(inst, events)
+        for iid in iids:
             if self._drained(iid):
                 self.mode[iid] = "lent"
                 empty.append(iid)
-        return empty
+        return empty, events
 
     def unblock(self, iids: list[int], now: float) -> list[Event]:
-        """``iids`` serve again (the replica came back); they ask for queued work."""
+        """``iids`` serve again (the replica came back): the service restores them; they ask
+        for queued work."""
         events: list[Event] = []
         for iid in iids:
             if self.mode[iid] != "serve":
-                self.router.turn_ended(iid, BLOCK)
+                self.service.restore(iid)
                 self.mode[iid] = "serve"
                 self._fill(self.instances[iid], now)
                 self._note(self.instances[iid])
@@ -253,7 +265,9 @@ class RolloutSide:
         return sum(i.tp for iid, i in self.instances.items() if self.mode[iid] != "lent")
 
     def _drained(self, iid: int) -> bool:
-        return self.instances[iid].load == 0 and not self._bucket_queued(iid)
+        """A retired instance holds nothing queued (the service placed it elsewhere): it is
+        drained once it runs nothing."""
+        return self.instances[iid].load == 0
 
     def _bucket_queued(self, iid: int) -> int:
         """Turns queued in ``iid``'s bucket, from the service's replies (placements add, asks
@@ -456,7 +470,7 @@ class RolloutSide:
         """Ask the service for as many turns as ``inst`` can take; returns how many came.
         ``as_iid``: ask as that instance (of another bucket: :meth:`_steal`)."""
         asker = inst.iid if as_iid is None else as_iid
-        if inst.waiting or inst.free_seats <= 0 or self.mode[inst.iid] == "lent" or not self._bucket_queued(asker):
+        if inst.waiting or inst.free_seats <= 0 or self.mode[inst.iid] != "serve" or not self._bucket_queued(asker):
             return 0
         need = self._need_sum / self._need_n if self._need_n else 1.0
         room = inst.model.kv_capacity - inst.reserved
