@@ -57,7 +57,7 @@ def test_a_replica_released_between_training_steps_serves_rollout_again():
 
 def test_a_replica_lent_under_load_takes_no_new_turn_and_hands_its_queue_on():
     """The simulator lends a hybrid replica as the job does (runtime/relayout.py
-    ``RelayoutDriver.lend``): the queue service retires its instances, so the turns queued
+    ``Relayouts.lend``): the queue service retires its instances, so the turns queued
     on them are placed again at once and none is placed there while they finish what
     they run; they are lent as soon as they run nothing. (They used to stay routable as
     saturated and took their bucket's queue before leaving: a lend on a800-swe-drift took

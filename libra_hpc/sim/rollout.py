@@ -14,7 +14,7 @@ live instance leader does, the simulator does here:
   markers the service classifies into (tool, size class, status), the router places the
   next turn, and the chosen instance is poked.
 
-A hybrid replica is lent as the job lends it (runtime/relayout.py ``RelayoutDriver.lend``):
+A hybrid replica is lent as the job lends it (runtime/relayout.py ``Relayouts.lend``):
 the service retires its instances (``QueueService.retire``: nothing is placed there any
 more, and the turns queued on them are placed again at once), they finish what they run
 and, once they run nothing, the ``on_drained`` callback fires; ``QueueService.restore``
